@@ -1,0 +1,208 @@
+"""Low-bit KV quantization for the device copy of the cache (SpeCache §3.4).
+
+All tensors are [B, H, T, D] (batch, kv heads, tokens, head_dim). Every variant below is built on
+one asymmetric round-to-nearest quantizer, `_group_params` + `_round_clamp` + `_dequantize`:
+
+  x' = code * s + z                                                    (SpeCache eq. 2, KIVI)
+  z = min, s = (max - min) / (2^B - 1)                                 (eq. 2, any bits)
+  z = (3 min + max) / 4, s = (max - min) / 2                           (eq. 3, improved 1-bit)
+
+Layouts (KIVI): keys are quantized per channel over groups of `group` consecutive tokens, values
+per token over groups of `group` consecutive channels. Codes are bit-packed along D; scale/zero
+are stored in `meta_dtype` (fp16 by default) and the codes are computed against the *stored*
+scale/zero, so every error bound holds for what the cache actually keeps.
+
+Variants on the same core:
+  ZipCache channel-separable values (zipcache.txt §4.1, eq. 6): v / c per channel, then tokenwise.
+  QuantSpec hierarchical INT8 = upper INT4 + lower INT4 (quantspec.txt §4.2).
+"""
+import torch
+
+BITS = (1, 2, 4, 8)
+ONE_BIT_MODES = ("improved", "kivi")
+
+
+# ---- bit packing ----------------------------------------------------------------------------------
+def _shifts(bits, device, dtype=torch.int32):
+    return torch.arange(0, 8, bits, dtype=dtype, device=device)  # code i of a byte at bit i*bits
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., N] (each < 2**bits) -> uint8 [..., N*bits//8]; code i of a byte sits at
+    bit offset (i % (8//bits)) * bits, lowest first."""
+    assert bits in BITS, bits
+    per_byte = 8 // bits
+    if codes.shape[-1] % per_byte:
+        raise ValueError(f"last dim {codes.shape[-1]} is not a multiple of {per_byte} ({bits}-bit codes)")
+    if bits == 8:
+        return codes.to(torch.uint8)
+    c = (codes.to(torch.int32) & (2**bits - 1)).unflatten(-1, (-1, per_byte))
+    return (c << _shifts(bits, codes.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_bits: uint8 [..., M] -> uint8 [..., M*8//bits]."""
+    assert bits in BITS, bits
+    if bits == 8:
+        return packed
+    return ((packed[..., None] >> _shifts(bits, packed.device, torch.uint8)) & (2**bits - 1)).flatten(-2)
+
+
+# ---- the one quantizer core -----------------------------------------------------------------------
+# Groups are formed by a view that puts each group on its own axis:
+#   keys   ("tokens"):   [B, H, T//g, g, D], reduce over axis -2, meta [B, H, T//g, D]
+#   values ("channels"): [B, H, T, D//g, g], reduce over axis -1, meta [B, H, T, D//g]
+def _grouped(x, group, along):
+    B, H, T, D = x.shape
+    if along == "tokens":
+        if T % group:
+            raise ValueError(f"key quantization needs T ({T}) to be a multiple of the token group ({group})")
+        return x.reshape(B, H, T // group, group, D), -2
+    if D % group:
+        raise ValueError(f"value quantization needs head_dim ({D}) to be a multiple of the channel group ({group})")
+    return x.reshape(B, H, T, D // group, group), -1
+
+
+def _round_clamp(y, lo, hi):
+    """Round to nearest (half up) and clip to the code range."""
+    return torch.clamp(torch.floor(y + 0.5), lo, hi)
+
+
+def _group_params(xg, axis, bits, one_bit, meta_dtype):
+    """(scale, zero) of each group per eq. 2 / eq. 3, rounded to meta_dtype (kept with a size-1 axis)."""
+    if one_bit not in ONE_BIT_MODES:
+        raise ValueError(f"one_bit must be one of {ONE_BIT_MODES}, got {one_bit!r}")
+    lo, hi = xg.amin(axis, keepdim=True), xg.amax(axis, keepdim=True)
+    if bits == 1 and one_bit == "improved":  # eq. 3: codes land on the midpoints of the two half-ranges
+        zero, scale = (3 * lo + hi) / 4, (hi - lo) / 2
+    else:  # eq. 2
+        zero, scale = lo, (hi - lo) / (2**bits - 1)
+    return scale.to(meta_dtype), zero.to(meta_dtype)
+
+
+def _safe(x, meta_dtype):
+    """fp32 copy with NaN -> 0 and values clipped so that scale/zero stay finite in meta_dtype."""
+    big = torch.finfo(meta_dtype).max / 4
+    return torch.nan_to_num(x.float(), nan=0.0, posinf=big, neginf=-big).clamp(-big, big)
+
+
+def _quantize(x, bits, group, along, one_bit="improved", meta_dtype=torch.float16):
+    """The core: x [B,H,T,D] -> (unpacked codes uint8 [B,H,T,D], scale, zero [meta shape])."""
+    assert bits in BITS, bits
+    xg, axis = _grouped(_safe(x, meta_dtype), group, along)
+    scale, zero = _group_params(xg, axis, bits, one_bit, meta_dtype)
+    s, z = scale.float(), zero.float()
+    codes = _round_clamp((xg - z) / torch.where(s == 0, 1.0, s), 0, 2**bits - 1)  # codes vs STORED s, z
+    return codes.to(torch.uint8).reshape(x.shape), scale.squeeze(axis), zero.squeeze(axis)
+
+
+def _expand(meta, group, along):
+    """Broadcast per-group meta back to [B,H,T,D] (a view-then-reshape inductor can fuse)."""
+    if along == "tokens":
+        B, H, NG, D = meta.shape
+        return meta.float().unsqueeze(3).expand(B, H, NG, group, D).reshape(B, H, NG * group, D)
+    B, H, T, NG = meta.shape
+    return meta.float().unsqueeze(4).expand(B, H, T, NG, group).reshape(B, H, T, NG * group)
+
+
+def _dequantize(codes, scale, zero, group, along, dtype=torch.float32):
+    """x' = code * s + z for unpacked codes [B,H,T,D] (any numeric dtype)."""
+    return (codes.float() * _expand(scale, group, along) + _expand(zero, group, along)).to(dtype)
+
+
+def _value_group(group, head_dim):
+    return min(group, head_dim)
+
+
+# ---- KIVI keys (per channel) and values (per token) ------------------------------------------------
+def quantize_keys(k, bits, group, one_bit="improved", meta_dtype=torch.float16):
+    """k [B,H,T,D] -> codes uint8 [B,H,T,D*bits//8], scale/zero [B,H,T//group,D] (meta_dtype)."""
+    codes, scale, zero = _quantize(k, bits, group, "tokens", one_bit, meta_dtype)
+    return pack_bits(codes, bits), scale, zero
+
+
+def dequantize_keys(codes, scale, zero, bits, group, dtype=torch.float32):
+    return _dequantize(unpack_bits(codes, bits), scale, zero, group, "tokens", dtype)
+
+
+def quantize_values(v, bits, group, one_bit="improved", meta_dtype=torch.float16):
+    """v [B,H,T,D] -> codes uint8 [B,H,T,D*bits//8], scale/zero [B,H,T,D//group] (group clamped to D)."""
+    group = _value_group(group, v.shape[-1])
+    codes, scale, zero = _quantize(v, bits, group, "channels", one_bit, meta_dtype)
+    return pack_bits(codes, bits), scale, zero
+
+
+def dequantize_values(codes, scale, zero, bits, group, dtype=torch.float32):
+    codes = unpack_bits(codes, bits)
+    return _dequantize(codes, scale, zero, _value_group(group, codes.shape[-1]), "channels", dtype)
+
+
+# ---- ZipCache channel-separable tokenwise values (zipcache.txt eq. 6) -----------------------------
+def channel_scale(v, meta_dtype=torch.float16):
+    """c [B,H,D] = sqrt(max_t |v|) (eq. 6); all-zero channels get c = 1."""
+    c = _safe(v, meta_dtype).abs().amax(dim=2).sqrt()
+    return torch.where(c > 0, c, 1.0).to(meta_dtype)
+
+
+def quantize_values_zip(v, bits, group, chan_scale, one_bit="improved", meta_dtype=torch.float16):
+    """Tokenwise quantization of v / c; dequantize with dequantize_values_zip (x' = dequant * c)."""
+    return quantize_values(_safe(v, meta_dtype) / chan_scale.float()[..., None, :], bits, group, one_bit, meta_dtype)
+
+
+def dequantize_values_zip(codes, scale, zero, bits, group, chan_scale, dtype=torch.float32):
+    v = dequantize_values(codes, scale, zero, bits, group) * chan_scale.float()[..., None, :]
+    return v.to(dtype)
+
+
+# ---- QuantSpec hierarchical INT8 = upper INT4 + lower INT4 (quantspec.txt §4.2) ------------------
+# Upper U in [0,15]: 4-bit asymmetric RTN, x ~ U*s4 + z. Lower L in [-8,7]: symmetric RTN of the
+# error x - (U*s4 + z) with s8 = s4/16, stored as L + 8. INT8 view: (16U + L)*s8 + z.
+def _quantize_hier(x, group, along, meta_dtype):
+    upper, scale, zero = _quantize(x, 4, group, along, meta_dtype=meta_dtype)
+    err = _safe(x, meta_dtype) - _dequantize(upper, scale, zero, group, along)
+    s8 = _expand(scale, group, along) / 16
+    lower = _round_clamp(err / torch.where(s8 == 0, 1.0, s8), -8, 7) + 8
+    return pack_bits(upper, 4), pack_bits(lower.to(torch.uint8), 4), scale, zero
+
+
+def _dequantize_hier(codes_hi, codes_lo, scale, zero, group, along, view_bits, dtype):
+    upper = unpack_bits(codes_hi, 4)
+    if view_bits == 4:
+        return _dequantize(upper, scale, zero, group, along, dtype)
+    assert view_bits == 8, view_bits
+    int8 = 16 * upper.float() + unpack_bits(codes_lo, 4).float() - 8
+    return _dequantize(int8, scale.float() / 16, zero, group, along, dtype)
+
+
+def quantize_hier_keys(k, group, meta_dtype=torch.float16):
+    """-> (codes_hi, codes_lo) uint8 [B,H,T,D//2] each, scale (= s4) / zero [B,H,T//group,D]."""
+    return _quantize_hier(k, group, "tokens", meta_dtype)
+
+
+def quantize_hier_values(v, group, meta_dtype=torch.float16):
+    return _quantize_hier(v, _value_group(group, v.shape[-1]), "channels", meta_dtype)
+
+
+def dequantize_hier_keys(codes_hi, codes_lo, scale, zero, group, view_bits=8, dtype=torch.float32):
+    return _dequantize_hier(codes_hi, codes_lo, scale, zero, group, "tokens", view_bits, dtype)
+
+
+def dequantize_hier_values(codes_hi, codes_lo, scale, zero, group, view_bits=8, dtype=torch.float32):
+    group = _value_group(group, codes_hi.shape[-1] * 2)
+    return _dequantize_hier(codes_hi, codes_lo, scale, zero, group, "channels", view_bits, dtype)
+
+
+# ---- memory accounting ----------------------------------------------------------------------------
+def quantized_bytes(kind, bits, group, head_dim, meta_dtype=torch.float16):
+    """Bytes per token per kv head of the quantized copy: packed codes + amortized scale and zero.
+
+    kind "key": meta is per (token group, channel); "value": per (token, channel group). For the
+    hierarchical cache pass bits=8 (two 4-bit planes, one 4-bit scale/zero). ZipCache adds a
+    fixed head_dim * meta bytes per head (the channel scale), not per token. The fp16 residual
+    window and fetched rows are extra: 2 * head_dim bytes per row each for K and V."""
+    meta = 2 * torch.empty((), dtype=meta_dtype).element_size()  # scale + zero
+    if kind == "key":
+        return head_dim * bits / 8 + meta * head_dim / group
+    if kind == "value":
+        return head_dim * bits / 8 + meta * head_dim / _value_group(group, head_dim)
+    raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")

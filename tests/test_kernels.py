@@ -1,0 +1,347 @@
+"""kernels.py: torch references vs dense fp32 attention, Triton kernels (interpreted on CPU) vs the
+references, torch.compile tracing.
+
+TRITON_INTERPRET=1 is set before triton is imported. If another test module imported kernels
+first (its @triton.jit kernels are then compiled-mode and cannot run on CPU tensors), the
+Triton tests are skipped here and re-run in a fresh interpreter process instead.
+"""
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+import quant  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INTERPRETED = type(kernels._attn_split_kernel).__name__ == "InterpretedFunction"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="kernels imported before TRITON_INTERPRET=1 "
+                                       "(covered by test_kernels_interpreted_in_fresh_process)")
+
+
+# ---- a small cache with garbage past every valid length -----------------------------------------
+def make_case(B=1, Hkv=2, G=3, T=2, D=64, S=256, n_quant=160, R=64, res_len=37, bits=2, gk=32, gv=64,
+              fetch=0, hier=False, zip=False, dtype=torch.float32, seed=0):
+    """-> (args, kwargs, fp) for attention_lowbit; fp holds the fp32 originals. n_quant must be a
+    multiple of gk (a cache invariant: whole key groups are quantized). Slots >= n_quant get
+    random codes and NaN/inf meta, residual rows >= res_len and invalid fetched rows NaN: nothing
+    outside the valid ranges may leak into the result."""
+    assert n_quant % gk == 0 and T <= res_len <= R
+    g = torch.Generator().manual_seed(seed)
+    H = Hkv * G
+    chan = torch.ones(D)
+    chan[torch.randperm(D, generator=g)[:3]] = 8.0  # outlier key channels
+    k_fp = torch.randn(B, Hkv, S, D, generator=g) * chan
+    v_fp = torch.randn(B, Hkv, S, D, generator=g)
+    kw = dict(group_k=gk, group_v=gv, sm_scale=D**-0.5, bits_k=4 if hier else bits, bits_v=4 if hier else bits)
+    if hier:
+        k_codes, kw["k_codes_lo"], k_scale, k_zero = quant.quantize_hier_keys(k_fp, gk)
+        v_codes, kw["v_codes_lo"], v_scale, v_zero = quant.quantize_hier_values(v_fp, gv)
+    else:
+        k_codes, k_scale, k_zero = quant.quantize_keys(k_fp, bits, gk)
+        if zip:
+            kw["v_chan_scale"] = quant.channel_scale(v_fp)
+            v_codes, v_scale, v_zero = quant.quantize_values_zip(v_fp, bits, gv, kw["v_chan_scale"])
+        else:
+            v_codes, v_scale, v_zero = quant.quantize_values(v_fp, bits, gv)
+    for codes in (k_codes, v_codes, kw.get("k_codes_lo"), kw.get("v_codes_lo")):
+        if codes is not None:
+            codes[:, :, n_quant:] = torch.randint(0, 256, codes[:, :, n_quant:].shape, generator=g, dtype=torch.uint8)
+    k_scale[:, :, n_quant // gk:], k_zero[:, :, n_quant // gk:] = float("nan"), float("inf")
+    v_scale[:, :, n_quant:], v_zero[:, :, n_quant:] = float("nan"), float("-inf")
+    k_res, v_res = torch.randn(B, Hkv, R, D, generator=g), torch.randn(B, Hkv, R, D, generator=g)
+    k_res[:, :, res_len:], v_res[:, :, res_len:] = float("nan"), float("nan")
+    q = torch.randn(B, H, T, D, generator=g)
+    if fetch:
+        idx = torch.stack([torch.randperm(max(n_quant, fetch), generator=g)[:fetch] for _ in range(B * Hkv)])
+        idx = idx.reshape(B, Hkv, fetch)
+        kw["fetch_valid"] = (torch.rand(B, Hkv, fetch, generator=g) < 0.75) & (idx < n_quant)
+        idx = torch.where(kw["fetch_valid"], idx, 0)
+        kw["k_fetch"] = torch.gather(k_fp, 2, idx[..., None].expand(-1, -1, -1, D)).clone()
+        kw["v_fetch"] = torch.gather(v_fp, 2, idx[..., None].expand(-1, -1, -1, D)).clone()
+        kw["k_fetch"][~kw["fetch_valid"]], kw["v_fetch"][~kw["fetch_valid"]] = float("nan"), float("nan")
+        kw["replaced"] = torch.zeros(B, Hkv, S, dtype=torch.bool).scatter_(2, idx, kw["fetch_valid"])
+    if dtype != torch.float32:  # the CUDA dtypes: fp16/bf16 queries, residual and fetched rows
+        q, k_res, v_res = q.to(dtype), k_res.to(dtype), v_res.to(dtype)
+        for name in ("k_fetch", "v_fetch"):
+            if name in kw:
+                kw[name] = kw[name].to(dtype)
+    args = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, torch.tensor(n_quant), k_res, v_res,
+            torch.tensor(res_len))
+    return args, kw, dict(k=k_fp, v=v_fp)
+
+
+def dense_attention(args, kw):
+    """Loop-per-(batch, head, token) fp32 attention over everything that is valid."""
+    q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len = args
+    B, H, T, D = q.shape
+    Hkv, S = k_codes.shape[1], k_codes.shape[2]
+    keys = kernels._dequant_k(k_codes, kw.get("k_codes_lo"), k_scale, k_zero, kw["bits_k"], kw["group_k"])
+    vals = kernels._dequant_v(v_codes, kw.get("v_codes_lo"), v_scale, v_zero, kw["bits_v"], kw["group_v"],
+                              kw.get("v_chan_scale"))
+    keep = torch.arange(S) < n_quant
+    out, lse = torch.zeros(B, H, T, D), torch.zeros(B, H, T)
+    for b in range(B):
+        for h in range(H):
+            j = h // (H // Hkv)
+            kq = keep & ~kw["replaced"][b, j] if "replaced" in kw else keep
+            ks, vs = [keys[b, j][kq]], [vals[b, j][kq]]
+            if "k_fetch" in kw:
+                fv = kw["fetch_valid"][b, j]
+                ks.append(kw["k_fetch"][b, j][fv])
+                vs.append(kw["v_fetch"][b, j][fv])
+            for t in range(T):
+                n_res = int(res_len) - T + t + 1
+                K_all = torch.cat([x.float() for x in ks + [k_res[b, j, :n_res]]])
+                V_all = torch.cat([x.float() for x in vs + [v_res[b, j, :n_res]]])
+                s = K_all @ q[b, h, t].float() * kw["sm_scale"]
+                out[b, h, t] = torch.softmax(s, 0) @ V_all
+                lse[b, h, t] = torch.logsumexp(s, 0)
+    return out, lse
+
+
+def tol(dtype, fp32=1e-5):
+    return dict(atol=fp32, rtol=fp32) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+CASES = {
+    "G1-T1-1bit": dict(G=1, T=1, bits=1),
+    "G3-T2-2bit": dict(G=3, T=2, bits=2),
+    "G4-T4-4bit-full": dict(G=4, T=4, bits=4, n_quant=256, res_len=64),
+    "G3-T1-empty": dict(G=3, T=1, n_quant=0, res_len=5),
+    "G3-T2-fetch": dict(G=3, T=2, fetch=8),
+    "G4-T1-1bit-fetch-zip": dict(G=4, T=1, bits=1, fetch=8, zip=True),
+    "G3-T8-hier-fetch": dict(G=3, T=8, hier=True, fetch=8, res_len=50),
+    "G1-T2-gk64-gv32": dict(G=1, T=2, gk=64, gv=32, n_quant=128, res_len=64),
+    "B2-D48-4bit": dict(B=2, G=3, T=2, D=48, bits=4, gv=16, fetch=4),
+    "G3-T2-fp16": dict(G=3, T=2, fetch=8, dtype=torch.float16),
+    "G4-T1-bf16": dict(G=4, T=1, fetch=8, dtype=torch.bfloat16),
+}
+
+
+# ---- reference vs dense ---------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_reference_matches_dense(case):
+    args, kw, _ = make_case(**CASES[case])
+    out, lse = kernels.attention_lowbit_ref(*args, **kw)
+    want_out, want_lse = dense_attention(args, kw)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    assert lse.shape == args[0].shape[:3] and lse.dtype == torch.float32
+    torch.testing.assert_close(out, want_out.to(out.dtype), **tol(out.dtype))
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_all_rows_fetched_is_exact_attention(bits):
+    """eq. 1 with every quantized position fetched: exactly fp attention over [original, residual]."""
+    B, Hkv, G, T, D, n_quant, res_len = 1, 2, 3, 2, 64, 96, 20
+    args, kw, fp = make_case(B=B, Hkv=Hkv, G=G, T=T, D=D, S=128, n_quant=n_quant, res_len=res_len, bits=bits)
+    perm = torch.stack([torch.randperm(n_quant) for _ in range(B * Hkv)]).reshape(B, Hkv, n_quant)
+    kw["k_fetch"] = torch.gather(fp["k"], 2, perm[..., None].expand(-1, -1, -1, D))
+    kw["v_fetch"] = torch.gather(fp["v"], 2, perm[..., None].expand(-1, -1, -1, D))
+    kw["fetch_valid"] = torch.ones(B, Hkv, n_quant, dtype=torch.bool)
+    kw["replaced"] = torch.arange(128).expand(B, Hkv, 128) < n_quant
+    out, lse = kernels.attention_lowbit(*args, **kw)
+    q, k_res, v_res = args[0], args[8], args[9]
+    keys = torch.cat([fp["k"][:, :, :n_quant], k_res[:, :, :res_len]], 2).repeat_interleave(G, 1)
+    vals = torch.cat([fp["v"][:, :, :n_quant], v_res[:, :, :res_len]], 2).repeat_interleave(G, 1)
+    causal = torch.arange(n_quant + res_len) < n_quant + res_len - T + 1 + torch.arange(T)[:, None]
+    s = (q @ keys.transpose(-1, -2) * kw["sm_scale"]).masked_fill(~causal, float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ vals, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
+
+
+# ---- top-k ----------------------------------------------------------------------------------------
+def topk_inputs(G=3, n_quant=160, S=256, hier=False, k=16, seed=1):
+    args, kw, _ = make_case(G=G, T=1, S=S, n_quant=n_quant, hier=hier, seed=seed)
+    _, lse = kernels.attention_lowbit_ref(*args, **kw)
+    q_row = args[0][:, :, 0]
+    targs = (q_row, args[1], args[2], args[3], args[7], lse[:, :, 0])
+    tkw = dict(bits_k=kw["bits_k"], group_k=kw["group_k"], sm_scale=kw["sm_scale"], k=k,
+               k_codes_lo=kw.get("k_codes_lo"))
+    return targs, tkw, kw
+
+
+def dense_topk_scores(targs, tkw, kw):
+    q_row, k_codes, k_scale, k_zero, n_quant, lse_row = targs
+    B, H, D = q_row.shape
+    Hkv, S = k_codes.shape[1], k_codes.shape[2]
+    keys = kernels._dequant_k(k_codes, kw.get("k_codes_lo"), k_scale, k_zero, kw["bits_k"], kw["group_k"])
+    score = torch.full((B, Hkv, S), -1.0)
+    for b in range(B):
+        for j in range(Hkv):
+            for p in range(int(n_quant)):
+                heads = range(j * (H // Hkv), (j + 1) * (H // Hkv))
+                score[b, j, p] = sum(torch.exp(tkw["sm_scale"] * q_row[b, h] @ keys[b, j, p] - lse_row[b, h])
+                                     for h in heads)
+    return score
+
+
+@pytest.mark.parametrize("G,n_quant,hier,k", [(1, 128, False, 16), (3, 96, False, 16), (4, 64, True, 16),
+                                              (3, 32, False, 64)])
+def test_topk_reference_matches_dense(G, n_quant, hier, k):
+    targs, tkw, kw = topk_inputs(G=G, n_quant=n_quant, hier=hier, S=128, k=k)
+    score, idx = kernels.topk_lowbit_ref(*targs, **tkw)
+    dense = dense_topk_scores(targs, tkw, kw)
+    want = dense.topk(tkw["k"], -1).values
+    torch.testing.assert_close(score, want, atol=1e-6, rtol=1e-5)
+    valid = score >= 0
+    assert valid.sum(-1).eq(min(n_quant, tkw["k"])).all()
+    torch.testing.assert_close(torch.gather(dense, 2, idx)[valid], score[valid], atol=1e-6, rtol=1e-5)
+    assert (idx[~valid] == 0).all()
+    if G == 1:  # one head per kv head: probabilities of a distribution (<= 1 in total)
+        assert dense.clamp_min(0).sum(-1).le(1 + 1e-5).all()
+
+
+def assert_same_topk(got, want):
+    (gs, gi), (ws, wi) = got, want
+    torch.testing.assert_close(gs.sort(-1, descending=True).values, ws, atol=1e-5, rtol=1e-5)
+    kth = ws[..., -1:]
+    for a, b, sa, sb in zip(gi.flatten(0, 1), wi.flatten(0, 1), gs.flatten(0, 1), ws.flatten(0, 1)):
+        sure = lambda i, s: set(i[s > kth.flatten()[0] + 1e-5].tolist())  # noqa: E731 (ties aside)
+        assert sure(a, sa) == sure(b, sb)
+        assert set(a[sa < 0].tolist()) <= {0}
+
+
+# ---- Triton vs reference (interpreter) ------------------------------------------------------------
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES)
+def test_triton_attention_matches_reference(case):
+    args, kw, _ = make_case(**CASES[case])
+    want = kernels.attention_lowbit_ref(*args, **kw)
+    got = kernels.attention_lowbit_triton(*args, **kw)
+    assert got[0].dtype == want[0].dtype and got[1].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], **tol(want[0].dtype, 1e-4))
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n_splits", [1, 3, 8])
+def test_triton_attention_split_counts(n_splits):
+    """Flash-decoding splits (some empty past n_quant) combine to the same result."""
+    args, kw, _ = make_case(G=3, T=2, fetch=8, n_quant=96)
+    want = kernels.attention_lowbit_ref(*args, **kw)
+    got = kernels.attention_lowbit_triton(*args, **kw, n_splits=n_splits)
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("G,n_quant,hier,k", [(1, 160, False, 16), (3, 96, False, 16), (4, 256, True, 32),
+                                              (3, 32, False, 64)])
+def test_triton_topk_matches_reference(G, n_quant, hier, k):
+    targs, tkw, _ = topk_inputs(G=G, n_quant=n_quant, hier=hier, k=k)
+    want = kernels.topk_lowbit_ref(*targs, **tkw)
+    got = kernels.topk_lowbit_triton(*targs, **tkw)
+    assert got[0].shape == want[0].shape and got[1].dtype == torch.int64
+    assert_same_topk(got, want)
+
+
+@needs_interpreter
+def test_triton_topk_ties_fill_exactly_k():
+    """All-equal scores: the threshold ties must fill exactly k distinct slots."""
+    targs, tkw, _ = topk_inputs(G=1, n_quant=64, k=16)
+    q_row = torch.zeros_like(targs[0])  # every logit 0: every position ties
+    targs = (q_row,) + targs[1:]
+    score, idx = kernels.topk_lowbit_triton(*targs, **tkw)
+    want, _ = kernels.topk_lowbit_ref(*targs, **tkw)
+    torch.testing.assert_close(score, want)
+    assert all(len(set(row.tolist())) == 16 for row in idx.flatten(0, 1))
+
+
+@needs_interpreter
+def test_triton_gather_and_scatter_rows():
+    g = torch.Generator().manual_seed(0)
+    host = torch.randn(2, 3, 64, 40, generator=g)
+    idx = torch.randint(0, 64, (2, 3, 8), generator=g)
+    out_ref, out_tri = torch.empty(2, 3, 8, 40), torch.empty(2, 3, 8, 40)
+    kernels.gather_rows_ref(host, idx, out_ref)
+    kernels.gather_rows_triton(host, idx, out_tri)
+    assert torch.equal(out_ref, out_tri)
+    assert torch.equal(out_ref[1, 2, 5], host[1, 2, idx[1, 2, 5]])
+    rows, pos = torch.randn(2, 3, 2, 40, generator=g), torch.tensor(17)
+    h_ref, h_tri = host.clone(), host.clone()
+    kernels.scatter_rows_ref(h_ref, pos, rows)
+    kernels.scatter_rows_triton(h_tri, pos, rows)
+    assert torch.equal(h_ref, h_tri) and torch.equal(h_tri[:, :, 17:19], rows)
+
+
+@needs_interpreter
+def test_triton_custom_ops_opcheck():
+    """Schema, fake (meta) kernels and the real launch agree (run on CPU through the interpreter)."""
+    args, kw, _ = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
+    opt = [kw.get(n) for n in ("k_fetch", "v_fetch", "fetch_valid", "replaced", "v_chan_scale", "k_codes_lo",
+                               "v_codes_lo")]
+    # the call form attention_lowbit uses on CUDA (optional tensors as keywords)
+    got = kernels._attention_lowbit_op(*args, kw["bits_k"], kw["bits_v"], kw["group_k"], kw["group_v"],
+                                       kw["sm_scale"], k_fetch=kw["k_fetch"], v_fetch=kw["v_fetch"],
+                                       fetch_valid=kw["fetch_valid"], replaced=kw["replaced"])
+    torch.testing.assert_close(got, kernels.attention_lowbit_ref(*args, **kw), atol=1e-4, rtol=1e-4)
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(kernels._attention_lowbit_op,
+                          (*args, kw["bits_k"], kw["bits_v"], kw["group_k"], kw["group_v"], kw["sm_scale"], *opt),
+                          test_utils=tests)
+    targs, tkw, _ = topk_inputs(G=3, n_quant=64, S=128)
+    torch.library.opcheck(kernels._topk_lowbit_op, (*targs, tkw["bits_k"], tkw["group_k"], tkw["sm_scale"],
+                                                    tkw["k"], None), test_utils=tests)
+    host, idx = torch.randn(1, 2, 32, 16), torch.randint(0, 32, (1, 2, 4))
+    torch.library.opcheck(kernels._gather_rows_op, (host, idx, torch.empty(1, 2, 4, 16)), test_utils=tests)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the Triton tests ran in this process")
+def test_kernels_interpreted_in_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton",
+                        os.path.abspath(__file__)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+# ---- torch.compile (CPU path: the references inline) ----------------------------------------------
+def decode_step(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len,
+                k_fetch, v_fetch, fetch_valid, replaced, *, bits, group_k, group_v, sm_scale, k):
+    out, lse = kernels.attention_lowbit(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res,
+                                        res_len, bits_k=bits, bits_v=bits, group_k=group_k, group_v=group_v,
+                                        sm_scale=sm_scale, k_fetch=k_fetch, v_fetch=v_fetch,
+                                        fetch_valid=fetch_valid, replaced=replaced)
+    score, idx = kernels.topk_lowbit(q[:, :, -1], k_codes, k_scale, k_zero, n_quant, lse[:, :, -1], bits_k=bits,
+                                     group_k=group_k, sm_scale=sm_scale, k=k)
+    fetched = kernels.gather_rows(k_res, torch.remainder(idx, res_len),  # (any valid host rows will do here)
+                                  torch.empty(*idx.shape, k_res.shape[3]))
+    return out, lse, score, idx, fetched
+
+
+def _compile_inputs():
+    args, kw, _ = make_case(G=3, T=2, S=128, n_quant=64, R=32, res_len=9, fetch=4)
+    tensors = (*args, kw["k_fetch"], kw["v_fetch"], kw["fetch_valid"], kw["replaced"])
+    return tensors, dict(bits=kw["bits_k"], group_k=kw["group_k"], group_v=kw["group_v"],
+                         sm_scale=kw["sm_scale"], k=8)
+
+
+def test_compile_fullgraph_no_graph_breaks():
+    tensors, static = _compile_inputs()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(lambda *t: decode_step(*t, **static), fullgraph=True, backend="eager")
+    got, want = compiled(*tensors), decode_step(*tensors, **static)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    # a new n_quant / res_len value is data, not a new graph
+    tensors = (*tensors[:7], torch.tensor(96), *tensors[8:10], torch.tensor(12), *tensors[11:])
+    compiled(*tensors)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_inductor_compile_matches_eager():
+    """One real (small) inductor compile of the fused CPU path, ~15 s cold."""
+    tensors, static = _compile_inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: decode_step(*t, **static), fullgraph=True)
+    got, want = compiled(*tensors), decode_step(*tensors, **static)
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[3].sort(-1).values, want[3].sort(-1).values)
+    torch.testing.assert_close(got[4].sum(2), want[4].sum(2))
