@@ -88,7 +88,7 @@ class LowBitCache(nn.Module):
         self.capacity = -(-max_seq_len // residual) * residual  # quantized slots, scratch block after
         n_slots = self.capacity + residual
         B, H, D = batch, n_kv_heads, head_dim
-        meta = torch.float16 if device.type == "cuda" or dtype == torch.float16 else torch.float32
+        meta = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16  # scale/zero: 16 bits, as KIVI
         u8 = dict(dtype=torch.uint8, device=device)
         buf = lambda name, shape, **kw: self.register_buffer(name, torch.zeros(shape, **kw), persistent=False)
         buf("k_codes", (B, H, n_slots, D * bits // 8), **u8)
@@ -228,6 +228,7 @@ class SpeCache(LowBitCache):
         self.register_buffer("replaced", torch.zeros(B, H, n_slots, dtype=torch.bool, device=dev), persistent=False)
         self.track_hits = track_hits
         self.register_buffer("hit_sum", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
+        self.register_buffer("hit_sum_lowbit", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
         self.register_buffer("hit_steps", torch.zeros((), dtype=torch.int64, device=dev), persistent=False)
 
     # The host store holds every real token's fp16 k/v, by absolute position.
@@ -255,15 +256,20 @@ class SpeCache(LowBitCache):
                                              bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k)
         return idx, score >= 0
 
-    def _record_hits(self, q_row):
-        """Top-k hit rate (rebuttal Q6): the share of the real token's exact top-k (fp16 keys)
-        that the speculative fetch already holds. Steps with nothing quantized are not counted."""
-        true_score, true_idx = self.prefetcher.exact_topk(self.layer_idx, q_row, self.n_quant, self.k, self.sm_scale)
-        held = torch.where(self.fetch_valid, self.fetch_idx, -1)
-        hit = (true_idx[..., :, None] == held[..., None, :]).any(-1) & (true_score >= 0)
-        n_true = (true_score >= 0).sum(-1).clamp(min=1)
+    def _record_hits(self, q_row, lse_row):
+        """Top-k hit rates of the speculative fetch, for the real token of this step (rebuttal Q6):
+        the share of its exact top-k (fp16 keys) that the fetch holds, and the share of its own
+        low-bit top-k (what a sequential, non-speculative fetch would have brought) it holds.
+        Steps with nothing quantized are not counted."""
+        held = torch.where(self.fetch_valid, self.fetch_idx, -1)[..., None, :]
         counted = self.n_quant > 0
-        self.hit_sum.add_(torch.where(counted, (hit.sum(-1) / n_true).double().mean(), 0.0))
+        exact = self.prefetcher.exact_topk(self.layer_idx, q_row, self.n_quant, self.k, self.sm_scale)
+        own = kernels.topk_lowbit(q_row, self.k_codes, self.k_scale, self.k_zero, self.n_quant, lse_row,
+                                  bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k)
+        for total, (score, idx) in ((self.hit_sum, exact), (self.hit_sum_lowbit, own)):
+            hit = (idx[..., :, None] == held).any(-1) & (score >= 0)
+            rate = (hit.sum(-1) / (score >= 0).sum(-1).clamp(min=1)).double().mean()
+            total.add_(torch.where(counted, rate, 0.0))
         self.hit_steps.add_(counted.long())
 
     def forward(self, q, k, v, input_pos, mode="decode"):
@@ -273,10 +279,10 @@ class SpeCache(LowBitCache):
         if self.fetch == "speculative":
             # Algorithm 3 (Algorithm 2 when mode == "predecode"): wait for this layer's prefetch only.
             self.prefetcher.wait(self.layer_idx)
-            if self.track_hits and mode == "decode":
-                self._record_hits(q[:, :, 0])
             fetched, safe_idx = self._fetched()
             out, lse = self.attend(q, fetched)
+            if self.track_hits and mode == "decode":
+                self._record_hits(q[:, :, 0], lse[:, :, 0])
             self.replaced.scatter_(2, safe_idx, False)
             self._keep_real_token(k, v, input_pos, mode)
             # The speculative (last) token's row picks the next step's rows, among the quantized

@@ -159,9 +159,11 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: b
     return torch.stack(out, 1), stats
 
 
-def topk_hit_rate(caches):
-    """Mean over layers of the per-step top-k hit rate recorded by SpeCache(track_hits=True)."""
-    rates = [float(c.hit_sum / c.hit_steps) for c in caches if getattr(c, "track_hits", False) and c.hit_steps > 0]
+def topk_hit_rate(caches, against="exact"):
+    """Mean over layers and steps of the speculative fetch's top-k hit rate (SpeCache(track_hits=True)):
+    against the real token's exact fp16 top-k, or ("lowbit") its own low-bit top-k."""
+    total = "hit_sum" if against == "exact" else "hit_sum_lowbit"
+    rates = [float(getattr(c, total) / c.hit_steps) for c in caches if getattr(c, "track_hits", False) and c.hit_steps > 0]
     return sum(rates) / len(rates) if rates else None
 
 
@@ -286,6 +288,7 @@ def main(argv=None):
         "fetch": a.fetch if a.cache == "specache" else None,
         "spec_exact_hit_rate": stats["spec_exact_hit_rate"],
         "topk_hit_rate": topk_hit_rate(caches),
+        "topk_hit_rate_lowbit": topk_hit_rate(caches, "lowbit"),
         "bytes_fetched_per_step": prefetcher.bytes_per_step() if prefetcher else 0,
     }
     mib = 2 ** 20
