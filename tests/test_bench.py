@@ -1,0 +1,186 @@
+"""bench.py on a tiny random Llama: fields, byte accounting, the budget search. No timing assertions."""
+import json
+from argparse import Namespace
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import bench
+import generate
+import quant
+from tests.helpers import tiny_model
+
+CACHES = ["full", "kivi", "kivi-2tok", "specache", "specache-sequential"]
+
+
+def opts(**kw):
+    a = dict(bits=1, group=16, residual=32, k=8, one_bit="improved", warmup=1, steps=2, profile_steps=0,
+             prefill_chunk=64, compile=False)
+    a.update(kw)
+    return Namespace(**a)
+
+
+BW = {"copy_gbs": 10.0, "read_gbs": 20.0}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def attached(model):
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    return caches, getattr(caches[0], "prefetcher", None)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_run_config_fields_and_bytes(model, cache):
+    a = opts()
+    ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    r = bench.run_config(model, cache, 100, 2, ids, a, BW)
+    caches, prefetcher = attached(model)
+    kind, _, T = bench.CACHES[cache]
+    assert r["step_tokens"] == T == (2 if cache in ("specache", "kivi-2tok") else 1)
+    assert r["n_timed"] == a.steps and len(r["tokens"]) == 1 + a.warmup + a.steps
+    assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
+    assert r["tok_s"] == pytest.approx(2 / (r["step_ms_median"] / 1e3))  # one output token per step
+    # the caches' own accounting
+    assert r["kv_device_bytes"] == generate.kv_device_bytes(caches)
+    assert r["kv_host_bytes"] == generate.kv_host_bytes(caches)
+    assert r["fetch_bytes_per_step"] == (prefetcher.bytes_per_step() if kind == "specache" else 0)
+    assert (r["kv_host_bytes"] > 0) == (kind == "specache")
+    n_valid = 100 + a.warmup + a.steps
+    assert r["read_bytes_per_step"] == bench.weight_bytes(model) + bench.kv_read_bytes(caches, prefetcher, n_valid, T)
+    assert r["achieved_gbs"] == pytest.approx(r["read_bytes_per_step"] / (r["step_ms_median"] / 1e3) / 1e9)
+    assert r["of_copy_bw"] == pytest.approx(r["achieved_gbs"] / BW["copy_gbs"])
+    if kind != "full":  # the low-bit caches kept exactly the real tokens
+        assert all(int(c.n_quant) + int(c.res_len) == n_valid for c in caches)
+    json.dumps(r)
+
+
+def test_weight_bytes(model):
+    from model import ModelArgs, Transformer
+    total = sum(p.nbytes for p in model.parameters())
+    assert bench.weight_bytes(model) == total - model.tok_embeddings.weight.nbytes  # untied: only looked up
+    tied = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, intermediate_size=128,
+                                 max_seq_len=64, tie_embeddings=True))
+    assert bench.weight_bytes(tied) == sum(p.nbytes for p in tied.parameters())  # read whole by the output head
+
+
+def test_kv_read_bytes_full_and_lowbit(model):
+    """A full cache read to capacity is its whole buffer; a low-bit cache's read equals the per-token
+    sizes of quant.quantized_bytes (codes + amortized scale/zero) plus the fp residual rows."""
+    L, B, Hkv, D = model.args.n_layers, 2, model.args.n_kv_heads, model.args.head_dim
+    caches, pf, _ = generate.setup_caches(model, "full", B, 96)
+    assert bench.kv_read_bytes(caches, pf, 96, 1) == generate.kv_device_bytes(caches)
+    for kind in ("kivi", "specache"):
+        caches, pf, _ = generate.setup_caches(model, kind, B, 200, bits=2, group=16, residual=32, k=8)
+        for c in caches:
+            c.n_quant.fill_(128)
+            c.res_len.fill_(5)
+        meta = caches[0].k_scale.dtype
+        per_tok = quant.quantized_bytes("key", 2, 16, D, meta) + quant.quantized_bytes("value", 2, 16, D, meta)
+        fp_row = 2 * D * caches[0].k_res.element_size()
+        expect = L * B * Hkv * (128 * per_tok + (5 + 2) * fp_row)
+        if kind == "specache":
+            expect += L * B * Hkv * 8 * fp_row
+            assert pf.bytes_per_step() == L * B * Hkv * 8 * fp_row
+        assert bench.kv_read_bytes(caches, pf, 0, 2) == expect
+
+
+@pytest.mark.parametrize("cache", ["full", "kivi", "specache"])
+def test_budget_picks_largest_batch_that_fits(model, cache):
+    a = opts()
+    n = bench.cache_len(100, a)
+    fixed, per_row = bench.kv_bytes_linear(model, cache, n, a)
+    kind, fetch, _ = bench.CACHES[cache]
+    build = lambda b: generate.kv_device_bytes(generate.setup_caches(model, kind, b, n, a.bits, a.group, a.residual,
+                                                                     a.k, fetch, a.one_bit)[0])
+    assert build(3) == fixed + 3 * per_row  # linear in the batch
+    for budget in (fixed + 5 * per_row, fixed + 5 * per_row + per_row // 2, fixed + 6 * per_row - 1):
+        b = bench.largest_batch(fixed, per_row, budget)
+        assert b == 5
+        assert build(b) <= budget < build(b + 1)
+    assert bench.largest_batch(fixed, per_row, per_row // 2) == 0
+
+
+def test_budget_section_caps_and_fixed_batch(model):
+    a = opts(kv_budget_gb=None, max_run_batch=2, fixed_batch=None)
+    ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    caches = ["full", "kivi", "specache"]
+    n = bench.cache_len(64, a)
+    lines = {c: bench.kv_bytes_linear(model, c, n, a) for c in caches}
+    fixed, per_row = lines["full"]
+    a.kv_budget_gb = (fixed + 3.5 * per_row) / 1e9  # full fits 3; the low-bit caches fit more
+    runner = bench.Runner(model, ids, a, BW)
+    out = bench.budget_section(runner, caches, [64], a)
+    rows = {r["cache"]: r for r in out["rows"]}
+    for c in caches:
+        r = rows[c]
+        assert r["max_batch"] == bench.largest_batch(*lines[c], a.kv_budget_gb * 1e9)
+        assert r["kv_device_bytes_at_max"] <= a.kv_budget_gb * 1e9
+        assert r["run_batch"] == min(r["max_batch"], 2) and r["capped"] == (r["max_batch"] > 2)
+        measured = runner.rows[(c, 64, r["run_batch"])]
+        assert measured["kv_device_bytes"] == lines[c][0] + lines[c][1] * r["run_batch"]
+    assert rows["full"]["max_batch"] == 3
+    assert rows["kivi"]["max_batch"] > 3 and rows["specache"]["max_batch"] > 3
+    assert rows["full"]["speedup_vs_full"] == 1.0
+    # Q6: one batch for all (min of the max batches, capped), ratios against full and kivi
+    assert {r["batch"] for r in out["fixed"]} == {2}
+    fx = {r["cache"]: r for r in out["fixed"]}
+    assert fx["full"]["vs_full"] == 1.0 and fx["kivi"]["vs_kivi"] == 1.0
+    assert fx["specache"]["vs_kivi"] == pytest.approx(fx["specache"]["tok_s"] / fx["kivi"]["tok_s"])
+
+
+def test_overlap_stats():
+    main = [(0, 10), (20, 30), (5, 12)]  # merged: [0, 12], [20, 30]
+    side = [(8, 22), (40, 45)]
+    st = bench.overlap_stats(main, side)
+    assert st["main_busy"] == 22 and st["side_busy"] == 19
+    assert st["overlapped"] == (12 - 8) + (22 - 20)
+    assert st["overlap_frac"] == pytest.approx(6 / 19)
+    assert bench.overlap_stats(main, [])["overlap_frac"] is None
+
+
+def test_overhead_rows_are_ratios_to_kivi():
+    grid = [{"cache": c, "label": c, "context": 64, "batch": 1, "step_ms_median": ms}
+            for c, ms in (("full", 1.0), ("kivi", 2.0), ("specache", 2.2), ("kivi-2tok", 2.1))]
+    rows = {o["label"]: o["ratio"] for o in bench.overhead_rows(grid)}
+    assert rows == {"specache": pytest.approx(1.1), "kivi-2tok": pytest.approx(1.05)}
+
+
+def test_labels():
+    assert [bench.label(c, 1) for c in CACHES] == ["full", "kivi-1bit", "kivi-1bit-2tok", "specache-1bit",
+                                                   "specache-1bit-sequential"]
+
+
+def test_main_end_to_end(tmp_path, model):
+    """The CLI on a tiny checkpoint (no tokenizer: random ids): JSON fields, markdown tables, budget."""
+    from safetensors.torch import save_file
+    ckpt = tmp_path / "tiny"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps(asdict(model.args)))
+    out = tmp_path / "bench.json"
+    res = bench.main(["--checkpoint", str(ckpt), "--contexts", "64,600", "--caches", "full,kivi,specache",
+                      "--group", "16", "--residual", "32", "--k", "8", "--warmup", "1", "--steps", "2",
+                      "--kv-budget-gb", "0.004", "--max-run-batch", "2", "--bandwidth-mb", "8", "--threads", "1",
+                      "--json", str(out)])
+    data = json.loads(out.read_text())
+    md = out.with_suffix(".md").read_text()
+    assert data["prompt_source"] == "random"
+    assert data["config"]["contexts"] == [64, 512 - (1 + 2 + 0 + 2)]  # clipped to the model's max_seq_len
+    for key in ("date", "torch", "cpu", "threads", "dtype", "device"):
+        assert key in data["environment"]
+    assert data["environment"]["threads"] == 1
+    assert data["bandwidth"]["copy_gbs"] > 0 and data["bandwidth"]["read_gbs"] > 0
+    grid = {(r["cache"], r["context"], r["batch"]): r for r in data["grid"]}
+    for c in ("full", "kivi", "specache"):
+        for ctx in (64, 507):
+            assert (c, ctx, 1) in grid
+    assert {o["label"] for o in data["overhead"]} == {"specache-1bit"}
+    assert data["budget"]["rows"] and all(r.get("run_batch", 0) <= 2 for r in data["budget"]["rows"])
+    for title in ("## Decode steps", "## Two-token overhead", "## Table 3", "reviewers' Q6"):
+        assert title in md
+    assert "| specache-1bit | 507 | 1 |" in md
