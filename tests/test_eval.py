@@ -1,0 +1,195 @@
+"""eval.py: task generators, scorers, results resume, method names. No model needed; the real
+tokenizer is used where a converted checkpoint exists (else those checks are skipped)."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import eval as ev
+
+CKPT = Path(ev.DEFAULT_CHECKPOINT)
+
+
+class WordTokenizer:
+    """Tokenizer-free length check: one token per whitespace-separated word; a chat template
+    that adds a fixed number of tokens, like a real one."""
+    eos_ids, bos_id, add_bos = set(), None, False
+
+    def encode(self, text, bos=False):
+        return re.findall(r"\S+", text)
+
+    def decode(self, ids):
+        return " ".join(ids)
+
+    def chat(self, prompt):
+        return f"<user> {prompt} <assistant>"
+
+
+@pytest.fixture(scope="module")
+def real_tok():
+    if not (CKPT / "config.json").exists():
+        pytest.skip(f"no converted checkpoint at {CKPT} (run `make demo`): real-tokenizer lengths not checked")
+    from tokenizer import load_tokenizer
+    return load_tokenizer(CKPT)
+
+
+def n_tok(tok, s):
+    return len(tok.encode(ev.render(tok, s)))
+
+
+# ---- NIAH ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_niah_needle_once_at_depth_and_length(depth):
+    tok = WordTokenizer()
+    s = ev.niah(tok, 2000, depth)
+    assert s.prompt.count(ev.NEEDLE) == 1
+    assert abs(n_tok(tok, s) - 2000) <= 20  # within 1%
+    context = s.prompt[: s.prompt.rindex("\n\n" + ev.QUESTION)]
+    at = context.index(ev.NEEDLE)
+    assert at == s.meta["needle_char"]
+    frac = at / (len(context) - len(ev.NEEDLE))
+    assert abs(frac - depth) < 0.03, (frac, depth)
+    if 0 < depth < 1:  # at a sentence boundary: the needle starts after a sentence end
+        assert re.search(r"[.!?][\"')\]]*\s+$", context[:at])
+    assert s.prompt.endswith(f"{ev.QUESTION} {ev.RETRIEVAL_CUE}")
+
+
+def test_niah_deterministic_and_real_tokenizer_length(real_tok):
+    for L, d in ((1000, 0.5), (4000, 0.1)):
+        s = ev.niah(real_tok, L, d)
+        assert s.prompt == ev.niah(real_tok, L, d).prompt
+        assert abs(n_tok(real_tok, s) - L) <= 0.01 * L
+        assert s.prompt.count(ev.NEEDLE) == 1
+
+
+# ---- RULER ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", [t for t in ev.RULER_TASKS if t != "qa_hotpot"])
+def test_ruler_task_length_determinism_and_answers(task):
+    tok = WordTokenizer()
+    s = ev.ruler_sample(tok, task, 2000, 0, seed=0)
+    assert abs(n_tok(tok, s) - 2000) <= 20, n_tok(tok, s)
+    again = ev.ruler_sample(tok, task, 2000, 0, seed=0)
+    assert (s.prompt, s.answers) == (again.prompt, again.answers)
+    other = ev.ruler_sample(tok, task, 2000, 1, seed=0)
+    assert other.prompt != s.prompt
+    assert s.answers and all(a for a in s.answers)
+    kind = ev.RULER_TASKS[task][0]
+    if kind == "niah":  # every expected value is in the context exactly once
+        for a in s.answers:
+            assert s.prompt.count(a) == 1, a
+    elif kind == "vt":  # the chain: 5 names, each assigned once after the one-shot example
+        body = s.prompt.split("\n\n", 2)[-1]
+        for a in s.answers:
+            assert len(re.findall(rf"VAR {a} = ", body)) == 1
+    elif kind == "qa":
+        assert any(a in s.prompt for a in s.answers)
+    elif kind == "cwe":  # the 10 answers are the most frequent words of the list
+        body = s.prompt.split("\n\n")[-1]
+        counts = {w: len(re.findall(rf"\d+\. {w}\b", body)) for w in set(re.findall(r"\d+\. (\w+)", body))}
+        top = sorted(counts, key=counts.get, reverse=True)[:10]
+        assert set(top) == set(s.answers)
+    elif kind == "fwe":
+        words = s.prompt.split("frequently appeared coded words. ")[1].split("\n")[0].split()
+        ranked = sorted(set(words) - {"..."}, key=words.count, reverse=True)
+        assert ranked[:3] == s.answers
+
+
+def test_ruler_niah_depths_spread():
+    """multi-needle essays: the 4 keys' needles land at different places, all in the context."""
+    tok = WordTokenizer()
+    s = ev.ruler_sample(tok, "niah_multikey_1", 2000, 0)
+    assert s.prompt.count("One of the special magic numbers for") == 4
+
+
+def test_ruler_real_tokenizer_length(real_tok):
+    for task in ("niah_single_2", "niah_multikey_1", "vt", "qa_squad", "fwe"):
+        s = ev.ruler_sample(real_tok, task, 4000, 0)
+        assert abs(n_tok(real_tok, s) - 4000) <= 40, (task, n_tok(real_tok, s))
+
+
+# ---- scoring ---------------------------------------------------------------------------------------------
+def test_niah_score():
+    assert ev.niah_score("The best thing is to eat a sandwich and sit in Dolores Park on a sunny day.") == 1.0
+    assert ev.niah_score("eat a SANDWICH in dolores-park!") == pytest.approx(2 / 3)
+    assert ev.niah_score("Go to the Golden Gate Bridge.") == 0.0
+    assert ev.niah_score("") == 0.0
+
+
+def test_ruler_scores():
+    refs = ["1234567", "7654321"]
+    assert ev.recall_all("They are 1234567 and 7654321.", refs) == 1.0
+    assert ev.recall_all("It is 1234567", refs) == 0.5
+    assert ev.recall_all("nothing", refs) == 0.0
+    assert ev.recall_all("The Keys: BRAVE-OTTER, calm otter", ["brave-otter", "calm-otter"]) == 1.0
+    assert ev.ruler_score("qa_squad", "Answer: france.", ["France", "the French"]) == 1.0
+    assert ev.ruler_score("qa_squad", "Germany", ["France", "the French"]) == 0.0
+    assert ev.ruler_score("vt", "VAR ABCDE, FGHIJ", ["ABCDE", "FGHIJ", "KLMNO"]) == pytest.approx(2 / 3)
+
+
+# ---- results file ---------------------------------------------------------------------------------------
+def test_results_resume(tmp_path):
+    r = ev.Results(tmp_path)
+    done = dict(cmd="niah", method="full", length=1000, depth=0.5)
+    r.add(ev.Results.key(done), dict(done, score=1.0))
+    with open(r.path, "a") as f:
+        f.write('{"cut off by an interrup')  # a partial line from a killed run
+    r2 = ev.Results(tmp_path)
+    assert len(r2.records) == 1
+    todo = dict(done, depth=1.0)
+    ran = []
+    ev.run_cells([(done, "a"), (todo, "b")], r2, lambda f, p: ran.append(p) or {"score": 0.0}, "test")
+    assert ran == ["b"]
+    assert ev.Results.key(todo) in ev.Results(tmp_path).done
+    # the key is order-independent
+    assert ev.Results.key(dict(b=1, a=2)) == ev.Results.key(dict(a=2, b=1))
+
+
+def test_reports_and_heatmap(tmp_path):
+    r = ev.Results(tmp_path)
+    for lb in ("full", "kivi-1bit"):
+        for L in (1000, 2000):
+            for d in (0.0, 1.0):
+                f = dict(cmd="niah", method=lb, length=L, depth=d)
+                r.add(ev.Results.key(f), dict(f, label=lb, score=1.0 if lb == "full" else 1 / 3))
+    ev.write_niah_report(r)
+    md = (tmp_path / "results.md").read_text()
+    assert "| full | 100.0 | 100.0 | 100.0 |" in md and "kivi-1bit | 33.3" in md
+    assert (tmp_path / "niah.png").stat().st_size > 1000
+    for task, score in (("niah_single_1", 1.0), ("vt", 0.5)):
+        f = dict(cmd="ruler", method="full", task=task, length=1000, sample=0)
+        r.add(ev.Results.key(f), dict(f, label="full", score=score))
+    ev.write_ruler_report(r)
+    assert "| full | 1000 | 1 | 100.0 | 50.0 | 75.0 |" in (tmp_path / "results.md").read_text()
+    f = dict(cmd="hitrate", method="specache-1bit", length=1000, sample=0)
+    r.add(ev.Results.key(f), dict(f, label="specache-1bit", topk=[1.0] * 10 + [0.5] * 10, exact=[True, False] * 10))
+    ev.write_hitrate_report(r)
+    md = (tmp_path / "results.md").read_text()
+    assert "| specache-1bit | 50.0 | 75.0 | 20 |" in md and "[11, 50]" in md
+
+
+# ---- method names ---------------------------------------------------------------------------------------
+def test_method_parsing():
+    assert ev.parse_method("full") == dict(cache="full")
+    assert ev.parse_method("kivi-2bit") == dict(cache="kivi", bits=2)
+    assert ev.parse_method("kivi-1bit-orig") == dict(cache="kivi", bits=1, one_bit="kivi")
+    assert ev.parse_method("specache-1bit-orig") == dict(cache="specache", bits=1, one_bit="kivi")
+    assert ev.parse_method("specache-sequential") == dict(cache="specache", bits=1, fetch="sequential")
+    assert ev.parse_method("specache-2bit-oracle") == dict(cache="specache", bits=2, fetch="oracle")
+    for bad, msg in (("kivi", "unknown method"), ("kivi-3bit", "unknown method"), ("h2o", "unknown method"),
+                     ("kivi-2bit-orig", "only for 1 bit"), ("kivi-sequential", "SpeCache fetch mode")):
+        with pytest.raises(ValueError, match=msg) as e:
+            ev.parse_method(bad)
+        assert repr(bad) in str(e.value)
+    with pytest.raises(SystemExit, match="unknown method 'specache-3bit'.*expected one of"):
+        ev.parse_args(["niah", "--out", "x", "--methods", "full,specache-3bit"])
+
+
+def test_method_sweeps_and_labels():
+    ms = ev.expand_methods("full,kivi-1bit,specache-1bit", ks=[16, 64], groups=[64])
+    assert [(m.name, m.k, m.residual) for m in ms] == [("full", 0, 0), ("kivi-1bit", 0, 128),
+                                                       ("specache-1bit", 16, 64), ("specache-1bit", 64, 64)]
+    assert [ev.label(m, ms) for m in ms] == ["full", "kivi-1bit", "specache-1bit (k=16)", "specache-1bit (k=64)"]
+    assert ev.expand_methods("specache-1bit", groups=[128])[0].residual == 128  # residual a multiple of group
+    a = ev.parse_args(["ppl", "--out", "x", "--quick", "--k", "16,32"])
+    assert a.lengths == [1024, 2048] and a.n_eval == 64 and {m.k for m in a.method_list} == {0, 16, 32}
