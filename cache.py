@@ -247,13 +247,15 @@ class SpeCache(LowBitCache):
         ring_k, ring_v = self.prefetcher.ring(self.layer_idx)
         return dict(k_fetch=ring_k, v_fetch=ring_v, fetch_valid=self.fetch_valid, replaced=self.replaced), safe_idx
 
-    def _select(self, q_row, lse_row):
-        """Top-k quantized positions for one query token [B,H,D] -> (idx, valid) per kv head."""
+    def _select(self, q_row, lse_row, fetched=None):
+        """Top-k quantized positions for one query token [B,H,D] -> (idx, valid) per kv head.
+        `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A)."""
         if self.fetch == "oracle":
             score, idx = self.prefetcher.exact_topk(self.layer_idx, q_row, self.n_quant, self.k, self.sm_scale)
         else:
             score, idx = kernels.topk_lowbit(q_row, self.k_codes, self.k_scale, self.k_zero, self.n_quant, lse_row,
-                                             bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k)
+                                             bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k,
+                                             **(fetched or {}))
         return idx, score >= 0
 
     def _record_hits(self, q_row, lse_row):
@@ -288,7 +290,8 @@ class SpeCache(LowBitCache):
             # The speculative (last) token's row picks the next step's rows, among the quantized
             # positions as they are after this step's flush, and their fetch starts now: it
             # overlaps the remaining layers of this step.
-            idx, valid = self._select(q[:, :, -1], lse[:, :, -1])
+            idx, valid = self._select(q[:, :, -1], lse[:, :, -1],
+                                      dict(k_fetch=fetched["k_fetch"], fetch_idx=self.fetch_idx, fetch_valid=self.fetch_valid))
             self.fetch_idx.copy_(idx)
             self.fetch_valid.copy_(valid)
             self.prefetcher.start(self.layer_idx, self.fetch_idx)

@@ -89,17 +89,32 @@ def attention_lowbit_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, 
     return out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
 
 
+def _exact_fetched_scores(prob, q_row, lse_row, sm_scale, k_fetch, fetch_idx, fetch_valid):
+    """Algorithm 3 takes ArgTopK of the attention that already used the fetched fp rows: their
+    positions get exact scores, so a row that matters keeps its place whatever its low-bit copy
+    scores. Invalid fetch slots write back the scratch slot's own value (position S-1 >= n_quant)."""
+    B, H, D = q_row.shape
+    Hkv, S = prob.shape[1], prob.shape[2]
+    qg = q_row.float().reshape(B, Hkv, H // Hkv, D) * sm_scale
+    exact = torch.exp(qg @ k_fetch.float().transpose(-1, -2) - lse_row.float().reshape(B, Hkv, -1, 1)).sum(2)
+    safe = torch.where(fetch_valid, fetch_idx, S - 1)
+    return prob.scatter(-1, safe, torch.where(fetch_valid, exact, prob.gather(-1, safe)))
+
+
 def topk_lowbit_ref(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bits_k, group_k, sm_scale, k,
-                    k_codes_lo=None):
+                    k_codes_lo=None, k_fetch=None, fetch_idx=None, fetch_valid=None):
     """score[p] = sum over the G query heads of kv head j of exp(sm_scale * q_g . k'_p - lse_g): the
     attention probability kv row p would get, summed over the heads that share it (one fetch per
-    kv head serves all G heads). Positions p >= n_quant score -1 with index 0. Sorted descending."""
+    kv head serves all G heads); with k_fetch, fetched positions score with their fp rows.
+    Positions p >= n_quant score -1 with index 0. Sorted descending."""
     B, H, D = q_row.shape
     Hkv, S = k_codes.shape[1], k_codes.shape[2]
     G = H // Hkv
     keys = _dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k)  # [B,Hkv,S,D]
     logits = (q_row.float().reshape(B, Hkv, G, D) * sm_scale) @ keys.transpose(-1, -2)  # [B,Hkv,G,S]
     prob = torch.exp(logits - lse_row.float().reshape(B, Hkv, G, 1)).sum(2)
+    if k_fetch is not None:
+        prob = _exact_fetched_scores(prob, q_row, lse_row, sm_scale, k_fetch, fetch_idx, fetch_valid)
     valid = torch.arange(S, device=q_row.device) < n_quant
     score, idx = torch.where(valid, prob, -1.0).topk(k, dim=-1)
     return score, torch.where(score >= 0, idx, 0)
@@ -395,7 +410,7 @@ def attention_lowbit_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zer
 
 
 def topk_lowbit_triton(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bits_k, group_k, sm_scale, k,
-                       k_codes_lo=None):
+                       k_codes_lo=None, k_fetch=None, fetch_idx=None, fetch_valid=None):
     B, H, D = q_row.shape
     Hkv, S = k_codes.shape[1], k_codes.shape[2]
     if k > S:
@@ -408,6 +423,8 @@ def topk_lowbit_triton(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bit
         float(sm_scale), S, D, H // Hkv, BITS_K=bits_k, GROUP_K=group_k, K_HIER=k_codes_lo is not None,
         BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)))
+    if k_fetch is not None:  # k rows per kv head: a few small torch ops between the two kernels
+        score = _exact_fetched_scores(score, q_row, lse_row, sm_scale, k_fetch, fetch_idx, fetch_valid)
     top_score = torch.empty(B, Hkv, k, dtype=torch.float32, device=q_row.device)
     top_idx = torch.empty(B, Hkv, k, dtype=torch.int64, device=q_row.device)
     _topk_select_kernel[(B * Hkv,)](score, top_score, top_idx, S, k, BLOCK=min(1024, triton.next_power_of_2(S)))
@@ -459,13 +476,16 @@ def _(q, *args):
 @torch.library.custom_op("specache::topk_lowbit", mutates_args=())
 def _topk_lowbit_op(q_row: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, n_quant: Tensor,
                     lse_row: Tensor, bits_k: int, group_k: int, sm_scale: float, k: int,
-                    k_codes_lo: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                    k_codes_lo: Optional[Tensor] = None, k_fetch: Optional[Tensor] = None,
+                    fetch_idx: Optional[Tensor] = None, fetch_valid: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return topk_lowbit_triton(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k=bits_k, group_k=group_k,
-                              sm_scale=sm_scale, k=k, k_codes_lo=k_codes_lo)
+                              sm_scale=sm_scale, k=k, k_codes_lo=k_codes_lo, k_fetch=k_fetch, fetch_idx=fetch_idx,
+                              fetch_valid=fetch_valid)
 
 
 @_topk_lowbit_op.register_fake
-def _(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k, group_k, sm_scale, k, k_codes_lo=None):
+def _(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k, group_k, sm_scale, k, k_codes_lo=None,
+      k_fetch=None, fetch_idx=None, fetch_valid=None):
     shape = (q_row.shape[0], k_codes.shape[1], k)
     return q_row.new_empty(shape, dtype=torch.float32), q_row.new_empty(shape, dtype=torch.int64)
 
@@ -505,15 +525,17 @@ def attention_lowbit(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_qu
 
 
 def topk_lowbit(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bits_k, group_k, sm_scale, k,
-                k_codes_lo=None):
+                k_codes_lo=None, k_fetch=None, fetch_idx=None, fetch_valid=None):
     """-> (score [B,Hkv,k] fp32, idx [B,Hkv,k] int64); see topk_lowbit_ref for the GQA reduction.
-    Slots with score < 0 are invalid (fewer than k quantized positions). The CPU path returns
-    them sorted by score, the Triton path in position order."""
+    Optional fetched rows (k_fetch [B,Hkv,K,D] at quantized positions fetch_idx where fetch_valid)
+    score exactly. Slots with score < 0 are invalid (fewer than k quantized positions). The CPU
+    path returns them sorted by score, the Triton path in position order."""
+    fetched = dict(k_fetch=k_fetch, fetch_idx=fetch_idx, fetch_valid=fetch_valid)
     if q_row.is_cuda:
         return _topk_lowbit_op(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k, group_k,
-                               float(sm_scale), k, k_codes_lo)
+                               float(sm_scale), k, k_codes_lo, **fetched)
     return topk_lowbit_ref(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k=bits_k, group_k=group_k,
-                           sm_scale=sm_scale, k=k, k_codes_lo=k_codes_lo)
+                           sm_scale=sm_scale, k=k, k_codes_lo=k_codes_lo, **fetched)
 
 
 def gather_rows(host, idx, out):

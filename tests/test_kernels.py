@@ -197,6 +197,38 @@ def test_topk_reference_matches_dense(G, n_quant, hier, k):
         assert dense.clamp_min(0).sum(-1).le(1 + 1e-5).all()
 
 
+def fetched_rows(targs, n_fetch=6, seed=3):
+    """fp rows for some quantized positions (some slots unused), as the SpeCache step holds them."""
+    q_row, k_codes = targs[0], targs[1]
+    B, Hkv, D = q_row.shape[0], k_codes.shape[1], q_row.shape[2]
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(int(targs[4]), generator=g)[:n_fetch] for _ in range(B * Hkv)]).view(B, Hkv, -1)
+    valid = torch.rand(B, Hkv, n_fetch, generator=g) < 0.7
+    return dict(k_fetch=torch.randn(B, Hkv, n_fetch, D, generator=g) * 3, fetch_idx=idx, fetch_valid=valid)
+
+
+def test_topk_fetched_rows_score_exactly():
+    """Algorithm 3's ArgTopK uses the attention that saw the fetched fp rows: at a fetched position
+    the score is the fp row's probability, elsewhere the low-bit one."""
+    targs, tkw, kw = topk_inputs(G=3, n_quant=96, S=128, k=96)  # k = n_quant: every slot valid
+    fetched = fetched_rows(targs)
+    score, idx = kernels.topk_lowbit_ref(*targs, **tkw, **fetched)
+    dense = dense_topk_scores(targs, tkw, kw)
+    q_row, lse = targs[0], targs[5]
+    B, Hkv = dense.shape[:2]
+    G = q_row.shape[1] // Hkv
+    for b in range(B):
+        for j in range(Hkv):
+            for slot in range(fetched["fetch_idx"].shape[2]):
+                if fetched["fetch_valid"][b, j, slot]:
+                    row = fetched["k_fetch"][b, j, slot]
+                    dense[b, j, fetched["fetch_idx"][b, j, slot]] = sum(
+                        torch.exp(tkw["sm_scale"] * q_row[b, h] @ row - lse[b, h]) for h in range(j * G, (j + 1) * G))
+    by_position = torch.full_like(dense, -1.0).scatter(2, idx, score)
+    valid = torch.arange(dense.shape[2]) < 96
+    torch.testing.assert_close(by_position[..., valid], dense[..., valid], atol=1e-6, rtol=1e-5)
+
+
 def assert_same_topk(got, want):
     (gs, gi), (ws, wi) = got, want
     torch.testing.assert_close(gs.sort(-1, descending=True).values, ws, atol=1e-5, rtol=1e-5)
@@ -239,6 +271,13 @@ def test_triton_topk_matches_reference(G, n_quant, hier, k):
     got = kernels.topk_lowbit_triton(*targs, **tkw)
     assert got[0].shape == want[0].shape and got[1].dtype == torch.int64
     assert_same_topk(got, want)
+
+
+@needs_interpreter
+def test_triton_topk_with_fetched_rows_matches_reference():
+    targs, tkw, _ = topk_inputs(G=3, n_quant=96, k=16)
+    fetched = fetched_rows(targs)
+    assert_same_topk(kernels.topk_lowbit_triton(*targs, **tkw, **fetched), kernels.topk_lowbit_ref(*targs, **tkw, **fetched))
 
 
 @needs_interpreter
