@@ -73,16 +73,26 @@ class LowBitCache(nn.Module):
       k_codes [B,Hkv,S+R,D*bits/8] u8, k_scale/k_zero [B,Hkv,(S+R)/group,D]   keys per channel
       v_codes [B,Hkv,S+R,D*bits/8] u8, v_scale/v_zero [B,Hkv,S+R,D/group]     values per token
       k_res/v_res [B,Hkv,R+max_new,D]: the residual window; decode writes the step's tokens here first.
+    `scheme` picks the quantizer of the siblings, all read by the same kernels:
+      "kivi"       specache.txt eq. 2, and eq. 3 for 1 bit (one_bit="improved")
+      "zipcache"   keys as KIVI; values channel-separable tokenwise (zipcache.txt eq. 6): the
+                   channel scale v_chan_scale [B,Hkv,D] is set by the first quantized block, then fixed
+      "quantspec"  hierarchical INT8 = upper INT4 (k_codes) + lower INT4 (k_codes_lo), quantspec.txt
+                   §4.2; `bits` 4 or 8 picks the view attention reads (set `view_bits` to switch)
     """
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, *, bits=2, group=64,
-                 residual=128, one_bit="improved", max_step_tokens=2, meter=None):
+                 residual=128, one_bit="improved", scheme="kivi", max_step_tokens=2, meter=None):
         super().__init__()
         if residual % group or residual <= 0:
             raise ValueError(f"--residual ({residual}) must be a positive multiple of --group ({group})")
-        if bits not in (1, 2, 4, 8):
-            raise ValueError(f"--bits must be 1, 2, 4 or 8, got {bits}")
-        self.bits, self.group, self.residual, self.one_bit = bits, group, residual, one_bit
+        if scheme not in ("kivi", "zipcache", "quantspec"):
+            raise ValueError(f"unknown quantization scheme {scheme!r} (kivi, zipcache, quantspec)")
+        if bits not in ((4, 8) if scheme == "quantspec" else (1, 2, 4, 8)):
+            raise ValueError(f"--bits {bits} is not available for scheme {scheme}")
+        self.scheme, self.group, self.residual, self.one_bit = scheme, group, residual, one_bit
+        self.bits = 4 if scheme == "quantspec" else bits  # bits per stored code (plane)
+        self.view_bits = bits
         self.group_v = min(group, head_dim)
         self.sm_scale = head_dim ** -0.5
         self.capacity = -(-max_seq_len // residual) * residual  # quantized slots, scratch block after
@@ -91,12 +101,17 @@ class LowBitCache(nn.Module):
         meta = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16  # scale/zero: 16 bits, as KIVI
         u8 = dict(dtype=torch.uint8, device=device)
         buf = lambda name, shape, **kw: self.register_buffer(name, torch.zeros(shape, **kw), persistent=False)
-        buf("k_codes", (B, H, n_slots, D * bits // 8), **u8)
+        buf("k_codes", (B, H, n_slots, D * self.bits // 8), **u8)
         buf("k_scale", (B, H, n_slots // group, D), dtype=meta, device=device)
         buf("k_zero", (B, H, n_slots // group, D), dtype=meta, device=device)
-        buf("v_codes", (B, H, n_slots, D * bits // 8), **u8)
+        buf("v_codes", (B, H, n_slots, D * self.bits // 8), **u8)
         buf("v_scale", (B, H, n_slots, D // self.group_v), dtype=meta, device=device)
         buf("v_zero", (B, H, n_slots, D // self.group_v), dtype=meta, device=device)
+        if scheme == "quantspec":
+            buf("k_codes_lo", (B, H, n_slots, D // 2), **u8)
+            buf("v_codes_lo", (B, H, n_slots, D // 2), **u8)
+        if scheme == "zipcache":
+            buf("v_chan_scale", (B, H, D), dtype=meta, device=device)
         buf("k_res", (B, H, residual + max_step_tokens, D), dtype=dtype, device=device)
         buf("v_res", (B, H, residual + max_step_tokens, D), dtype=dtype, device=device)
         buf("n_quant", (), dtype=torch.int64, device=device)
@@ -104,26 +119,47 @@ class LowBitCache(nn.Module):
         self.meter = meter  # counts prefill's transient fp K/V; the builder counts these buffers
 
     # ---- storage -------------------------------------------------------------------------------
+    def _quantize(self, k, v):
+        """-> {buffer name: rows} for k, v [B,H,n,D]: per-row tensors and per-key-group tensors."""
+        meta = self.k_scale.dtype
+        if self.scheme == "quantspec":
+            kc, kl, ks, kz = quant.quantize_hier_keys(k, self.group, meta)
+            vc, vl, vs, vz = quant.quantize_hier_values(v, self.group_v, meta)
+            return dict(k_codes=kc, k_codes_lo=kl, v_codes=vc, v_codes_lo=vl, v_scale=vs, v_zero=vz), \
+                dict(k_scale=ks, k_zero=kz)
+        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, one_bit=self.one_bit, meta_dtype=meta)
+        if self.scheme == "zipcache":  # the first quantized block sets the channel scale
+            self.v_chan_scale.copy_(torch.where(self.n_quant == 0, quant.channel_scale(v, meta), self.v_chan_scale))
+            vc, vs, vz = quant.quantize_values_zip(v, self.bits, self.group_v, self.v_chan_scale, self.one_bit, meta)
+        else:
+            vc, vs, vz = quant.quantize_values(v, self.bits, self.group_v, one_bit=self.one_bit, meta_dtype=meta)
+        return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz), dict(k_scale=ks, k_zero=kz)
+
     def _quantize_into(self, k, v, row0):
         """Quantize k, v [B,H,n,D] (n a multiple of group) into slots [row0, row0+n); row0 a tensor."""
-        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, one_bit=self.one_bit, meta_dtype=self.k_scale.dtype)
-        vc, vs, vz = quant.quantize_values(v, self.bits, self.group_v, one_bit=self.one_bit, meta_dtype=self.v_scale.dtype)
+        per_row, per_group = self._quantize(k, v)
         rows = row0 + torch.arange(k.shape[2], device=k.device)
         groups = row0 // self.group + torch.arange(k.shape[2] // self.group, device=k.device)
-        self.k_codes.index_copy_(2, rows, kc)
-        self.v_codes.index_copy_(2, rows, vc)
-        self.k_scale.index_copy_(2, groups, ks)
-        self.k_zero.index_copy_(2, groups, kz)
-        self.v_scale.index_copy_(2, rows, vs)
-        self.v_zero.index_copy_(2, rows, vz)
+        for name, x in per_row.items():
+            getattr(self, name).index_copy_(2, rows, x)
+        for name, x in per_group.items():
+            getattr(self, name).index_copy_(2, groups, x)
+
+    def quant_kwargs(self):
+        """The kernels' arguments that describe the stored codes (scheme, view, channel scale)."""
+        hier8 = self.scheme == "quantspec" and self.view_bits == 8
+        return dict(k_codes_lo=self.k_codes_lo if hier8 else None, v_codes_lo=self.v_codes_lo if hier8 else None,
+                    v_chan_scale=self.v_chan_scale if self.scheme == "zipcache" else None)
 
     def dequantized(self, n: int):
         """Full-precision view of quantized tokens [0, n) (prefill only: it materializes them)."""
-        kq = quant.dequantize_keys(self.k_codes[:, :, :n], self.k_scale[:, :, : n // self.group],
-                                   self.k_zero[:, :, : n // self.group], self.bits, self.group, dtype=self.k_res.dtype)
-        vq = quant.dequantize_values(self.v_codes[:, :, :n], self.v_scale[:, :, :n], self.v_zero[:, :, :n],
-                                     self.bits, self.group_v, dtype=self.v_res.dtype)
-        return kq, vq
+        kw = {name: x[:, :, :n] if name.endswith("_lo") and x is not None else x for name, x in self.quant_kwargs().items()}
+        ng = n // self.group
+        kq = kernels.dequant_k(self.k_codes[:, :, :n], kw["k_codes_lo"], self.k_scale[:, :, :ng],
+                               self.k_zero[:, :, :ng], self.bits, self.group)
+        vq = kernels.dequant_v(self.v_codes[:, :, :n], kw["v_codes_lo"], self.v_scale[:, :, :n],
+                               self.v_zero[:, :, :n], self.bits, self.group_v, kw["v_chan_scale"])
+        return kq.to(self.k_res.dtype), vq.to(self.v_res.dtype)
 
     def prefix_kv(self, p0: int):
         """Keys/values of positions [0, p0) for a prefill chunk: KIVI only has its low-bit copy."""
@@ -162,12 +198,11 @@ class LowBitCache(nn.Module):
     def attend(self, q, fetched=None):
         """Attention of the step's T query tokens (already appended to the residual) over
         quantized + residual (+ fetched fp rows replacing their quantized copies)."""
-        kw = {} if fetched is None else fetched
         return kernels.attention_lowbit(
             q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
             self.n_quant, self.k_res, self.v_res, self.res_len + q.shape[2],
             bits_k=self.bits, bits_v=self.bits, group_k=self.group, group_v=self.group_v,
-            sm_scale=self.sm_scale, **kw)
+            sm_scale=self.sm_scale, **self.quant_kwargs(), **(fetched or {}))
 
     def write_step(self, k, v):
         rows = self.res_len + torch.arange(k.shape[2], device=k.device)
@@ -255,7 +290,7 @@ class SpeCache(LowBitCache):
         else:
             score, idx = kernels.topk_lowbit(q_row, self.k_codes, self.k_scale, self.k_zero, self.n_quant, lse_row,
                                              bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k,
-                                             **(fetched or {}))
+                                             k_codes_lo=self.quant_kwargs()["k_codes_lo"], **(fetched or {}))
         return idx, score >= 0
 
     def _record_hits(self, q_row, lse_row):
@@ -267,7 +302,8 @@ class SpeCache(LowBitCache):
         counted = self.n_quant > 0
         exact = self.prefetcher.exact_topk(self.layer_idx, q_row, self.n_quant, self.k, self.sm_scale)
         own = kernels.topk_lowbit(q_row, self.k_codes, self.k_scale, self.k_zero, self.n_quant, lse_row,
-                                  bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k)
+                                  bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k,
+                                  k_codes_lo=self.quant_kwargs()["k_codes_lo"])
         for total, (score, idx) in ((self.hit_sum, exact), (self.hit_sum_lowbit, own)):
             hit = (idx[..., :, None] == held).any(-1) & (score >= 0)
             rate = (hit.sum(-1) / (score >= 0).sum(-1).clamp(min=1)).double().mean()

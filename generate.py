@@ -43,7 +43,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch
 
 # ---- cache construction ------------------------------------------------------------------------------
 def setup_caches(model, cache="specache", batch=1, max_seq_len=None, bits=1, group=64, residual=None, k=64,
-                 fetch="speculative", one_bit="improved", track_hits=False, fetch_impl="uva"):
+                 fetch="speculative", one_bit="improved", track_hits=False, fetch_impl="uva", scheme="kivi"):
     """Attach one cache per layer. Returns (caches, prefetcher or None, meter)."""
     args = model.args
     device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
@@ -56,7 +56,7 @@ def setup_caches(model, cache="specache", batch=1, max_seq_len=None, bits=1, gro
         if args.sliding_window is not None and args.sliding_window < max_seq_len:
             raise SystemExit("error: low-bit caches do not implement sliding-window attention; use --cache full")
         residual = residual or (128 if cache == "kivi" else 64)  # §4.1: SpeCache trades residual for k rows
-        low = dict(bits=bits, group=group, residual=residual, one_bit=one_bit, meter=meter)
+        low = dict(bits=bits, group=group, residual=residual, one_bit=one_bit, scheme=scheme, meter=meter)
         if cache == "kivi":
             caches = model.setup_caches(lambda i: LowBitCache(*dims, **low))
         else:
@@ -191,6 +191,8 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=64, help="SpeCache: fp16 KV pairs fetched per layer and kv head")
     p.add_argument("--fetch", default="speculative", choices=["speculative", "sequential", "oracle"])
     p.add_argument("--one-bit", default="improved", choices=["improved", "kivi"], help="1-bit zero/scale: eq. 3 or eq. 2")
+    p.add_argument("--quant", default="kivi", choices=["kivi", "zipcache", "quantspec"],
+                   help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")
     p.add_argument("--hit-rate", action="store_true", help="measure the top-k hit rate (extra exact attention per step)")
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -240,9 +242,12 @@ def main(argv=None):
         fail(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's max_seq_len {model_max}")
 
     model = load_model(a.checkpoint, device=device, dtype=dtype)
-    caches, prefetcher, meter = setup_caches(
-        model, a.cache, a.batch_size, seq_len, a.bits, a.group, a.residual, a.k, a.fetch, a.one_bit,
-        track_hits=a.hit_rate, fetch_impl="uva")
+    try:
+        caches, prefetcher, meter = setup_caches(
+            model, a.cache, a.batch_size, seq_len, a.bits, a.group, a.residual, a.k, a.fetch, a.one_bit,
+            track_hits=a.hit_rate, scheme=a.quant)
+    except ValueError as e:
+        fail(str(e))
     speculative = a.cache == "specache" and a.fetch == "speculative"
     step_fn = compile_step(device) if a.compile else decode_step
     prompt = torch.tensor([ids] * a.batch_size, device=device)

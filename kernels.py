@@ -32,14 +32,16 @@ Tensor = torch.Tensor
 # =============================================================================================
 # torch references (the CPU path)
 # =============================================================================================
-def _dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k):
+def dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k):
+    """Keys of a low-bit cache in fp32 (KIVI, or QuantSpec's 8-bit view when k_codes_lo is given)."""
     if k_codes_lo is not None:  # QuantSpec 8-bit view (upper + lower planes)
         assert bits_k == 4, "hierarchical codes are 4-bit planes"
         return quant.dequantize_hier_keys(k_codes, k_codes_lo, k_scale, k_zero, group_k, view_bits=8)
     return quant.dequantize_keys(k_codes, k_scale, k_zero, bits_k, group_k)
 
 
-def _dequant_v(v_codes, v_codes_lo, v_scale, v_zero, bits_v, group_v, v_chan_scale):
+def dequant_v(v_codes, v_codes_lo, v_scale, v_zero, bits_v, group_v, v_chan_scale):
+    """Values in fp32 (KIVI; QuantSpec 8-bit view with v_codes_lo; ZipCache with v_chan_scale)."""
     if v_codes_lo is not None:
         assert bits_v == 4, "hierarchical codes are 4-bit planes"
         v = quant.dequantize_hier_values(v_codes, v_codes_lo, v_scale, v_zero, group_v, view_bits=8)
@@ -65,8 +67,8 @@ def attention_lowbit_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, 
     t = torch.arange(M, device=dev) % T  # query row m = g*T + t sees residual rows < res_len - T + t + 1
     keep_res = torch.arange(R, device=dev) < res_len - T + 1 + t[:, None]  # [M, R]
     # (keys, values, keep per key row, keep per (query row, key row)) of each part
-    parts = [(_dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k),
-              _dequant_v(v_codes, v_codes_lo, v_scale, v_zero, bits_v, group_v, v_chan_scale),
+    parts = [(dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k),
+              dequant_v(v_codes, v_codes_lo, v_scale, v_zero, bits_v, group_v, v_chan_scale),
               keep_q, keep_q[:, :, None, :]),
              (k_res, v_res, (torch.arange(R, device=dev) < res_len).expand(B, Hkv, R), keep_res)]
     if k_fetch is not None:
@@ -110,7 +112,7 @@ def topk_lowbit_ref(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bits_k
     B, H, D = q_row.shape
     Hkv, S = k_codes.shape[1], k_codes.shape[2]
     G = H // Hkv
-    keys = _dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k)  # [B,Hkv,S,D]
+    keys = dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k)  # [B,Hkv,S,D]
     logits = (q_row.float().reshape(B, Hkv, G, D) * sm_scale) @ keys.transpose(-1, -2)  # [B,Hkv,G,S]
     prob = torch.exp(logits - lse_row.float().reshape(B, Hkv, G, 1)).sum(2)
     if k_fetch is not None:

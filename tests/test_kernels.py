@@ -80,8 +80,8 @@ def dense_attention(args, kw):
     q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len = args
     B, H, T, D = q.shape
     Hkv, S = k_codes.shape[1], k_codes.shape[2]
-    keys = kernels._dequant_k(k_codes, kw.get("k_codes_lo"), k_scale, k_zero, kw["bits_k"], kw["group_k"])
-    vals = kernels._dequant_v(v_codes, kw.get("v_codes_lo"), v_scale, v_zero, kw["bits_v"], kw["group_v"],
+    keys = kernels.dequant_k(k_codes, kw.get("k_codes_lo"), k_scale, k_zero, kw["bits_k"], kw["group_k"])
+    vals = kernels.dequant_v(v_codes, kw.get("v_codes_lo"), v_scale, v_zero, kw["bits_v"], kw["group_v"],
                               kw.get("v_chan_scale"))
     keep = torch.arange(S) < n_quant
     out, lse = torch.zeros(B, H, T, D), torch.zeros(B, H, T)
@@ -170,7 +170,7 @@ def dense_topk_scores(targs, tkw, kw):
     q_row, k_codes, k_scale, k_zero, n_quant, lse_row = targs
     B, H, D = q_row.shape
     Hkv, S = k_codes.shape[1], k_codes.shape[2]
-    keys = kernels._dequant_k(k_codes, kw.get("k_codes_lo"), k_scale, k_zero, kw["bits_k"], kw["group_k"])
+    keys = kernels.dequant_k(k_codes, kw.get("k_codes_lo"), k_scale, k_zero, kw["bits_k"], kw["group_k"])
     score = torch.full((B, Hkv, S), -1.0)
     for b in range(B):
         for j in range(Hkv):

@@ -128,3 +128,34 @@ def test_compiled_equals_eager_without_recompiles(model):
     out, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8, step_fn=compiled_step)
     assert torch.equal(out, eager)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("scheme,bits", [("zipcache", 2), ("quantspec", 4), ("quantspec", 8)])
+def test_sibling_quantizers_plug_into_the_same_cache(model, full_tokens, scheme, bits):
+    """ZipCache and QuantSpec stores run through the same kernels: exact with every row fetched,
+    and the stored codes decode back to layer 0's fp keys/values within their error bounds."""
+    out, *_ = run(model, "specache", bits=bits, group=16, residual=32, k=256, scheme=scheme)
+    assert torch.equal(out, full_tokens)
+    seq = torch.cat([prompt(), full_tokens[:, :-1]], 1)
+    fed = {}
+    for kind, kw in (("full", {}), ("kivi", dict(bits=bits, group=16, residual=32, scheme=scheme))):
+        caches, _, _ = setup_caches(model, kind, batch=1, max_seq_len=seq.shape[1] + 1, **kw)
+        with torch.no_grad():
+            model(seq, torch.arange(seq.shape[1]), mode="prefill")
+        fed[kind] = caches[0]
+    low, full = fed["kivi"], fed["full"]
+    nq = int(low.n_quant)
+    k_hat, v_hat = low.dequantized(nq)
+    k, v = full.k_cache[:, :, :nq], full.v_cache[:, :, :nq]
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    limit = {2: 0.35, 4: 0.08, 8: 0.01}[bits]
+    assert rel(k_hat, k) < limit and rel(v_hat, v) < limit, (rel(k_hat, k), rel(v_hat, v))
+    if scheme == "quantspec":  # the 4-bit view reads the upper planes of the same store
+        low.view_bits = 4 if bits == 8 else 8
+        k4, _ = low.dequantized(nq)
+        assert (rel(k4, k) > rel(k_hat, k)) == (bits == 8)
+
+
+def test_bad_scheme_bits():
+    with pytest.raises(ValueError, match="not available for scheme quantspec"):
+        setup_caches(tiny_model(), "kivi", max_seq_len=64, bits=1, group=16, residual=32, scheme="quantspec")
