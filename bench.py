@@ -346,8 +346,11 @@ def run_config(model, cache: str, context: int, batch: int, ids: list[int], a, b
             else:
                 state["spec"] = token.clone()
         timer = StepTimer(device)
-        run_steps(a.warmup + a.steps, timer)
+        run_steps(a.warmup, timer)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        run_steps(a.steps, timer)
         times = timer.seconds()
+        cpu_share = (time.process_time() - cpu0) / ((time.perf_counter() - wall0) * torch.get_num_threads())
     timed = times[a.warmup:]
     med = statistics.median(timed)
     n_valid = context + a.warmup + a.steps
@@ -358,6 +361,9 @@ def run_config(model, cache: str, context: int, batch: int, ids: list[int], a, b
            "prefill_s": prefill_s, "first_step_s": times[0],
            "step_ms_median": 1e3 * med, "step_ms_min": 1e3 * min(timed), "step_ms_max": 1e3 * max(timed),
            "spread_pct": 100 * (max(timed) - min(timed)) / med, "n_timed": len(timed),
+           # CPU seconds this process got / (wall seconds x threads) over the timed steps: well below
+           # ~0.8 on CPU means other processes took the cores and the row's timings are suspect.
+           "cpu_share": cpu_share if device.type == "cpu" else None, "loadavg_1m": os.getloadavg()[0],
            "tok_s": batch / med,  # one output token per step (SpeCache: per two-token step)
            "kv_device_bytes": generate.kv_device_bytes(caches), "kv_host_bytes": generate.kv_host_bytes(caches),
            "fetch_bytes_per_step": prefetcher.bytes_per_step() if prefetcher is not None else 0,
@@ -383,8 +389,8 @@ class Runner:
             print(f"# {label(cache, self.a.bits)} context={context} batch={batch} ...", file=sys.stderr, flush=True)
             self.rows[key] = run_config(self.model, cache, context, batch, self.ids, self.a, self.bw)
             r = self.rows[key]
-            print(f"#   prefill {r['prefill_s']:.2f} s, step {r['step_ms_median']:.2f} ms, {r['tok_s']:.1f} tok/s",
-                  file=sys.stderr, flush=True)
+            print(f"#   prefill {r['prefill_s']:.2f} s, step {r['step_ms_median']:.2f} ms, {r['tok_s']:.1f} tok/s, "
+                  f"cpu share {r['cpu_share'] or 0:.2f}, load {r['loadavg_1m']:.1f}", file=sys.stderr, flush=True)
         return self.rows[key]
 
 
@@ -522,12 +528,15 @@ def report(res: dict) -> str:
         md += ["## Decode steps (median of timed steps; MiB = 2^20 bytes; tok/s = output tokens)", ""]
         md.append(md_table(
             ["cache", "context", "batch", "prefill s", "step ms (min, spread)", "tok/s", "KV device MiB", "host MiB",
-             "fetched MiB/step", "read MiB/step", "achieved GB/s", "of copy BW"],
+             "fetched MiB/step", "read MiB/step", "achieved GB/s", "of copy BW", "CPU share"],
             [[r["label"], r["context"], r["batch"], f"{r['prefill_s']:.2f}",
               f"{r['step_ms_median']:.2f} ({r['step_ms_min']:.2f}, {r['spread_pct']:.0f}%)", f"{r['tok_s']:.1f}",
               mb(r["kv_device_bytes"]), mb(r["kv_host_bytes"]), f"{r['fetch_bytes_per_step'] / 2**20:.2f}",
-              mb(r["read_bytes_per_step"]), f"{r['achieved_gbs']:.1f}", f"{100 * r['of_copy_bw']:.0f}%"]
+              mb(r["read_bytes_per_step"]), f"{r['achieved_gbs']:.1f}", f"{100 * r['of_copy_bw']:.0f}%",
+              "-" if r["cpu_share"] is None else f"{r['cpu_share']:.2f}"]
              for r in res["grid"]]))
+        md.append("\nCPU share: CPU time this process got / (wall time x threads) during the timed steps; "
+                  "well below ~0.8 means other processes competed for the cores (timings suspect).")
         md.append("")
     if res["overhead"]:
         md += ["## Two-token overhead (paper/rebuttal Q1: 1-bit KIVI 94.3 ms -> +SpeCache 101-103 ms, ~1.07-1.10x on an A6000)", ""]
@@ -664,6 +673,7 @@ def main(argv=None):
     res = {"environment": environment(a, device, dtype), "model": model.args.name, "prompt_source": source,
            "weight_bytes": weight_bytes(model), "config": {k: v for k, v in vars(a).items() if k not in ("json", "md")}}
     res["config"]["checkpoint"] = str(a.checkpoint)
+    res["environment"]["loadavg_at_start"] = os.getloadavg()
     res["bandwidth"] = measure_bandwidth(device, a.bandwidth_mb)
     print(f"# copy {res['bandwidth']['copy_gbs']:.1f} GB/s, read {res['bandwidth']['read_gbs']:.1f} GB/s, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)

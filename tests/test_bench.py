@@ -45,6 +45,7 @@ def test_run_config_fields_and_bytes(model, cache):
     assert r["n_timed"] == a.steps and len(r["tokens"]) == 1 + a.warmup + a.steps
     assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
     assert r["tok_s"] == pytest.approx(2 / (r["step_ms_median"] / 1e3))  # one output token per step
+    assert r["cpu_share"] > 0
     # the caches' own accounting
     assert r["kv_device_bytes"] == generate.kv_device_bytes(caches)
     assert r["kv_host_bytes"] == generate.kv_host_bytes(caches)
