@@ -120,13 +120,14 @@ def decode_step(model, tokens: torch.Tensor, input_pos: torch.Tensor, temperatur
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: bool, step_fn=decode_step,
              temperature=0.0, top_k=None, eos_ids=(), chunk=2048, on_token=None, progress=None,
-             sync=lambda: None):
-    """prompt [B, P] -> (generated ids [B, N], stats). `speculative` selects the two-token loop."""
+             sync=lambda: None, prefill_model=None):
+    """prompt [B, P] -> (generated ids [B, N], stats). `speculative` selects the two-token loop;
+    `prefill_model` is e.g. a torch.compile'd view of `model` used for prefill only."""
     B, P = prompt.shape
     device = prompt.device
     stats = {"spec_hits": 0, "spec_steps": 0}
     t0 = time.perf_counter()
-    last_logits = prefill(model, prompt, chunk, progress)
+    last_logits = prefill(prefill_model or model, prompt, chunk, progress)
     token = sample(last_logits, temperature, top_k)  # T1
     sync()
     stats["prefill_s"] = time.perf_counter() - t0
@@ -199,6 +200,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile", action="store_true", help="compile the decode step (fullgraph; CUDA graph on CUDA)")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="also compile prefill (dynamic shapes; the low-bit caches' bookkeeping stays eager)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.add_argument("--quiet", action="store_true", help="no streaming text")
     return p.parse_args(argv)
@@ -250,6 +253,7 @@ def main(argv=None):
         fail(str(e))
     speculative = a.cache == "specache" and a.fetch == "speculative"
     step_fn = compile_step(device) if a.compile else decode_step
+    prefill_model = torch.compile(model, dynamic=True) if a.compile_prefill else model
     prompt = torch.tensor([ids] * a.batch_size, device=device)
 
     streamed, ended = [], []
@@ -269,7 +273,8 @@ def main(argv=None):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out, stats = generate(model, prompt, a.max_new_tokens, speculative=speculative, step_fn=step_fn,
                           temperature=a.temperature, top_k=a.sample_top_k, eos_ids=tok.eos_ids,
-                          chunk=a.prefill_chunk, on_token=on_token, progress=progress, sync=sync)
+                          chunk=a.prefill_chunk, on_token=on_token, progress=progress, sync=sync,
+                          prefill_model=prefill_model)
     rows = [[int(x) for x in row] for row in out]
     for row in rows:  # cut at the first eos
         for i, t in enumerate(row):

@@ -189,8 +189,9 @@ class Transformer(nn.Module):
 
 
 def load_model(ckpt_dir, device="cpu", dtype=torch.float32, max_seq_len: Optional[int] = None) -> Transformer:
-    """Build on the meta device and assign the safetensors tensors (memory-mapped) in place."""
-    from safetensors.torch import load_file
+    """Build on the meta device, then assign the checkpoint's tensors one at a time (converted to
+    `dtype` on the way), so peak memory is the model plus one tensor."""
+    from safetensors import safe_open
 
     ckpt_dir = Path(ckpt_dir)
     cfg = json.loads((ckpt_dir / "config.json").read_text())
@@ -199,10 +200,9 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32, max_seq_len: Optiona
         args.max_seq_len = max_seq_len
     with torch.device("meta"):
         model = Transformer(args)
-    state = load_file(str(ckpt_dir / "model.safetensors"), device="cpu")
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    with safe_open(str(ckpt_dir / "model.safetensors"), framework="pt", device="cpu") as f:
+        state = {name: f.get_tensor(name).to(device=device, dtype=dtype) for name in f.keys()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if m != "rope"]
     if missing or unexpected:
         raise ValueError(f"checkpoint {ckpt_dir} does not match ModelArgs: missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.rope = rope_table(args, args.max_seq_len).to(device)
