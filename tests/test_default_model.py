@@ -25,7 +25,7 @@ def tok(ckpt):
 
 
 def essay_ids(tok, n):
-    import eval as ev
+    import tasks as ev
     return tok.encode(ev.essays())[:n]
 
 
@@ -97,7 +97,7 @@ def test_compiled_equals_eager_on_the_default_model(model, tok):
 @pytest.mark.slow
 def test_needle_full_vs_kivi_vs_specache(model, tok, capsys):
     """The paper's needle in ~3k tokens of essays: the three answers from one run."""
-    import eval as ev
+    import tasks as ev
     sample = ev.niah(tok, 3000, 0.5)
     ids = tok.encode(ev.render(tok, sample))
     answers = {}

@@ -1,5 +1,5 @@
-"""eval.py: task generators, scorers, results resume, method names. No model needed; the real
-tokenizer is used where a converted checkpoint exists (else those checks are skipped)."""
+"""tasks.py (task generators, scorers) and eval.py (results resume, reports, method names). No model
+needed; the real tokenizer is used where a converted checkpoint exists (else those checks are skipped)."""
 import json
 import re
 from pathlib import Path
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import eval as ev
+import tasks as tk
 
 CKPT = Path(ev.DEFAULT_CHECKPOINT)
 
@@ -35,46 +36,46 @@ def real_tok():
 
 
 def n_tok(tok, s):
-    return len(tok.encode(ev.render(tok, s)))
+    return len(tok.encode(tk.render(tok, s)))
 
 
 # ---- NIAH ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
 def test_niah_needle_once_at_depth_and_length(depth):
     tok = WordTokenizer()
-    s = ev.niah(tok, 2000, depth)
-    assert s.prompt.count(ev.NEEDLE) == 1
+    s = tk.niah(tok, 2000, depth)
+    assert s.prompt.count(tk.NEEDLE) == 1
     assert abs(n_tok(tok, s) - 2000) <= 20  # within 1%
-    context = s.prompt[: s.prompt.rindex("\n\n" + ev.QUESTION)]
-    at = context.index(ev.NEEDLE)
+    context = s.prompt[: s.prompt.rindex("\n\n" + tk.QUESTION)]
+    at = context.index(tk.NEEDLE)
     assert at == s.meta["needle_char"]
-    frac = at / (len(context) - len(ev.NEEDLE))
+    frac = at / (len(context) - len(tk.NEEDLE))
     assert abs(frac - depth) < 0.03, (frac, depth)
     if 0 < depth < 1:  # at a sentence boundary: the needle starts after a sentence end
         assert re.search(r"[.!?][\"')\]]*\s+$", context[:at])
-    assert s.prompt.endswith(f"{ev.QUESTION} {ev.RETRIEVAL_CUE}")
+    assert s.prompt.endswith(f"{tk.QUESTION} {tk.RETRIEVAL_CUE}")
 
 
 def test_niah_deterministic_and_real_tokenizer_length(real_tok):
     for L, d in ((1000, 0.5), (4000, 0.1)):
-        s = ev.niah(real_tok, L, d)
-        assert s.prompt == ev.niah(real_tok, L, d).prompt
+        s = tk.niah(real_tok, L, d)
+        assert s.prompt == tk.niah(real_tok, L, d).prompt
         assert abs(n_tok(real_tok, s) - L) <= 0.01 * L
-        assert s.prompt.count(ev.NEEDLE) == 1
+        assert s.prompt.count(tk.NEEDLE) == 1
 
 
 # ---- RULER ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("task", [t for t in ev.RULER_TASKS if t != "qa_hotpot"])
+@pytest.mark.parametrize("task", [t for t in tk.RULER_TASKS if t != "qa_hotpot"])
 def test_ruler_task_length_determinism_and_answers(task):
     tok = WordTokenizer()
-    s = ev.ruler_sample(tok, task, 2000, 0, seed=0)
+    s = tk.ruler_sample(tok, task, 2000, 0, seed=0)
     assert abs(n_tok(tok, s) - 2000) <= 20, n_tok(tok, s)
-    again = ev.ruler_sample(tok, task, 2000, 0, seed=0)
+    again = tk.ruler_sample(tok, task, 2000, 0, seed=0)
     assert (s.prompt, s.answers) == (again.prompt, again.answers)
-    other = ev.ruler_sample(tok, task, 2000, 1, seed=0)
+    other = tk.ruler_sample(tok, task, 2000, 1, seed=0)
     assert other.prompt != s.prompt
     assert s.answers and all(a for a in s.answers)
-    kind = ev.RULER_TASKS[task][0]
+    kind = tk.RULER_TASKS[task][0]
     if kind == "niah":  # every expected value is in the context exactly once
         for a in s.answers:
             assert s.prompt.count(a) == 1, a
@@ -98,33 +99,33 @@ def test_ruler_task_length_determinism_and_answers(task):
 def test_ruler_niah_depths_spread():
     """multi-needle essays: the 4 keys' needles land at different places, all in the context."""
     tok = WordTokenizer()
-    s = ev.ruler_sample(tok, "niah_multikey_1", 2000, 0)
+    s = tk.ruler_sample(tok, "niah_multikey_1", 2000, 0)
     assert s.prompt.count("One of the special magic numbers for") == 4
 
 
 def test_ruler_real_tokenizer_length(real_tok):
     for task in ("niah_single_2", "niah_multikey_1", "vt", "qa_squad", "fwe"):
-        s = ev.ruler_sample(real_tok, task, 4000, 0)
+        s = tk.ruler_sample(real_tok, task, 4000, 0)
         assert abs(n_tok(real_tok, s) - 4000) <= 40, (task, n_tok(real_tok, s))
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------
 def test_niah_score():
-    assert ev.niah_score("The best thing is to eat a sandwich and sit in Dolores Park on a sunny day.") == 1.0
-    assert ev.niah_score("eat a SANDWICH in dolores-park!") == pytest.approx(2 / 3)
-    assert ev.niah_score("Go to the Golden Gate Bridge.") == 0.0
-    assert ev.niah_score("") == 0.0
+    assert tk.niah_score("The best thing is to eat a sandwich and sit in Dolores Park on a sunny day.") == 1.0
+    assert tk.niah_score("eat a SANDWICH in dolores-park!") == pytest.approx(2 / 3)
+    assert tk.niah_score("Go to the Golden Gate Bridge.") == 0.0
+    assert tk.niah_score("") == 0.0
 
 
 def test_ruler_scores():
     refs = ["1234567", "7654321"]
-    assert ev.recall_all("They are 1234567 and 7654321.", refs) == 1.0
-    assert ev.recall_all("It is 1234567", refs) == 0.5
-    assert ev.recall_all("nothing", refs) == 0.0
-    assert ev.recall_all("The Keys: BRAVE-OTTER, calm otter", ["brave-otter", "calm-otter"]) == 1.0
-    assert ev.ruler_score("qa_squad", "Answer: france.", ["France", "the French"]) == 1.0
-    assert ev.ruler_score("qa_squad", "Germany", ["France", "the French"]) == 0.0
-    assert ev.ruler_score("vt", "VAR ABCDE, FGHIJ", ["ABCDE", "FGHIJ", "KLMNO"]) == pytest.approx(2 / 3)
+    assert tk.recall_all("They are 1234567 and 7654321.", refs) == 1.0
+    assert tk.recall_all("It is 1234567", refs) == 0.5
+    assert tk.recall_all("nothing", refs) == 0.0
+    assert tk.recall_all("The Keys: BRAVE-OTTER, calm otter", ["brave-otter", "calm-otter"]) == 1.0
+    assert tk.ruler_score("qa_squad", "Answer: france.", ["France", "the French"]) == 1.0
+    assert tk.ruler_score("qa_squad", "Germany", ["France", "the French"]) == 0.0
+    assert tk.ruler_score("vt", "VAR ABCDE, FGHIJ", ["ABCDE", "FGHIJ", "KLMNO"]) == pytest.approx(2 / 3)
 
 
 # ---- results file ---------------------------------------------------------------------------------------
@@ -162,10 +163,72 @@ def test_reports_and_heatmap(tmp_path):
     ev.write_ruler_report(r)
     assert "| full | 1000 | 1 | 100.0 | 50.0 | 75.0 |" in (tmp_path / "results.md").read_text()
     f = dict(cmd="hitrate", method="specache-1bit", length=1000, sample=0)
-    r.add(ev.Results.key(f), dict(f, label="specache-1bit", topk=[1.0] * 10 + [0.5] * 10, exact=[True, False] * 10))
+    r.add(ev.Results.key(f), dict(f, label="specache-1bit", topk=[None] + [1.0] * 9 + [0.5] * 10,
+                                  topk_lowbit=[None] + [0.5] * 19, exact=[True, False] * 10))
     ev.write_hitrate_report(r)
     md = (tmp_path / "results.md").read_text()
-    assert "| specache-1bit | 50.0 | 75.0 | 20 |" in md and "[11, 50]" in md
+    # totals: steps, then top-k vs fp16 (None skipped: (9 + 5) / 19), top-k vs low-bit, exact token
+    assert f"| specache-1bit | 20 | {100 * 14 / 19:.1f} | 50.0 | 50.0 |" in md
+    # by decode-step interval, one row per measure; intervals past the last step are left out
+    assert "| method | measure | [1, 10] | [11, 50] |" in md and "[51, 100]" not in md
+    assert "| specache-1bit | top-k hit % (vs fp16 top-k) | 100.0 | 50.0 |" in md
+    assert "| specache-1bit | top-k hit % (vs low-bit top-k) | 50.0 | 50.0 |" in md
+    assert "| specache-1bit | exact token hit % | 50.0 | 50.0 |" in md
+    f = dict(f, sample=1)
+    r.add(ev.Results.key(f), dict(f, label="specache-1bit", topk=[1.0] * 250, topk_lowbit=[1.0] * 250, exact=[True] * 250))
+    ev.write_hitrate_report(r)
+    assert "| [101, 200] | [201, ] |" in (tmp_path / "results.md").read_text()
+    assert ev.step_mean(r.of("hitrate"), "topk", 201) == 1.0 and ev.step_mean(r.of("hitrate")[:1], "exact", 11, 20) == 0.5
+
+
+def test_ppl_report_and_summary_prompt(tmp_path):
+    r = ev.Results(tmp_path)
+    for lb, nll in (("full", 1.0), ("kivi-1bit", 2.0)):
+        f = dict(cmd="ppl", method=lb, length=2048, window=0, n_eval=128)
+        r.add(ev.Results.key(f), dict(f, label=lb, nll=nll, n=128))
+    ev.write_ppl_report(r)
+    md = (tmp_path / "results.md").read_text()
+    assert "last 128 tokens" in md and "| full | 2.718 | 1.0000 | 1 |" in md and "| kivi-1bit | 7.389 |" in md
+    tok = WordTokenizer()
+    p = tk.summary_prompt(tok, 1000, 0)
+    assert p.startswith("<user> ") and p.endswith(f"{tk.SUMMARY_ASK} <assistant>")
+    assert len(tok.encode(p)) <= 1000 and p != tk.summary_prompt(tok, 1000, 1)
+
+
+# ---- the runner's hit trace, on a tiny random Llama -------------------------------------------------------
+class IdTokenizer:
+    eos_ids, bos_id, add_bos = set(), None, False
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def tiny_runner():
+    import torch
+    import generate
+    from tests.helpers import tiny_model
+
+    r = ev.Runner.__new__(ev.Runner)  # Runner without a checkpoint
+    r.torch, r.gen, r.device, r.model, r.tok = torch, generate, torch.device("cpu"), tiny_model(), IdTokenizer()
+    r.chunk, r.fixed_len, r.step_fn = 2048, None, generate.decode_step
+    return r
+
+
+def test_hit_trace_per_step_agrees_with_the_cache_totals():
+    import random
+    import generate
+
+    r = tiny_runner()
+    ids = [random.Random(1).randrange(256) for _ in range(100)]
+    m = ev.expand_methods("specache-1bit", ks=[8], groups=[16], residuals=[16])[0]
+    text, stats = r.generate(m, ids, 41)
+    trace = r.hit_trace(m, ids, 40)
+    assert all(len(v) == 40 for v in trace.values())
+    assert r.generate(m, ids, 41, track_hits=True)[0] == text  # recording hits does not change the tokens
+    assert ev.mean(trace["exact"]) == pytest.approx(stats["spec_exact_hit_rate"])
+    for key, against in (("topk", "exact"), ("topk_lowbit", "lowbit")):
+        assert all(v is not None and 0 <= v <= 1 for v in trace[key])
+        assert ev.step_mean([trace], key) == pytest.approx(generate.topk_hit_rate(r.caches, against))
 
 
 # ---- method names ---------------------------------------------------------------------------------------
