@@ -330,7 +330,7 @@ class SpeCache(LowBitCache):
                                       dict(k_fetch=fetched["k_fetch"], fetch_idx=self.fetch_idx, fetch_valid=self.fetch_valid))
             self.fetch_idx.copy_(idx)
             self.fetch_valid.copy_(valid)
-            self.prefetcher.start(self.layer_idx, self.fetch_idx)
+            self.prefetcher.start(self.layer_idx, self.fetch_idx)  # overlaps the remaining layers
         else:
             # Table 4 "sequential": pick rows with the real token itself, fetch, recompute.
             _, lse = self.attend(q)
@@ -343,6 +343,8 @@ class SpeCache(LowBitCache):
             out, _ = self.attend(q, fetched)
             self.replaced.scatter_(2, safe_idx, False)
             self._keep_real_token(k, v, input_pos, mode)
+        if self.layer_idx == self.prefetcher.n_layers - 1:
+            self.prefetcher.end_step()
         return out
 
     def _keep_real_token(self, k, v, input_pos, mode):

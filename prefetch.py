@@ -8,8 +8,12 @@
   and has produced the next top-k indices) and `fetched[l]` (the side stream has filled ring l).
 
 Fetch for layer l = `start(l, idx)`: the side stream waits for `consumed[l]`, gathers rows `idx`
-of host layer l straight into ring l, and records `fetched[l]`; `wait(l)` makes the main stream
-wait for `fetched[l]` only, so the copy overlaps layers l+1..L-1 of the current step.
+of host layer l straight into ring l, and records `fetched[l]`; the copy overlaps layers
+l+1..L-1 of the current step. A CUDA graph must join every stream it forks before its capture
+ends, so by default (`join_each_step`) the last layer's `end_step()` makes the main stream wait for
+the side stream, and `wait(l)` has nothing left to do. Without graphs (`join_each_step=False`),
+`wait(l)` makes the main stream of the next step wait for `fetched[l]` only, which also lets the
+copies overlap sampling and the first layers of the next step.
 
 How rows cross the bus (CUDA): the indices are produced on the device and stay there. A Triton
 gather (kernels.gather_rows) reads the pinned host rows directly through unified virtual
@@ -46,11 +50,18 @@ def _fetch_wait_op(ring_k: torch.Tensor, ring_v: torch.Tensor, pid: int, layer: 
     _PREFETCHERS[pid]._wait_async(layer)
 
 
+@torch.library.custom_op("specache::fetch_join", mutates_args=("ring_k", "ring_v"))
+def _fetch_join_op(ring_k: torch.Tensor, ring_v: torch.Tensor, pid: int) -> None:
+    _PREFETCHERS[pid]._join_async()
+
+
 class Prefetcher:
-    def __init__(self, n_layers, batch, n_kv_heads, max_seq_len, head_dim, k, dtype, device, impl="uva"):
+    def __init__(self, n_layers, batch, n_kv_heads, max_seq_len, head_dim, k, dtype, device, impl="uva",
+                 join_each_step=True):
         if impl not in ("uva", "staged"):
             raise ValueError(f"unknown fetch impl {impl!r}")
-        self.device, self.impl, self.k = device, impl, k
+        self.device, self.impl, self.k, self.join_each_step = device, impl, k, join_each_step
+        self.n_layers = n_layers
         self.on_cuda = device.type == "cuda"
         host = dict(dtype=dtype, device="cpu", pin_memory=self.on_cuda)
         if not self.on_cuda:
@@ -109,9 +120,15 @@ class Prefetcher:
             self.copy_rows(layer, idx)
 
     def wait(self, layer):
-        """The main stream waits for this layer's fetch only (no-op on CPU, where start is synchronous)."""
-        if self.on_cuda:
+        """The main stream waits for this layer's fetch only (no-op on CPU, where start is
+        synchronous, and after a joined step)."""
+        if self.on_cuda and not self.join_each_step:
             torch.ops.specache.fetch_wait(self.ring_k[layer], self.ring_v[layer], self.pid, layer)
+
+    def end_step(self):
+        """Called by the last layer: join the side stream (see the module docstring)."""
+        if self.on_cuda and self.join_each_step:
+            torch.ops.specache.fetch_join(self.ring_k, self.ring_v, self.pid)
 
     def _start_async(self, layer, idx):
         self.consumed[layer].record(self.dm.current_stream(self.device))
@@ -126,13 +143,16 @@ class Prefetcher:
             kernels.gather_rows(self.host_k[layer], idx, self.ring_k[layer])
             kernels.gather_rows(self.host_v[layer], idx, self.ring_v[layer])
         else:
-            idx_host = idx.to("cpu")  # the one sync this path pays
+            idx_host = idx.to("cpu")  # the one sync this path pays (so: eager only, no CUDA graph)
             for host, staging, ring in ((self.host_k, self.staging_k, self.ring_k), (self.host_v, self.staging_v, self.ring_v)):
                 torch.gather(host[layer], 2, idx_host[..., None].expand_as(staging), out=staging)
                 ring[layer].copy_(staging, non_blocking=True)
 
     def _wait_async(self, layer):
         self.dm.current_stream(self.device).wait_event(self.fetched[layer])
+
+    def _join_async(self):
+        self.dm.current_stream(self.device).wait_stream(self.side)
 
     def synchronize(self):
         if self.on_cuda:

@@ -68,6 +68,10 @@ class FakeMainStream:
         event.done.wait()
         self.log.append(f"waited {event.name}")
 
+    def wait_stream(self, stream):
+        stream.synchronize()
+        self.log.append("joined")
+
 
 class FakeDeviceModule:
     def __init__(self, main):
@@ -81,12 +85,13 @@ class FakeDeviceModule:
         return contextlib.nullcontext()
 
 
-def fake_async(prefetcher: Prefetcher, delay=0.02):
+def fake_async(prefetcher: Prefetcher, delay=0.02, join_each_step=False):
     """Turn a CPU prefetcher into one that runs its CUDA code path against fake streams."""
     log = []
     side = FakeSideStream(delay, log)
     L = prefetcher.ring_k.shape[0]
     prefetcher.on_cuda = True
+    prefetcher.join_each_step = join_each_step
     prefetcher.dm = FakeDeviceModule(FakeMainStream(log))
     prefetcher.side = side
     prefetcher.consumed = [FakeEvent() for _ in range(L)]
@@ -104,7 +109,8 @@ def fake_async(prefetcher: Prefetcher, delay=0.02):
     prefetcher.copy_rows = delayed_copy
     # the custom ops are for the compiled CUDA graph; the fake streams are plain Python
     prefetcher.start = prefetcher._start_async
-    prefetcher.wait = prefetcher._wait_async
+    prefetcher.wait = lambda layer: None if prefetcher.join_each_step else prefetcher._wait_async(layer)
+    prefetcher.end_step = lambda: prefetcher._join_async() if prefetcher.join_each_step else None
     return log
 
 
@@ -159,6 +165,23 @@ def test_decode_with_delayed_fetches_matches_synchronous():
                 assert copies >= waits, log
                 waits += 1
         assert waits == 20 and copies >= 19
+
+
+def test_joined_steps_match_synchronous():
+    """The CUDA-graph schedule: the last layer joins the side stream, so every step ends with all
+    its fetches landed (the log shows each step's copies before its join)."""
+    model = tiny_model()
+    prompt = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
+    kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8)
+    setup_caches(model, "specache", **kw)
+    ref, _ = generate(model, prompt, 12, speculative=True)
+    _, prefetcher, _ = setup_caches(model, "specache", **kw)
+    log = fake_async(prefetcher, delay=0.002, join_each_step=True)
+    got, _ = generate(model, prompt, 12, speculative=True)
+    assert torch.equal(got, ref)
+    assert log.count("joined") == 12 and not any(e.startswith("waited") for e in log)
+    steps = "|".join(log).split("joined")[:-1]
+    assert all(s.strip("|").split("|") == ["copied 0", "copied 1"] for s in steps), log
 
 
 def test_compression_ratio_at_8k():
