@@ -143,17 +143,24 @@ def test_wait_blocks_until_the_delayed_copy_landed():
     assert torch.equal(p.ring_k[0, 0, 1, 2], p.host_k[0, 0, 1, 6])
 
 
-def test_decode_with_delayed_fetches_matches_synchronous():
-    """A whole SpeCache generation where every fetch lands late: layer l's attention must wait for
-    fetch l, so the tokens equal those of the synchronous CPU path."""
+def generate_with_late_fetches(new_tokens, join_each_step):
+    """A tiny SpeCache generation twice: synchronous CPU fetches, then every fetch landing late on
+    fake streams. Returns (reference tokens, tokens, the fake streams' log)."""
     model = tiny_model()
     prompt = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
     kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8)
     setup_caches(model, "specache", **kw)
-    ref, _ = generate(model, prompt, 20, speculative=True)
+    ref, _ = generate(model, prompt, new_tokens, speculative=True)
     _, prefetcher, _ = setup_caches(model, "specache", **kw)
-    log = fake_async(prefetcher, delay=0.002)
-    got, _ = generate(model, prompt, 20, speculative=True)
+    log = fake_async(prefetcher, delay=0.002, join_each_step=join_each_step)
+    got, _ = generate(model, prompt, new_tokens, speculative=True)
+    return ref, got, log
+
+
+def test_decode_with_delayed_fetches_matches_synchronous():
+    """Per-layer waits (eager CUDA schedule): layer l's attention must wait for fetch l, so the
+    tokens equal those of the synchronous CPU path."""
+    ref, got, log = generate_with_late_fetches(20, join_each_step=False)
     assert torch.equal(got, ref)
     # The n-th wait of layer l comes after its (n-1)-th copy landed (the first wait, in
     # pre-decoding, has nothing to wait for).
@@ -170,14 +177,7 @@ def test_decode_with_delayed_fetches_matches_synchronous():
 def test_joined_steps_match_synchronous():
     """The CUDA-graph schedule: the last layer joins the side stream, so every step ends with all
     its fetches landed (the log shows each step's copies before its join)."""
-    model = tiny_model()
-    prompt = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
-    kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8)
-    setup_caches(model, "specache", **kw)
-    ref, _ = generate(model, prompt, 12, speculative=True)
-    _, prefetcher, _ = setup_caches(model, "specache", **kw)
-    log = fake_async(prefetcher, delay=0.002, join_each_step=True)
-    got, _ = generate(model, prompt, 12, speculative=True)
+    ref, got, log = generate_with_late_fetches(12, join_each_step=True)
     assert torch.equal(got, ref)
     assert log.count("joined") == 12 and not any(e.startswith("waited") for e in log)
     steps = "|".join(log).split("joined")[:-1]
