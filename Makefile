@@ -23,7 +23,7 @@ $(CKPT)/config.json: $(STAMP) convert_hf.py tokenizer.py
 	$(PY) convert_hf.py smollm2 --out $(CKPT)
 
 demo: $(CKPT)/config.json
-	$(PY) eval.py prompt --length 3000 --depth 0.5 > $(CKPT)/needle_prompt.txt
+	$(PY) eval.py prompt --length 1000 --depth 0.5 > $(CKPT)/needle_prompt.txt
 	$(PY) generate.py --checkpoint $(CKPT) --bits 1 --k 64 --chat --prompt-file $(CKPT)/needle_prompt.txt --max-new-tokens 40
 
 test: $(CKPT)/config.json
