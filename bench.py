@@ -109,7 +109,7 @@ def measure_bandwidth(device, mbytes=256, reps=5) -> dict:
 
 class PeakMemory:
     """Peak memory while the block runs: torch.cuda.max_memory_allocated on CUDA; on CPU the process
-    RSS sampled every 2 ms (psutil), or the lifetime peak RSS (getrusage) when psutil is missing."""
+    RSS sampled every 10 ms (psutil), or the lifetime peak RSS (getrusage) when psutil is missing."""
 
     def __init__(self, device):
         self.device, self.peak, self.base, self.kind = device, None, None, None
@@ -131,7 +131,7 @@ class PeakMemory:
         proc, self._stop = psutil.Process(), threading.Event()
         self.peak = self.base = proc.memory_info().rss
         def sample():
-            while not self._stop.wait(0.002):
+            while not self._stop.wait(0.01):
                 self.peak = max(self.peak, proc.memory_info().rss)
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
