@@ -109,8 +109,17 @@ class Prefetcher:
     # ---- decode ----------------------------------------------------------------------------------
     def offload_step(self, layer, k, v, pos):
         """Append the real token's fp K/V [B,Hkv,1,D] at position pos (a device tensor)."""
-        kernels.scatter_rows(self.host_k[layer], pos, k)
-        kernels.scatter_rows(self.host_v[layer], pos, v)
+        if self.on_cuda:
+            kernels.scatter_rows(self.host_k[layer], pos, k)
+            kernels.scatter_rows(self.host_v[layer], pos, v)
+            return
+        # index_put_ on the whole store, not on the view host_k[layer]: under torch.compile a
+        # mutated view of a graph input makes functionalization copy the entire base every step.
+        B, H = k.shape[:2]
+        index = (torch.tensor(layer, device=k.device), torch.arange(B, device=k.device)[:, None],
+                 torch.arange(H, device=k.device)[None, :], pos.reshape(()))
+        self.host_k.index_put_(index, k[:, :, 0])
+        self.host_v.index_put_(index, v[:, :, 0])
 
     def start(self, layer, idx):
         """Fetch rows idx [B,Hkv,k] of host layer `layer` into ring[layer] (async on CUDA)."""
