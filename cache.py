@@ -360,6 +360,3 @@ class SpeCache(LowBitCache):
 
     def host_bytes(self) -> int:
         return self.prefetcher.host_bytes_per_layer()
-
-    def reset_fetch(self):
-        self.fetch_valid.zero_()

@@ -163,9 +163,6 @@ class Prefetcher:
     def _join_async(self):
         self.dm.current_stream(self.device).wait_stream(self.side)
 
-    def synchronize(self):
-        if self.on_cuda:
-            self.side.synchronize()
 
     # ---- exact reference top-k (oracle fetch, hit-rate instrumentation) ---------------------------
     def exact_topk(self, layer, q_row, n_quant, k, sm_scale):
