@@ -161,13 +161,13 @@ def _dequant_tile(codes, codes_lo, scale, zero, rows, offs_d, mask, D,
 
 
 @triton.jit
-def _softmax_step(scores, v, m_i, l_i, acc):
+def _softmax_step(scores, v, m_i, l_i, acc, DOT: tl.constexpr):
     """One online-softmax update (flash attention); masked scores are -inf, masked v rows 0."""
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(scores - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT)
 
 
 @triton.jit
@@ -176,7 +176,7 @@ def _attn_split_kernel(q, k_codes, k_codes_lo, k_scale, k_zero, v_codes, v_codes
                        out_part, lse_part, sm_scale, S, R, K_FETCH, D, T, M, SPLIT_LEN,
                        BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
                        K_HIER: tl.constexpr, V_HIER: tl.constexpr, HAS_FETCH: tl.constexpr,
-                       HAS_REPLACED: tl.constexpr, HAS_CHAN: tl.constexpr,
+                       HAS_REPLACED: tl.constexpr, HAS_CHAN: tl.constexpr, DOT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (B*Hkv, n_splits + 1). Programs 0..n_splits-1 each take SPLIT_LEN quantized slots
     (flash-decoding); the last program takes the fetched rows and the residual window. Each
@@ -212,8 +212,8 @@ def _attn_split_kernel(q, k_codes, k_codes_lo, k_scale, k_zero, v_codes, v_codes
         vt = _dequant_tile(v_codes, v_codes_lo, v_scale, v_zero, rows, offs_d, nd_ok, D, BITS_V, 1, GROUP_V, V_HIER)
         if HAS_CHAN:
             vt = vt * tl.load(v_chan + bh * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        scores = tl.where(n_ok[None, :], tl.dot(qt, tl.trans(kt)), -float("inf"))
-        m_i, l_i, acc = _softmax_step(scores, vt, m_i, l_i, acc)
+        scores = tl.where(n_ok[None, :], tl.dot(qt, tl.trans(kt), input_precision=DOT), -float("inf"))
+        m_i, l_i, acc = _softmax_step(scores, vt, m_i, l_i, acc, DOT)
 
     if HAS_FETCH:  # fetched fp rows (only the last program)
         f_hi = tl.where(is_fp, K_FETCH, 0)
@@ -225,8 +225,8 @@ def _attn_split_kernel(q, k_codes, k_codes_lo, k_scale, k_zero, v_codes, v_codes
             ptr = (bh * K_FETCH + offs_f[:, None]) * D + offs_d[None, :]
             kt = tl.load(k_fetch + ptr, mask=fd_ok, other=0.0).to(tl.float32)
             vt = tl.load(v_fetch + ptr, mask=fd_ok, other=0.0).to(tl.float32)
-            scores = tl.where(f_ok[None, :], tl.dot(qt, tl.trans(kt)), -float("inf"))
-            m_i, l_i, acc = _softmax_step(scores, vt, m_i, l_i, acc)
+            scores = tl.where(f_ok[None, :], tl.dot(qt, tl.trans(kt), input_precision=DOT), -float("inf"))
+            m_i, l_i, acc = _softmax_step(scores, vt, m_i, l_i, acc, DOT)
 
     # fp residual rows [0, res_len); query row m (token t = m % T) sees rows < res_len - T + t + 1
     res_len = tl.load(res_len_ptr)
@@ -240,8 +240,8 @@ def _attn_split_kernel(q, k_codes, k_codes_lo, k_scale, k_zero, v_codes, v_codes
         kt = tl.load(k_res + ptr, mask=rd_ok, other=0.0).to(tl.float32)
         vt = tl.load(v_res + ptr, mask=rd_ok, other=0.0).to(tl.float32)
         causal = r_ok[None, :] & (offs_r[None, :] < limit[:, None])
-        scores = tl.where(causal, tl.dot(qt, tl.trans(kt)), -float("inf"))
-        m_i, l_i, acc = _softmax_step(scores, vt, m_i, l_i, acc)
+        scores = tl.where(causal, tl.dot(qt, tl.trans(kt), input_precision=DOT), -float("inf"))
+        m_i, l_i, acc = _softmax_step(scores, vt, m_i, l_i, acc, DOT)
 
     has = l_i > 0
     part = (bh * n_programs + split) * M + offs_m
@@ -274,7 +274,7 @@ def _attn_combine_kernel(out_part, lse_part, out, lse, NS, M, D, BLOCK_S: tl.con
 
 @triton.jit
 def _topk_score_kernel(q, k_codes, k_codes_lo, k_scale, k_zero, n_quant_ptr, lse, score, sm_scale, S, D, G,
-                       BITS_K: tl.constexpr, GROUP_K: tl.constexpr, K_HIER: tl.constexpr,
+                       BITS_K: tl.constexpr, GROUP_K: tl.constexpr, K_HIER: tl.constexpr, DOT: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (B*Hkv, cdiv(S, BLOCK_N)): score[bh, p] = sum_g exp(sm_scale q_g.k'_p - lse_g), -1 past n_quant."""
     bh = tl.program_id(0).to(tl.int64)
@@ -289,7 +289,7 @@ def _topk_score_kernel(q, k_codes, k_codes_lo, k_scale, k_zero, n_quant_ptr, lse
     lse_g = tl.load(lse + bh * G + offs_g, mask=g_ok, other=0.0).to(tl.float32)
     kt = _dequant_tile(k_codes, k_codes_lo, k_scale, k_zero, bh * S + offs_n, offs_d, n_ok[:, None] & d_ok[None, :],
                        D, BITS_K, GROUP_K, 1, K_HIER)
-    p = tl.exp(tl.dot(qt, tl.trans(kt)) - lse_g[:, None])
+    p = tl.exp(tl.dot(qt, tl.trans(kt), input_precision=DOT) - lse_g[:, None])
     prob = tl.sum(tl.where(g_ok[:, None], p, 0.0), 0)
     tl.store(score + bh * S + offs_n, tl.where(n_ok, prob, -1.0), mask=offs_n < S)
 
@@ -312,17 +312,17 @@ def _topk_select_kernel(score, top_score, top_idx, S, K, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     lo = tl.full([], -1, tl.int32)
     hi = tl.full([], 0x7F800000, tl.int32)
-    for _ in range(32):
+    for _step in range(32):  # (not `_`: it is reassigned below, which the compiler rejects)
         mid = lo + (hi - lo + 1) // 2
         count = tl.zeros([], tl.int32)
         for s0 in range(0, S, BLOCK):
-            _, key = _score_keys(score, row, s0 + offs, S)
+            _x, key = _score_keys(score, row, s0 + offs, S)
             count += tl.sum((key >= mid).to(tl.int32), 0)
         lo = tl.where(count >= K, mid, lo)
         hi = tl.where(count >= K, hi, mid - 1)
     n_above = tl.zeros([], tl.int32)
     for s0 in range(0, S, BLOCK):
-        _, key = _score_keys(score, row, s0 + offs, S)
+        _x, key = _score_keys(score, row, s0 + offs, S)
         n_above += tl.sum((key > lo).to(tl.int32), 0)
     seen_above = tl.zeros([], tl.int32)
     seen_tie = tl.zeros([], tl.int32)
@@ -366,6 +366,12 @@ def _block_n(group_k):
     return max(64, group_k)  # a multiple of the key group
 
 
+def _dot_precision(dtype):
+    """fp32 is the reference precision: IEEE dots (Triton's default for fp32 is TF32, ~1e-3 off).
+    16-bit models keep tensor-core dots."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def _u8(mask):  # bool -> uint8 view (same bytes), the pointer type every Triton version loads
     return mask.contiguous().view(torch.uint8)
 
@@ -402,7 +408,7 @@ def attention_lowbit_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zer
         float(sm_scale), S, R, k_fetch.shape[2] if fetch else 0, D, T, M, split_len,
         BITS_K=bits_k, BITS_V=bits_v, GROUP_K=group_k, GROUP_V=group_v,
         K_HIER=k_codes_lo is not None, V_HIER=v_codes_lo is not None, HAS_FETCH=fetch,
-        HAS_REPLACED=replaced is not None, HAS_CHAN=v_chan_scale is not None,
+        HAS_REPLACED=replaced is not None, HAS_CHAN=v_chan_scale is not None, DOT=_dot_precision(q.dtype),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)))
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -423,7 +429,7 @@ def topk_lowbit_triton(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bit
         q_row.contiguous(), k_codes.contiguous(), (k_codes_lo if k_codes_lo is not None else k_codes).contiguous(),
         k_scale.contiguous(), k_zero.contiguous(), n_quant.contiguous(), lse_row.contiguous(), score,
         float(sm_scale), S, D, H // Hkv, BITS_K=bits_k, GROUP_K=group_k, K_HIER=k_codes_lo is not None,
-        BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), BLOCK_N=BLOCK_N,
+        DOT=_dot_precision(q_row.dtype), BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)))
     if k_fetch is not None:  # k rows per kv head: a few small torch ops between the two kernels
         score = _exact_fetched_scores(score, q_row, lse_row, sm_scale, k_fetch, fetch_idx, fetch_valid)
@@ -472,7 +478,8 @@ def _attention_lowbit_op(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Te
 
 @_attention_lowbit_op.register_fake
 def _(q, *args):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # contiguous, like the real op (which makes q contiguous first), whatever q's strides
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("specache::topk_lowbit", mutates_args=())

@@ -331,6 +331,23 @@ def test_triton_custom_ops_opcheck():
     torch.library.opcheck(kernels._gather_rows_op, (host, idx, torch.empty(1, 2, 4, 16)), test_utils=tests)
 
 
+@needs_interpreter
+def test_triton_attention_op_fake_has_the_real_strides():
+    """torch.compile trusts the fake (meta) kernel's strides: with q a transposed view (as the model
+    passes it) the fake must return the contiguous tensor the real op returns (H100 finding:
+    assert_size_stride failed in the compiled SpeCache step)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    args, kw, _ = make_case(G=3, T=2, S=128, n_quant=64)
+    q = args[0].transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B,T,H,D] memory
+    assert not q.is_contiguous()
+    static = (kw["bits_k"], kw["bits_v"], kw["group_k"], kw["group_v"], kw["sm_scale"])
+    real = kernels._attention_lowbit_op(q, *args[1:], *static)
+    with FakeTensorMode() as mode:
+        fake = kernels._attention_lowbit_op(*(mode.from_tensor(a) for a in (q, *args[1:])), *static)
+    for r, f in zip(real, fake):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="the Triton tests ran in this process")
 def test_kernels_interpreted_in_fresh_process():
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -1,0 +1,298 @@
+"""Compile every Triton kernel for NVIDIA GPUs on a machine that has none: the compile gate, and
+the numbers a kernel author needs without a GPU (registers, spills, load widths in the hot loops).
+
+    python triton_aot.py                 # compile all variants for sm_80 and sm_90, print the report
+    python triton_aot.py --arch 90 --sass _attn_split_kernel   # also print that kernel's SASS loops
+
+How. The interpreter (TRITON_INTERPRET=1, what the CPU tests use) checks semantics but not what
+the compiler rejects (types of loop-carried values, implicit casts) and says nothing about the
+machine code. Here a stand-in CUDA driver, which only names a target, lets the real launchers in
+kernels.py and prefetch.py run on CPU tensors; Triton's `jit_cache_hook` records each
+specialization they ask for (signature, constexprs, divisibility attributes, num_warps/stages),
+exactly as a GPU launch would, and skips the launch. `triton.compile` then builds each one for
+each target with the real front and back end (the wheel ships ptxas, cuobjdump and nvdisasm).
+The cases below are the cache configurations the project supports, so the launchers' own choices
+(block sizes, bits, flags, dtypes) are what gets compiled.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    raise SystemExit("error: triton_aot.py compiles real kernels: run it without TRITON_INTERPRET=1")
+os.environ.setdefault("TRITON_CACHE_DIR", str(ROOT / ".cache" / "triton"))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 = its current default
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+ARCHS = (80, 90)
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+class TargetOnlyDriver:
+    """Enough of a CUDA driver for the JIT to specialize and key a kernel: a target, device 0."""
+
+    def __init__(self, arch):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def record(cases) -> list[dict]:
+    """Run each case (a callable that calls the launchers on CPU tensors) with launches skipped;
+    returns the distinct specializations the launchers asked for."""
+    specs, seen = [], set()
+
+    def hook(*, fn, compile, **_):
+        c = compile
+        key = (fn.name, json.dumps(c["signature"]), repr(sorted(c["constants"].items())), repr(c["configs"]),
+               c["num_warps"], c["num_stages"])
+        if key not in seen:
+            seen.add(key)
+            specs.append(dict(kernel=fn.name, jit=fn.jit_function, signature=c["signature"],
+                              constants=c["constants"], attrs=c["configs"][0], num_warps=c["num_warps"],
+                              num_stages=c["num_stages"], case=current[0]))
+        return True  # skip compile and launch: the launcher gets None back and carries on
+
+    current = [""]
+    old_hook = knobs.runtime.jit_cache_hook
+    driver.set_active(TargetOnlyDriver(90))
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        for name, fn in cases:
+            current[0] = name
+            fn()
+    finally:
+        knobs.runtime.jit_cache_hook = old_hook
+        driver.reset_active() if driver._default is not None else driver.set_active(None)
+    return specs
+
+
+def constexpr_names(spec) -> dict:
+    names = list(spec["signature"])
+    return {names[path[0]]: v for path, v in spec["constants"].items()}
+
+
+def variant(spec) -> str:
+    """A short name: the kernel's constexprs and its pointer dtypes."""
+    ptr = sorted({t[1:] for t in spec["signature"].values() if t.startswith("*") and t[1:] not in ("i64", "u8", "i32")})
+    cx = ",".join(f"{k}={v}" for k, v in constexpr_names(spec).items())
+    return f"{'/'.join(ptr)} {cx} w{spec['num_warps']}s{spec['num_stages']}"
+
+
+# ---- compiling (in worker processes: ptxas is single-threaded) --------------------------------------
+_SPECS: list = []
+
+
+def _compile_one(job):
+    i, arch = job
+    spec = _SPECS[i]
+    t0 = time.perf_counter()
+    try:
+        src = ASTSource(spec["jit"], spec["signature"], spec["constants"], spec["attrs"])
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=spec["num_warps"], num_stages=spec["num_stages"]))
+        out = dict(ok=True, ptx=k.asm["ptx"], cubin=k.asm["cubin"], shared=k.metadata.shared)
+    except Exception as e:  # noqa: BLE001 - the gate reports every failure
+        out = dict(ok=False, error=f"{type(e).__name__}: {str(e).strip()[-1500:]}")
+    out.update(index=i, arch=arch, seconds=time.perf_counter() - t0)
+    return out
+
+
+def compile_all(specs, archs=ARCHS, jobs=None) -> list[dict]:
+    global _SPECS
+    _SPECS = specs
+    work = [(i, a) for a in archs for i in range(len(specs))]
+    jobs = jobs or min(len(work), os.cpu_count() or 1)
+    if jobs <= 1:
+        return [_compile_one(w) for w in work]
+    with ProcessPoolExecutor(jobs, mp_context=get_context("fork")) as pool:
+        return list(pool.map(_compile_one, work))
+
+
+# ---- machine-code facts ----------------------------------------------------------------------------
+def resource_usage(cubin: bytes) -> dict:
+    """Registers, local memory (spills) and shared memory per thread/block, from `cuobjdump -res-usage`."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+    grab = lambda key: int(m.group(1)) if (m := re.search(key + r":(\d+)", text)) else None  # noqa: E731
+    return dict(registers=grab("REG"), local_bytes=grab("LOCAL"), stack=grab("STACK"))
+
+
+def sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+
+
+def loop_loads(sass_text: str) -> dict:
+    """Global loads inside loops (between a label and a later backward branch to it), by width:
+    {"128": n, "64": n, "32": n, "16": n, "8": n}. 128-bit loads in the hot loop = vectorized."""
+    lines = [ln for ln in sass_text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+    addr = lambda ln: int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16)  # noqa: E731
+    spans = []
+    for ln in lines:
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < addr(ln):
+            spans.append((int(m.group(1), 16), addr(ln)))
+    counts = {}
+    for ln in lines:
+        if any(lo <= addr(ln) <= hi for lo, hi in spans):
+            m = re.search(r"\bLDG\.E(?:\.([A-Z0-9]+))?(?:\.[A-Z0-9]+)*", ln)
+            if m:
+                w = {"128": "128", "64": "64", "U8": "8", "S8": "8", "U16": "16", "S16": "16"}.get(m.group(1) or "", "32")
+                counts[w] = counts.get(w, 0) + 1
+    return counts
+
+
+# ---- the cases: the cache configurations the project supports ---------------------------------------
+def cases(quick=False):
+    """(name, callable) pairs. Each builds a small cache state on CPU and calls the Triton launchers
+    the way the caches do, so the launchers choose blocks, bits and flags themselves."""
+    import quant
+    import kernels
+
+    def attention_case(bits, dtype, D, scheme="kivi", fetch=True, G=4, T=2, S=512, group=64):
+        def run():
+            g = torch.Generator().manual_seed(0)
+            B, Hkv, R = 1, 2, group + T
+            k = torch.randn(B, Hkv, S, D, generator=g)
+            v = torch.randn(B, Hkv, S, D, generator=g)
+            kw = dict(bits_k=bits, bits_v=bits, group_k=group, group_v=group, sm_scale=D ** -0.5)
+            if scheme == "quantspec":
+                k_codes, kw["k_codes_lo"], k_scale, k_zero = quant.quantize_hier_keys(k, group)
+                v_codes, kw["v_codes_lo"], v_scale, v_zero = quant.quantize_hier_values(v, group)
+                kw["bits_k"] = kw["bits_v"] = 4
+            else:
+                k_codes, k_scale, k_zero = quant.quantize_keys(k, bits, group)
+                if scheme == "zipcache":
+                    kw["v_chan_scale"] = quant.channel_scale(v)
+                    v_codes, v_scale, v_zero = quant.quantize_values_zip(v, bits, group, kw["v_chan_scale"])
+                else:
+                    v_codes, v_scale, v_zero = quant.quantize_values(v, bits, group)
+            meta = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+            k_scale, k_zero, v_scale, v_zero = (x.to(meta) for x in (k_scale, k_zero, v_scale, v_zero))
+            q = torch.randn(B, Hkv * G, T, D, generator=g).to(dtype)
+            res = torch.randn(B, Hkv, R, D, generator=g).to(dtype)
+            nq, rl = torch.tensor(S - group), torch.tensor(T + 3)
+            if fetch:
+                K = 64
+                kw["k_fetch"], kw["v_fetch"] = res.new_zeros(B, Hkv, K, D), res.new_zeros(B, Hkv, K, D)
+                kw["fetch_valid"] = torch.ones(B, Hkv, K, dtype=torch.bool)
+                kw["replaced"] = torch.zeros(B, Hkv, S, dtype=torch.bool)
+            kernels.attention_lowbit_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, nq, res, res, rl, **kw)
+            if fetch and T == 2:
+                qr, lse = q[:, :, -1], torch.zeros(B, Hkv * G)
+                fetched = dict(k_fetch=kw["k_fetch"], fetch_idx=torch.zeros(B, Hkv, 64, dtype=torch.long),
+                               fetch_valid=kw["fetch_valid"])
+                kernels.topk_lowbit_triton(qr, k_codes, k_scale, k_zero, nq, lse, bits_k=kw["bits_k"], group_k=group,
+                                           sm_scale=D ** -0.5, k=64, k_codes_lo=kw.get("k_codes_lo"), **fetched)
+        return run
+
+    def rows_case(dtype, D):
+        def run():
+            host = torch.zeros(1, 2, 256, D, dtype=dtype)
+            idx = torch.zeros(1, 2, 64, dtype=torch.long)
+            kernels.gather_rows_triton(host, idx, torch.zeros(1, 2, 64, D, dtype=dtype))
+            kernels.scatter_rows_triton(host, torch.tensor(5), torch.zeros(1, 2, 1, D, dtype=dtype))
+        return run
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    out = []
+    for dtype in dtypes:
+        name = str(dtype).replace("torch.", "")
+        for bits in (1, 2, 4, 8):
+            out.append((f"kivi-{bits}bit-{name}-D128-specache", attention_case(bits, dtype, 128)))
+            if not quick:
+                out.append((f"kivi-{bits}bit-{name}-D128-kivi", attention_case(bits, dtype, 128, fetch=False, T=1)))
+        out.append((f"quantspec-int8view-{name}", attention_case(8, dtype, 128, scheme="quantspec")))
+        out.append((f"zipcache-2bit-{name}", attention_case(2, dtype, 128, scheme="zipcache")))
+        out.append((f"kivi-1bit-{name}-D64", attention_case(1, dtype, 64, G=3)))
+        out.append((f"rows-{name}", rows_case(dtype, 128)))
+    return out
+
+
+def gate(archs=ARCHS, quick=False, jobs=None):
+    """-> (specs, results). results[i] for (spec, arch); raises nothing: failures are in results."""
+    specs = record(cases(quick))
+    return specs, compile_all(specs, archs, jobs)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, action="append", help="80, 90 (default both)")
+    p.add_argument("--quick", action="store_true", help="fewer variants (no KIVI-only attention variants)")
+    p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--sass", default=None, help="print the SASS of the loops of this kernel (first variant)")
+    p.add_argument("--json", type=Path, default=None, help="write the report rows here")
+    p.add_argument("--no-report", action="store_true", help="only compile (the gate): no ptxas/SASS analysis")
+    a = p.parse_args(argv)
+    archs = tuple(a.arch or ARCHS)
+    t0 = time.perf_counter()
+    specs, results = gate(archs, a.quick, a.jobs)
+    rows, failed = [], 0
+    for r in results:
+        s = specs[r["index"]]
+        row = dict(kernel=s["kernel"], variant=variant(s), arch=r["arch"], case=s["case"], ok=r["ok"],
+                   compile_s=round(r["seconds"], 2), constexprs={k: str(v) for k, v in constexpr_names(s).items()},
+                   first_ptr=next((t[1:] for t in s["signature"].values() if t.startswith("*")), None))
+        if not r["ok"]:
+            failed += 1
+            row["error"] = r["error"]
+        else:
+            row["tf32"] = "tf32" in r["ptx"]
+        if r["ok"] and not a.no_report:
+            row.update(resource_usage(r["cubin"]), shared=r["shared"], loop_loads=loop_loads(sass(r["cubin"])))
+            if a.sass and s["kernel"] == a.sass and not any(x["kernel"] == a.sass and x.get("sass_shown") for x in rows):
+                row["sass_shown"] = True
+                print(sass(r["cubin"]))
+        rows.append(row)
+    print(f"# {len(specs)} kernel variants x {len(archs)} targets compiled in {time.perf_counter() - t0:.0f} s "
+          f"(triton {triton.__version__}); {failed} failed")
+    if not a.no_report:
+        print("| kernel | variant | arch | regs | local (spill) B | smem B | loads in loops (bits: n) | tf32 dot |")
+        print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        if not row["ok"]:
+            print(f"FAILED {row['kernel']} [{row['variant']}] sm_{row['arch']} ({row['case']}): {row['error']}")
+        elif not a.no_report:
+            loads = ", ".join(f"{w}b: {n}" for w, n in sorted(row["loop_loads"].items(), key=lambda x: -int(x[0]))) or "-"
+            print(f"| {row['kernel']} | {row['variant']} | {row['arch']} | {row['registers']} | "
+                  f"{row['local_bytes']} | {row['shared']} | {loads} | {'yes' if row['tf32'] else 'no'} |")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
