@@ -257,7 +257,11 @@ class SpeCache(LowBitCache):
             raise ValueError(f"unknown --fetch {fetch!r}")
         self.layer_idx, self.prefetcher, self.k, self.fetch = layer_idx, prefetcher, k, fetch
         B, H, n_slots, _ = self.k_codes.shape
-        dev = self.k_codes.device
+        dev, D = self.k_codes.device, self.k_res.shape[-1]
+        # The fetched fp rows of this layer: module buffers, so a compiled step keeps their addresses.
+        self.register_buffer("ring_k", torch.zeros(B, H, k, D, dtype=self.k_res.dtype, device=dev), persistent=False)
+        self.register_buffer("ring_v", torch.zeros(B, H, k, D, dtype=self.k_res.dtype, device=dev), persistent=False)
+        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v)
         self.register_buffer("fetch_idx", torch.zeros(B, H, k, dtype=torch.int64, device=dev), persistent=False)
         self.register_buffer("fetch_valid", torch.zeros(B, H, k, dtype=torch.bool, device=dev), persistent=False)
         self.register_buffer("replaced", torch.zeros(B, H, n_slots, dtype=torch.bool, device=dev), persistent=False)
@@ -279,14 +283,14 @@ class SpeCache(LowBitCache):
         Unused slots point at the scratch slot (never attended), so the scatter is race-free."""
         safe_idx = torch.where(self.fetch_valid, self.fetch_idx, self.replaced.shape[-1] - 1)
         self.replaced.scatter_(2, safe_idx, self.fetch_valid)
-        ring_k, ring_v = self.prefetcher.ring(self.layer_idx)
-        return dict(k_fetch=ring_k, v_fetch=ring_v, fetch_valid=self.fetch_valid, replaced=self.replaced), safe_idx
+        return dict(k_fetch=self.ring_k, v_fetch=self.ring_v, fetch_valid=self.fetch_valid, replaced=self.replaced), safe_idx
 
     def _select(self, q_row, lse_row, fetched=None):
         """Top-k quantized positions for one query token [B,H,D] -> (idx, valid) per kv head.
         `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A)."""
         if self.fetch == "oracle":
-            score, idx = self.prefetcher.exact_topk(self.layer_idx, q_row, self.n_quant, self.k, self.sm_scale)
+            score, idx = kernels.topk_exact(q_row, self.prefetcher.host_keys(self.layer_idx), self.n_quant, self.k,
+                                            self.sm_scale)
         else:
             score, idx = kernels.topk_lowbit(q_row, self.k_codes, self.k_scale, self.k_zero, self.n_quant, lse_row,
                                              bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k,
@@ -300,7 +304,7 @@ class SpeCache(LowBitCache):
         Steps with nothing quantized are not counted."""
         held = torch.where(self.fetch_valid, self.fetch_idx, -1)[..., None, :]
         counted = self.n_quant > 0
-        exact = self.prefetcher.exact_topk(self.layer_idx, q_row, self.n_quant, self.k, self.sm_scale)
+        exact = kernels.topk_exact(q_row, self.prefetcher.host_keys(self.layer_idx), self.n_quant, self.k, self.sm_scale)
         own = kernels.topk_lowbit(q_row, self.k_codes, self.k_scale, self.k_zero, self.n_quant, lse_row,
                                   bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k,
                                   k_codes_lo=self.quant_kwargs()["k_codes_lo"])
@@ -313,50 +317,45 @@ class SpeCache(LowBitCache):
     def forward(self, q, k, v, input_pos, mode="decode"):
         if mode == "prefill":
             return self.prefill(q, k, v, input_pos)
+        keep = mode == "decode"  # pre-decoding (Algorithm 2) keeps nothing: T1 comes again as the real token
+        # the real token's K/V, written to the host store by this layer's next transfer
+        new = (k[:, :, :1], v[:, :, :1], input_pos[0]) if keep else (None, None, None)
         self.write_step(k, v)
         if self.fetch == "speculative":
             # Algorithm 3 (Algorithm 2 when mode == "predecode"): wait for this layer's prefetch only.
-            self.prefetcher.wait(self.layer_idx)
+            self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v)
             fetched, safe_idx = self._fetched()
             out, lse = self.attend(q, fetched)
-            if self.track_hits and mode == "decode":
+            if self.track_hits and keep:
                 self._record_hits(q[:, :, 0], lse[:, :, 0])
             self.replaced.scatter_(2, safe_idx, False)
-            self._keep_real_token(k, v, input_pos, mode)
+            if keep:
+                self.commit_step(keep=1)
             # The speculative (last) token's row picks the next step's rows, among the quantized
-            # positions as they are after this step's flush, and their fetch starts now: it
+            # positions as they are after this step's flush; their transfer starts now and
             # overlaps the remaining layers of this step.
             idx, valid = self._select(q[:, :, -1], lse[:, :, -1],
                                       dict(k_fetch=fetched["k_fetch"], fetch_idx=self.fetch_idx, fetch_valid=self.fetch_valid))
             self.fetch_idx.copy_(idx)
             self.fetch_valid.copy_(valid)
-            self.prefetcher.start(self.layer_idx, self.fetch_idx)  # overlaps the remaining layers
+            self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx, *new)
         else:
             # Table 4 "sequential": pick rows with the real token itself, fetch, recompute.
             _, lse = self.attend(q)
             idx, valid = self._select(q[:, :, 0], lse[:, :, 0])
             self.fetch_idx.copy_(idx)
             self.fetch_valid.copy_(valid)
-            self.prefetcher.start(self.layer_idx, self.fetch_idx)
-            self.prefetcher.wait(self.layer_idx)
+            self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx)
+            self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v, now=True)
             fetched, safe_idx = self._fetched()
             out, _ = self.attend(q, fetched)
             self.replaced.scatter_(2, safe_idx, False)
-            self._keep_real_token(k, v, input_pos, mode)
+            if keep:
+                self.commit_step(keep=1)
+                self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, None, *new)
         if self.layer_idx == self.prefetcher.n_layers - 1:
             self.prefetcher.end_step()
         return out
-
-    def _keep_real_token(self, k, v, input_pos, mode):
-        """Only the real token's KV is kept (host copy first: a flush may make it fetchable);
-        pre-decoding keeps nothing, T1 comes again in the first decoding step."""
-        if mode == "decode":
-            self.prefetcher.offload_step(self.layer_idx, k[:, :, :1], v[:, :, :1], input_pos[:1])
-            self.commit_step(keep=1)
-
-    def device_bytes(self) -> int:
-        ring_k, ring_v = self.prefetcher.ring(self.layer_idx)
-        return super().device_bytes() + ring_k.nbytes + ring_v.nbytes
 
     def host_bytes(self) -> int:
         return self.prefetcher.host_bytes_per_layer()

@@ -5,7 +5,7 @@
                       minus the `replaced` slots whose fp rows were fetched (eq. 1: C' ∪ C_K replaces C'_K),
                       plus the fetched fp rows and the fp residual window (causal among the new tokens).
   topk_lowbit       top-k quantized positions by attention probability of one (speculative) query.
-  gather_rows       fetch host rows idx into a device buffer; scatter_rows writes new rows to host.
+  topk_exact        the same top-k from full-precision keys (oracle fetch, hit rates).
 
 GQA: H = Hkv * G query heads, query head h reads kv head h // G. A query block of one kv head
 is the G*T rows m = g*T + t, contiguous in a [B, H, T, D] tensor.
@@ -122,19 +122,18 @@ def topk_lowbit_ref(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bits_k
     return score, torch.where(score >= 0, idx, 0)
 
 
-def gather_rows_ref(host, idx, out):
-    """out[b, j, i] = host[b, j, idx[b, j, i]] via one flat index_select (the fast CPU gather)."""
-    B, Hkv, S, D = host.shape
-    base = torch.arange(B * Hkv, device=idx.device).reshape(B, Hkv, 1) * S
-    torch.index_select(host.reshape(-1, D), 0, (idx + base).flatten().to(host.device), out=out.view(-1, D))
-    return out
-
-
-def scatter_rows_ref(host, pos, rows):
-    """host[:, :, pos + i] = rows[:, :, i] for a 0-d position tensor pos."""
-    rows_idx = pos.to(host.device) + torch.arange(rows.shape[2], device=host.device)
-    host.index_copy_(2, rows_idx, rows.to(host.device, host.dtype))
-    return host
+def topk_exact(q_row, keys, n_quant, k, sm_scale):
+    """Top-k of quantized positions [0, n_quant) by exact fp attention of q_row [B,H,D] against
+    full-precision keys [B,Hkv,S,D], probabilities summed over each kv head's query heads (the
+    reduction of topk_lowbit). The oracle fetch and the hit-rate measurement use it."""
+    B, H, D = q_row.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    qg = q_row.float().view(B, Hkv, H // Hkv, D)
+    scores = torch.einsum("bhgd,bhsd->bhgs", qg, keys.float()) * sm_scale
+    valid = torch.arange(S, device=q_row.device) < n_quant
+    scores = scores.masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(2)  # [B,Hkv,S]
+    return torch.where(valid, probs, -1.0).topk(k, dim=-1)
 
 
 # =============================================================================================
@@ -340,23 +339,6 @@ def _topk_select_kernel(score, top_score, top_idx, S, K, BLOCK: tl.constexpr):
         seen_tie += tl.sum(tie.to(tl.int32), 0)
 
 
-@triton.jit
-def _copy_rows_kernel(src, dst, idx, S, K, D, GATHER: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv*K,). GATHER: dst[bh, j] = src[bh, idx[bh, j]] (src has S rows per bh);
-    else scatter: dst[bh, idx[bh, j]] = src[bh, j]. Host pointers work on CUDA through UVA."""
-    pid = tl.program_id(0).to(tl.int64)
-    bh = pid // K
-    i = tl.load(idx + pid)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = offs_d < tl.where((i >= 0) & (i < S), D, 0)  # (block & scalar bool breaks the interpreter)
-    if GATHER:
-        src_row, dst_row = bh * S + i, pid
-    else:
-        src_row, dst_row = pid, bh * S + i
-    x = tl.load(src + src_row * D + offs_d, mask=ok, other=0.0)
-    tl.store(dst + dst_row * D + offs_d, x.to(dst.dtype.element_ty), mask=ok)
-
-
 # =============================================================================================
 # Triton launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)
 # =============================================================================================
@@ -439,25 +421,6 @@ def topk_lowbit_triton(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bit
     return top_score, top_idx
 
 
-def gather_rows_triton(host, idx, out):
-    B, Hkv, S, D = host.shape
-    K = idx.shape[2]
-    assert out.is_contiguous() and host.is_contiguous()
-    _copy_rows_kernel[(B * Hkv * K,)](host, out, idx.contiguous(), S, K, D, GATHER=True,
-                                       BLOCK_D=triton.next_power_of_2(D))
-    return out
-
-
-def scatter_rows_triton(host, pos, rows):
-    B, Hkv, S, D = host.shape
-    T = rows.shape[2]
-    assert host.is_contiguous()
-    idx = (pos.reshape(1) + torch.arange(T, device=pos.device)).expand(B, Hkv, T).contiguous()
-    _copy_rows_kernel[(B * Hkv * T,)](rows.contiguous(), host, idx, S, T, D, GATHER=False,
-                                       BLOCK_D=triton.next_power_of_2(D))
-    return host
-
-
 # =============================================================================================
 # custom ops (CUDA path, opaque to torch.compile) and the public dispatchers
 # =============================================================================================
@@ -499,24 +462,20 @@ def _(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k, group_k, sm_sca
     return q_row.new_empty(shape, dtype=torch.float32), q_row.new_empty(shape, dtype=torch.int64)
 
 
-@torch.library.custom_op("specache::gather_rows", mutates_args=("out",))
-def _gather_rows_op(host: Tensor, idx: Tensor, out: Tensor) -> None:
-    gather_rows_triton(host, idx, out)
+_ops_on_cpu = False
 
 
-@_gather_rows_op.register_fake
-def _(host, idx, out):
-    return None
+class custom_ops_on_cpu:
+    """Tests: route CPU tensors through the custom ops too (their Triton launchers, interpreted),
+    so a compiled CPU step has the CUDA step's graph: opaque ops around the caches' buffers."""
 
+    def __enter__(self):
+        global _ops_on_cpu
+        _ops_on_cpu = True
 
-@torch.library.custom_op("specache::scatter_rows", mutates_args=("host",))
-def _scatter_rows_op(host: Tensor, pos: Tensor, rows: Tensor) -> None:
-    scatter_rows_triton(host, pos, rows)
-
-
-@_scatter_rows_op.register_fake
-def _(host, pos, rows):
-    return None
+    def __exit__(self, *exc):
+        global _ops_on_cpu
+        _ops_on_cpu = False
 
 
 def attention_lowbit(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len,
@@ -527,7 +486,7 @@ def attention_lowbit(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_qu
     args = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len)
     opt = dict(k_fetch=k_fetch, v_fetch=v_fetch, fetch_valid=fetch_valid, replaced=replaced,
                v_chan_scale=v_chan_scale, k_codes_lo=k_codes_lo, v_codes_lo=v_codes_lo)
-    if q.is_cuda:
+    if q.is_cuda or _ops_on_cpu:
         return _attention_lowbit_op(*args, bits_k, bits_v, group_k, group_v, float(sm_scale), **opt)
     return attention_lowbit_ref(*args, bits_k=bits_k, bits_v=bits_v, group_k=group_k, group_v=group_v,
                                 sm_scale=sm_scale, **opt)
@@ -540,25 +499,8 @@ def topk_lowbit(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bits_k, gr
     score exactly. Slots with score < 0 are invalid (fewer than k quantized positions). The CPU
     path returns them sorted by score, the Triton path in position order."""
     fetched = dict(k_fetch=k_fetch, fetch_idx=fetch_idx, fetch_valid=fetch_valid)
-    if q_row.is_cuda:
+    if q_row.is_cuda or _ops_on_cpu:
         return _topk_lowbit_op(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k, group_k,
                                float(sm_scale), k, k_codes_lo, **fetched)
     return topk_lowbit_ref(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k=bits_k, group_k=group_k,
                            sm_scale=sm_scale, k=k, k_codes_lo=k_codes_lo, **fetched)
-
-
-def gather_rows(host, idx, out):
-    """out [B,Hkv,K,D] (in place) = host [B,Hkv,S,D] rows idx [B,Hkv,K]. On CUDA host is pinned
-    memory read directly over UVA by a Triton kernel, so idx never leaves the device."""
-    if out.is_cuda:
-        _gather_rows_op(host, idx, out)
-        return out
-    return gather_rows_ref(host, idx, out)
-
-
-def scatter_rows(host, pos, rows):
-    """host [B,Hkv,S,D] rows pos .. pos+T-1 (pos a 0-d tensor) = rows [B,Hkv,T,D], in place."""
-    if rows.is_cuda:
-        _scatter_rows_op(host, pos, rows)
-        return host
-    return scatter_rows_ref(host, pos, rows)

@@ -1,100 +1,214 @@
 """Moving fp16 KV between host memory and the device (specache.txt §3.3, Figure 3).
 
-`Prefetcher` owns
-  host_k/host_v [L, B, Hkv, S, D]  the full-precision KV cache of every layer, in host memory
-                                   (pinned on CUDA so copies are asynchronous DMA);
-  ring_k/ring_v [L, B, Hkv, k, D]  on the device: the k fetched rows per layer and kv head;
-  a side stream and two events per layer: `consumed[l]` (the main stream is done reading ring l
-  and has produced the next top-k indices) and `fetched[l]` (the side stream has filled ring l).
+`Prefetcher` owns the host store, host_k/host_v [L, B, Hkv, S, D]: every real token's full-precision
+K/V, pinned on CUDA so the device can read it directly. The device end of a fetch belongs to each
+layer's SpeCache module: the ring of fetched rows ring_k/ring_v [B, Hkv, k, D] is a module buffer,
+so a compiled step sees it as a static input (a CUDA graph replays on fixed addresses).
 
-Fetch for layer l = `start(l, idx)`: the side stream waits for `consumed[l]`, gathers rows `idx`
-of host layer l straight into ring l, and records `fetched[l]`; the copy overlaps layers
-l+1..L-1 of the current step. A CUDA graph must join every stream it forks before its capture
-ends, so by default (`join_each_step`) the last layer's `end_step()` makes the main stream wait for
-the side stream, and `wait(l)` has nothing left to do. Without graphs (`join_each_step=False`),
-`wait(l)` makes the main stream of the next step wait for `fetched[l]` only, which also lets the
-copies overlap sampling and the first layers of the next step.
+One transfer per layer and step, `start(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)`, one
+kernel for K and V together:
+  - writes the step's real token (new_k/new_v [B,Hkv,1,D]) to host row new_pos (it may be picked
+    from the next flush on), and
+  - gathers host rows idx [B,Hkv,k] into the ring (a row equal to new_pos is taken from new_k/new_v:
+    the same kernel cannot be relied on to have written it to the host first).
+`idx=None` only writes the token; `new_k=None` only gathers.
 
-How rows cross the bus (CUDA): the indices are produced on the device and stay there. A Triton
-gather (kernels.gather_rows) reads the pinned host rows directly through unified virtual
-addressing, so the step needs no device-to-host sync; the cost is PCIe read transactions of one
-row (D*2 bytes) each, which are fine for k=64 rows of 128 bytes. `impl="staged"` is the portable
-alternative: copy the indices to the host (one sync per layer), gather into a pinned staging
-buffer, and copy it with `non_blocking=True` on the side stream.
+On CUDA the transfer runs on a side stream and overlaps the rest of the step:
+  main stream: copy idx and the token's K/V into this layer's staging buffers, record consumed[l]
+  side stream: wait consumed[l], run the kernel (it reads pinned host memory through unified
+               virtual addressing, so the indices never leave the device and nothing syncs),
+               record fetched[l].
+The side stream reads only memory this module owns (staging, host store) and writes only the ring:
+graph-internal temporaries that a compiled step frees and reuses while the side stream still runs
+never cross streams. The custom ops check that they were handed the layer's own ring buffers, not
+copies made by functionalization (which would make the side stream write a temporary).
 
-On CPU there is no bus: host and device memory are one, the streams and events of
-`torch.get_device_module("cpu")` are no-ops, and a fetch is a plain gather, which also makes
-the whole decode step traceable by torch.compile.
+A CUDA graph must join every stream it forks before its capture ends, so by default
+(`join_each_step`) the last layer joins the side stream (`end_step`), and `wait(l)` has nothing to
+do. Without graphs (`join_each_step=False`, eager CUDA) the main stream of the next step waits for
+`fetched[l]` just before layer l's attention, so the copies also overlap sampling.
+
+On CPU there is no bus: host and device memory are one, a transfer is a synchronous gather, and
+the whole decode step stays traceable by torch.compile. `async_ops=True` on CPU runs the CUDA code
+path (custom ops, streams and events of `torch.get_device_module`, which tests replace by delayed
+fake streams).
 """
 import itertools
 import weakref
+from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
-import kernels
-
-_PREFETCHERS = weakref.WeakValueDictionary()  # id -> Prefetcher, so the custom ops below can find their streams and events
+Tensor = torch.Tensor
+_PREFETCHERS = weakref.WeakValueDictionary()  # id -> Prefetcher: the custom ops find their streams here
 _ids = itertools.count()
 
 
-# Stream and event calls are opaque to torch.compile: on CUDA, start/wait run as custom ops that
-# "mutate" the ring, which keeps them ordered against the attention that reads it inside one
-# fullgraph (and CUDA-graph-captured: the side stream forks and joins through events) step.
+# =============================================================================================
+# the transfer: torch reference (CPU) and Triton kernel (CUDA), one launch for K and V
+# =============================================================================================
+def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos):
+    """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,k,D], idx [B,Hkv,k] or None, new_* [B,Hkv,1,D]
+    or None, new_pos 0-d. In place: host[.., new_pos] = new; ring = host[.., idx]."""
+    if new_k is not None:
+        pos = new_pos.reshape(1).to(host_k.device)
+        host_k.index_copy_(2, pos, new_k.to(host_k.device, host_k.dtype))
+        host_v.index_copy_(2, pos, new_v.to(host_v.device, host_v.dtype))
+    if idx is not None:
+        B, Hkv, S, D = host_k.shape
+        flat = (idx.to(host_k.device) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
+        torch.index_select(host_k.reshape(-1, D), 0, flat, out=ring_k.view(-1, D))
+        torch.index_select(host_v.reshape(-1, D), 0, flat, out=ring_v.view(-1, D))
+
+
+@triton.jit
+def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D,
+                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K and V into ring slot j;
+    program K writes the new token's row to the host. Host pointers are UVA on CUDA."""
+    bh = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    new_pos = -1
+    if HAS_NEW:
+        new_pos = tl.load(new_pos_ptr).to(tl.int64)
+    # (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)
+    if j < K:
+        if HAS_IDX:
+            i = tl.load(idx + bh * K + j).to(tl.int64)
+            valid = (i >= 0) & (i < S)
+            from_new = i == new_pos  # never true without HAS_NEW (new_pos = -1)
+            ok = offs < tl.where(valid, D, 0)
+            src = (bh * S + i) * D + offs
+            from_host = offs < tl.where(valid & (i != new_pos), D, 0)
+            kx = tl.load(host_k + src, mask=from_host, other=0.0).to(ring_k.dtype.element_ty)
+            vx = tl.load(host_v + src, mask=from_host, other=0.0).to(ring_v.dtype.element_ty)
+            if HAS_NEW:
+                take = offs < tl.where(from_new, D, 0)
+                kx = tl.where(take, tl.load(new_k + bh * D + offs, mask=take, other=0.0).to(ring_k.dtype.element_ty), kx)
+                vx = tl.where(take, tl.load(new_v + bh * D + offs, mask=take, other=0.0).to(ring_v.dtype.element_ty), vx)
+            dst = (bh * K + j) * D + offs
+            tl.store(ring_k + dst, kx, mask=ok)
+            tl.store(ring_v + dst, vx, mask=ok)
+    else:
+        if HAS_NEW:
+            ok = offs < tl.where((new_pos >= 0) & (new_pos < S), D, 0)
+            dst = (bh * S + new_pos) * D + offs
+            kn = tl.load(new_k + bh * D + offs, mask=ok, other=0.0)
+            vn = tl.load(new_v + bh * D + offs, mask=ok, other=0.0)
+            tl.store(host_k + dst, kn.to(host_k.dtype.element_ty), mask=ok)
+            tl.store(host_v + dst, vn.to(host_v.dtype.element_ty), mask=ok)
+
+
+def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos):
+    B, Hkv, S, D = host_k.shape
+    K = idx.shape[2] if idx is not None else 0
+    for t in (host_k, host_v, ring_k, ring_v):
+        assert t.is_contiguous()
+    any_t = ring_k  # absent inputs: any valid pointer
+    _transfer_rows_kernel[(B * Hkv, K + 1)](
+        host_k, host_v, ring_k, ring_v, idx.contiguous() if idx is not None else any_t,
+        new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
+        new_pos if new_pos is not None else any_t, S, K, D,
+        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_D=triton.next_power_of_2(D))
+
+
+def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None):
+    """The transfer on the current stream: the Triton kernel when the ring is on CUDA, else the reference."""
+    if ring_k.is_cuda:
+        transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos)
+    else:
+        transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos)
+
+
+# =============================================================================================
+# custom ops: what a compiled step calls on the async path (opaque to torch.compile)
+# =============================================================================================
+# They "mutate" the rings, which orders them against the attention that reads the rings inside one
+# fullgraph step; join mutates every ring, so no fetch can be scheduled after it.
 @torch.library.custom_op("specache::fetch_start", mutates_args=("ring_k", "ring_v"))
-def _fetch_start_op(ring_k: torch.Tensor, ring_v: torch.Tensor, idx: torch.Tensor, pid: int, layer: int) -> None:
-    _PREFETCHERS[pid]._start_async(layer, idx)
+def _fetch_start_op(ring_k: Tensor, ring_v: Tensor, idx: Optional[Tensor], new_k: Optional[Tensor],
+                    new_v: Optional[Tensor], new_pos: Optional[Tensor], pid: int, layer: int) -> None:
+    _PREFETCHERS[pid]._start_async(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)
+
+
+@_fetch_start_op.register_fake
+def _(ring_k, ring_v, idx, new_k, new_v, new_pos, pid, layer):
+    return None
 
 
 @torch.library.custom_op("specache::fetch_wait", mutates_args=("ring_k", "ring_v"))
-def _fetch_wait_op(ring_k: torch.Tensor, ring_v: torch.Tensor, pid: int, layer: int) -> None:
+def _fetch_wait_op(ring_k: Tensor, ring_v: Tensor, pid: int, layer: int) -> None:
     _PREFETCHERS[pid]._wait_async(layer)
 
 
-@torch.library.custom_op("specache::fetch_join", mutates_args=("ring_k", "ring_v"))
-def _fetch_join_op(ring_k: torch.Tensor, ring_v: torch.Tensor, pid: int) -> None:
+@_fetch_wait_op.register_fake
+def _(ring_k, ring_v, pid, layer):
+    return None
+
+
+@torch.library.custom_op("specache::fetch_join", mutates_args=("rings",))
+def _fetch_join_op(rings: list[Tensor], pid: int) -> None:
     _PREFETCHERS[pid]._join_async()
 
 
+@_fetch_join_op.register_fake
+def _(rings, pid):
+    return None
+
+
+# =============================================================================================
+# the prefetcher
+# =============================================================================================
 class Prefetcher:
     def __init__(self, n_layers, batch, n_kv_heads, max_seq_len, head_dim, k, dtype, device, impl="uva",
-                 join_each_step=True):
+                 join_each_step=True, async_ops=None):
         if impl not in ("uva", "staged"):
-            raise ValueError(f"unknown fetch impl {impl!r}")
+            raise ValueError(f"unknown fetch impl {impl!r} (uva, staged)")
+        device = torch.device(device)
         self.device, self.impl, self.k, self.join_each_step = device, impl, k, join_each_step
         self.n_layers = n_layers
         self.on_cuda = device.type == "cuda"
-        host = dict(dtype=dtype, device="cpu", pin_memory=self.on_cuda)
-        if not self.on_cuda:
-            host["device"] = device
+        self.async_ops = self.on_cuda if async_ops is None else async_ops
         shape = (n_layers, batch, n_kv_heads, max_seq_len, head_dim)
+        host = dict(dtype=dtype, device="cpu", pin_memory=True) if self.on_cuda else dict(dtype=dtype, device=device)
         self.host_k, self.host_v = torch.zeros(shape, **host), torch.zeros(shape, **host)
-        ring = (n_layers, batch, n_kv_heads, k, head_dim)
-        self.ring_k = torch.zeros(ring, dtype=dtype, device=device)
-        self.ring_v = torch.zeros(ring, dtype=dtype, device=device)
+        self.rings = [None] * n_layers  # (ring_k, ring_v) of each layer, registered by its cache
         self.pid = next(_ids)
         _PREFETCHERS[self.pid] = self
-        if self.on_cuda:
-            dm = torch.get_device_module(device.type)
-            self.dm = dm
-            self.side = dm.Stream(device=device)
-            self.consumed = [dm.Event() for _ in range(n_layers)]
-            self.fetched = [dm.Event() for _ in range(n_layers)]
-            if impl == "staged":
-                self.staging_k = torch.zeros(ring[1:], dtype=dtype, pin_memory=True)
-                self.staging_v = torch.zeros(ring[1:], dtype=dtype, pin_memory=True)
+        if self.async_ops:
+            self._setup_async()
+
+    def _setup_async(self):
+        """Side stream, events and the staging buffers the side stream reads."""
+        L, B, H, _, D = self.host_k.shape
+        dt, dev = self.host_k.dtype, self.device
+        self.stage_idx = torch.zeros(L, B, H, self.k, dtype=torch.int64, device=dev)
+        self.stage_k = torch.zeros(L, B, H, 1, D, dtype=dt, device=dev)
+        self.stage_v = torch.zeros(L, B, H, 1, D, dtype=dt, device=dev)
+        self.stage_pos = torch.zeros(L, dtype=torch.int64, device=dev)
+        self.dm = torch.get_device_module(dev.type)
+        self.side = self.dm.Stream(device=dev) if self.on_cuda else self.dm.Stream()
+        self.consumed = [self.dm.Event() for _ in range(L)]
+        self.fetched = [self.dm.Event() for _ in range(L)]
+        if self.impl == "staged" and self.on_cuda:
+            self.staging_k = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
+            self.staging_v = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
+
+    def register_ring(self, layer, ring_k, ring_v):
+        self.rings[layer] = (ring_k, ring_v)
 
     # ---- accounting ----------------------------------------------------------------------------
-    def ring(self, layer):
-        return self.ring_k[layer], self.ring_v[layer]
-
     def host_bytes_per_layer(self) -> int:
         return (self.host_k.nbytes + self.host_v.nbytes) // self.host_k.shape[0]
 
     def bytes_per_step(self) -> int:
-        """Bytes moved host -> device by one decode step: k rows of K and V, every layer and head."""
-        return self.ring_k.nbytes + self.ring_v.nbytes
+        """Bytes moved host -> device by one decode step: k rows of K and V, every layer and kv head."""
+        return sum(rk.nbytes + rv.nbytes for rk, rv in self.rings if rk is not None)
 
-    # ---- prefill: Algorithm 1's offload ------------------------------------------------------------
+    # ---- prefill: Algorithm 1's offload (eager) --------------------------------------------------
     def offload(self, layer, k, v, input_pos):
         """Copy a prefill chunk's fp K/V [B,Hkv,T,D] to host positions input_pos (contiguous)."""
         p0, T = int(input_pos[0]), k.shape[2]
@@ -106,75 +220,88 @@ class Prefetcher:
         return (self.host_k[layer, :, :, :p0].to(self.device, non_blocking=True),
                 self.host_v[layer, :, :, :p0].to(self.device, non_blocking=True))
 
+    def host_keys(self, layer):
+        """All host keys of a layer on the device (oracle fetch and hit-rate measurement only)."""
+        return self.host_k[layer].to(self.device, non_blocking=True)
+
     # ---- decode ----------------------------------------------------------------------------------
-    def offload_step(self, layer, k, v, pos):
-        """Append the real token's fp K/V [B,Hkv,1,D] at position pos (a device tensor)."""
-        if self.on_cuda:
-            kernels.scatter_rows(self.host_k[layer], pos, k)
-            kernels.scatter_rows(self.host_v[layer], pos, v)
-            return
-        # index_put_ on the whole store, not on the view host_k[layer]: under torch.compile a
-        # mutated view of a graph input makes functionalization copy the entire base every step.
+    def start(self, layer, ring_k, ring_v, idx=None, new_k=None, new_v=None, new_pos=None):
+        """Write the real token's K/V [B,Hkv,1,D] to host row new_pos (a 0-d device tensor) and fetch
+        host rows idx [B,Hkv,k] into the ring: asynchronously on the async path."""
+        if self.async_ops:
+            torch.ops.specache.fetch_start(ring_k, ring_v, idx, new_k, new_v, new_pos, self.pid, layer)
+        else:
+            self._transfer(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)
+
+    def wait(self, layer, ring_k, ring_v, now=False):
+        """The main stream waits for this layer's fetch only: on the async path without step joins,
+        or always with `now` (a fetch the same step needs)."""
+        if self.async_ops and (now or not self.join_each_step):
+            torch.ops.specache.fetch_wait(ring_k, ring_v, self.pid, layer)
+
+    def end_step(self):
+        """Called by the last layer: join the side stream (see the module docstring)."""
+        if self.async_ops and self.join_each_step:
+            torch.ops.specache.fetch_join([r for pair in self.rings for r in pair], self.pid)
+
+    def _append_host(self, layer, k, v, pos):
+        # CPU, compiled: index_put_ on the whole store, not on the view host_k[layer]: a mutated
+        # view of a graph input makes functionalization copy the entire base every step.
         B, H = k.shape[:2]
         index = (torch.tensor(layer, device=k.device), torch.arange(B, device=k.device)[:, None],
                  torch.arange(H, device=k.device)[None, :], pos.reshape(()))
         self.host_k.index_put_(index, k[:, :, 0])
         self.host_v.index_put_(index, v[:, :, 0])
 
-    def start(self, layer, idx):
-        """Fetch rows idx [B,Hkv,k] of host layer `layer` into ring[layer] (async on CUDA)."""
-        if self.on_cuda:
-            torch.ops.specache.fetch_start(self.ring_k[layer], self.ring_v[layer], idx, self.pid, layer)
-        else:
-            self.copy_rows(layer, idx)
+    def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
+        """The transfer itself, on the current stream."""
+        if not self.on_cuda:
+            if new_k is not None:
+                self._append_host(layer, new_k, new_v, new_pos)
+            if idx is not None:
+                transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, None, None, None)
+        elif self.impl == "uva":
+            transfer_rows(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, new_k, new_v, new_pos)
+        else:  # staged: indices to the host (one sync: eager only), gather, one non_blocking copy
+            if new_k is not None:
+                transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, None, new_k, new_v, new_pos)
+            if idx is not None:
+                idx_host = idx.to("cpu")
+                for host, staging, ring in ((self.host_k, self.staging_k, ring_k), (self.host_v, self.staging_v, ring_v)):
+                    torch.gather(host[layer], 2, idx_host[..., None].expand_as(staging), out=staging)
+                    ring.copy_(staging, non_blocking=True)
 
-    def wait(self, layer):
-        """The main stream waits for this layer's fetch only (no-op on CPU, where start is
-        synchronous, and after a joined step)."""
-        if self.on_cuda and not self.join_each_step:
-            torch.ops.specache.fetch_wait(self.ring_k[layer], self.ring_v[layer], self.pid, layer)
+    # ---- the async path (run by the custom ops) ----------------------------------------------------
+    def _check_ring(self, layer, ring_k, ring_v):
+        mine = self.rings[layer]
+        if mine is None or ring_k.data_ptr() != mine[0].data_ptr() or ring_v.data_ptr() != mine[1].data_ptr():
+            raise RuntimeError(f"fetch for layer {layer} was handed a copy of its ring, not the ring buffer itself "
+                               "(a compiled graph must pass module buffers through unchanged): the side stream "
+                               "would write memory the graph frees")
 
-    def end_step(self):
-        """Called by the last layer: join the side stream (see the module docstring)."""
-        if self.on_cuda and self.join_each_step:
-            torch.ops.specache.fetch_join(self.ring_k, self.ring_v, self.pid)
-
-    def _start_async(self, layer, idx):
-        self.consumed[layer].record(self.dm.current_stream(self.device))
-        self.side.wait_event(self.consumed[layer])  # ring[layer] is free and idx is written
+    def _start_async(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
+        self._check_ring(layer, ring_k, ring_v)
+        main = self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
+        # Stage the inputs on the main stream: they may be temporaries the graph reuses right after.
+        s_idx = s_k = s_v = s_pos = None
+        if idx is not None:
+            s_idx = self.stage_idx[layer]
+            s_idx.copy_(idx)
+        if new_k is not None:
+            s_k, s_v, s_pos = self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]
+            s_k.copy_(new_k)
+            s_v.copy_(new_v)
+            s_pos.copy_(new_pos.reshape(()))
+        self.consumed[layer].record(main)
+        self.side.wait_event(self.consumed[layer])  # ring[layer] is free, staging is written
         with self.dm.stream(self.side):
-            self.copy_rows(layer, idx)
+            self._transfer(layer, ring_k, ring_v, s_idx, s_k, s_v, s_pos)
             self.fetched[layer].record(self.side)
 
-    def copy_rows(self, layer, idx):
-        """The transfer itself, issued on the current stream."""
-        if self.impl == "uva" or not self.on_cuda:
-            kernels.gather_rows(self.host_k[layer], idx, self.ring_k[layer])
-            kernels.gather_rows(self.host_v[layer], idx, self.ring_v[layer])
-        else:
-            idx_host = idx.to("cpu")  # the one sync this path pays (so: eager only, no CUDA graph)
-            for host, staging, ring in ((self.host_k, self.staging_k, self.ring_k), (self.host_v, self.staging_v, self.ring_v)):
-                torch.gather(host[layer], 2, idx_host[..., None].expand_as(staging), out=staging)
-                ring[layer].copy_(staging, non_blocking=True)
-
     def _wait_async(self, layer):
-        self.dm.current_stream(self.device).wait_event(self.fetched[layer])
+        main = self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
+        main.wait_event(self.fetched[layer])
 
     def _join_async(self):
-        self.dm.current_stream(self.device).wait_stream(self.side)
-
-
-    # ---- exact reference top-k (oracle fetch, hit-rate instrumentation) ---------------------------
-    def exact_topk(self, layer, q_row, n_quant, k, sm_scale):
-        """Top-k of quantized positions [0, n_quant) by exact fp attention of q_row [B,H,D],
-        probabilities summed over each kv head's query heads (the same reduction as topk_lowbit)."""
-        keys = self.host_k[layer].to(q_row.device, non_blocking=True)  # [B,Hkv,S,D]
-        B, H, D = q_row.shape
-        Hkv, S = keys.shape[1], keys.shape[2]
-        qg = q_row.float().view(B, Hkv, H // Hkv, D)
-        scores = torch.einsum("bhgd,bhsd->bhgs", qg, keys.float()) * sm_scale
-        valid = torch.arange(S, device=q_row.device) < n_quant
-        scores = scores.masked_fill(~valid, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(2)  # [B,Hkv,S]
-        probs = torch.where(valid, probs, -1.0)
-        return torch.topk(probs, k, dim=-1)
+        main = self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
+        main.wait_stream(self.side)

@@ -179,8 +179,9 @@ def loop_loads(sass_text: str) -> dict:
 def cases(quick=False):
     """(name, callable) pairs. Each builds a small cache state on CPU and calls the Triton launchers
     the way the caches do, so the launchers choose blocks, bits and flags themselves."""
-    import quant
     import kernels
+    import prefetch
+    import quant
 
     def attention_case(bits, dtype, D, scheme="kivi", fetch=True, G=4, T=2, S=512, group=64):
         def run():
@@ -220,11 +221,13 @@ def cases(quick=False):
         return run
 
     def rows_case(dtype, D):
-        def run():
-            host = torch.zeros(1, 2, 256, D, dtype=dtype)
-            idx = torch.zeros(1, 2, 64, dtype=torch.long)
-            kernels.gather_rows_triton(host, idx, torch.zeros(1, 2, 64, D, dtype=dtype))
-            kernels.scatter_rows_triton(host, torch.tensor(5), torch.zeros(1, 2, 1, D, dtype=dtype))
+        def run():  # the three ways SpeCache calls the transfer
+            host = [torch.zeros(1, 2, 256, D, dtype=dtype) for _ in range(2)]
+            ring = [torch.zeros(1, 2, 64, D, dtype=dtype) for _ in range(2)]
+            idx, new, pos = torch.zeros(1, 2, 64, dtype=torch.long), torch.zeros(1, 2, 1, D, dtype=dtype), torch.tensor(5)
+            prefetch.transfer_rows_triton(*host, *ring, idx, new, new, pos)
+            prefetch.transfer_rows_triton(*host, *ring, idx, None, None, None)
+            prefetch.transfer_rows_triton(*host, *ring, None, new, new, pos)
         return run
 
     dtypes = (torch.float32, torch.bfloat16, torch.float16)

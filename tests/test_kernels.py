@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
+import prefetch  # noqa: E402
 import quant  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -293,23 +294,6 @@ def test_triton_topk_ties_fill_exactly_k():
 
 
 @needs_interpreter
-def test_triton_gather_and_scatter_rows():
-    g = torch.Generator().manual_seed(0)
-    host = torch.randn(2, 3, 64, 40, generator=g)
-    idx = torch.randint(0, 64, (2, 3, 8), generator=g)
-    out_ref, out_tri = torch.empty(2, 3, 8, 40), torch.empty(2, 3, 8, 40)
-    kernels.gather_rows_ref(host, idx, out_ref)
-    kernels.gather_rows_triton(host, idx, out_tri)
-    assert torch.equal(out_ref, out_tri)
-    assert torch.equal(out_ref[1, 2, 5], host[1, 2, idx[1, 2, 5]])
-    rows, pos = torch.randn(2, 3, 2, 40, generator=g), torch.tensor(17)
-    h_ref, h_tri = host.clone(), host.clone()
-    kernels.scatter_rows_ref(h_ref, pos, rows)
-    kernels.scatter_rows_triton(h_tri, pos, rows)
-    assert torch.equal(h_ref, h_tri) and torch.equal(h_tri[:, :, 17:19], rows)
-
-
-@needs_interpreter
 def test_triton_custom_ops_opcheck():
     """Schema, fake (meta) kernels and the real launch agree (run on CPU through the interpreter)."""
     args, kw, _ = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
@@ -327,8 +311,6 @@ def test_triton_custom_ops_opcheck():
     targs, tkw, _ = topk_inputs(G=3, n_quant=64, S=128)
     torch.library.opcheck(kernels._topk_lowbit_op, (*targs, tkw["bits_k"], tkw["group_k"], tkw["sm_scale"],
                                                     tkw["k"], None), test_utils=tests)
-    host, idx = torch.randn(1, 2, 32, 16), torch.randint(0, 32, (1, 2, 4))
-    torch.library.opcheck(kernels._gather_rows_op, (host, idx, torch.empty(1, 2, 4, 16)), test_utils=tests)
 
 
 @needs_interpreter
@@ -365,9 +347,9 @@ def decode_step(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, 
                                         fetch_valid=fetch_valid, replaced=replaced)
     score, idx = kernels.topk_lowbit(q[:, :, -1], k_codes, k_scale, k_zero, n_quant, lse[:, :, -1], bits_k=bits,
                                      group_k=group_k, sm_scale=sm_scale, k=k)
-    fetched = kernels.gather_rows(k_res, torch.remainder(idx, res_len),  # (any valid host rows will do here)
-                                  torch.empty(*idx.shape, k_res.shape[3]))
-    return out, lse, score, idx, fetched
+    ring_k, ring_v = (torch.empty(*idx.shape, k_res.shape[3]) for _ in range(2))
+    prefetch.transfer_rows(k_res, v_res, ring_k, ring_v, torch.remainder(idx, res_len))  # (any valid rows will do)
+    return out, lse, score, idx, ring_k
 
 
 def _compile_inputs():

@@ -3,13 +3,20 @@ really are delayed (a worker thread), so a missing wait would read a stale ring.
 import threading
 import time
 
+import os
+
 import pytest
 import torch
 
+import kernels
+import prefetch
 from cache import LowBitCache, SpeCache
-from generate import generate, setup_caches
+from generate import decode_step, generate, setup_caches
 from prefetch import Prefetcher
 from tests.helpers import tiny_model
+
+needs_interpreter = pytest.mark.skipif(type(prefetch._transfer_rows_kernel).__name__ != "InterpretedFunction",
+                                       reason="TRITON_INTERPRET=1 was not set before triton was imported")
 
 CPU = torch.device("cpu")
 
@@ -86,64 +93,95 @@ class FakeDeviceModule:
 
 
 def fake_async(prefetcher: Prefetcher, delay=0.02, join_each_step=False):
-    """Turn a CPU prefetcher into one that runs its CUDA code path against fake streams."""
+    """Make a CPU prefetcher run its CUDA code path (custom ops, staging, events) against fake
+    streams whose transfers really land late: they run on a worker thread after `delay` seconds
+    and read the staging buffers only then, as the device would."""
     log = []
     side = FakeSideStream(delay, log)
-    L = prefetcher.ring_k.shape[0]
-    prefetcher.on_cuda = True
-    prefetcher.join_each_step = join_each_step
+    L = prefetcher.n_layers
+    prefetcher.async_ops, prefetcher.join_each_step = True, join_each_step
+    prefetcher._setup_async()
     prefetcher.dm = FakeDeviceModule(FakeMainStream(log))
     prefetcher.side = side
     prefetcher.consumed = [FakeEvent() for _ in range(L)]
     prefetcher.fetched = [FakeEvent(str(layer)) for layer in range(L)]
-    copy = Prefetcher.copy_rows.__get__(prefetcher)
+    transfer = Prefetcher._transfer.__get__(prefetcher)
 
-    def delayed_copy(layer, idx):
-        idx = idx.clone()  # what the device would read when the copy runs
-
+    def delayed_transfer(layer, *args):
         def work():
             time.sleep(delay)
-            copy(layer, idx)
+            transfer(layer, *args)
             log.append(f"copied {layer}")
         side.submit(work)
-    prefetcher.copy_rows = delayed_copy
-    # the custom ops are for the compiled CUDA graph; the fake streams are plain Python
-    prefetcher.start = prefetcher._start_async
-    prefetcher.wait = lambda layer: None if prefetcher.join_each_step else prefetcher._wait_async(layer)
-    prefetcher.end_step = lambda: prefetcher._join_async() if prefetcher.join_each_step else None
+    prefetcher._transfer = delayed_transfer
     return log
 
 
-def make_prefetcher(L=2, B=1, H=2, S=32, D=4, k=3):
-    p = Prefetcher(L, B, H, S, D, k, torch.float32, CPU)
+def make_prefetcher(L=2, B=1, H=2, S=32, D=4, k=3, **kw):
+    p = Prefetcher(L, B, H, S, D, k, torch.float32, CPU, **kw)
     p.host_k.copy_(torch.randn_like(p.host_k))
     p.host_v.copy_(torch.randn_like(p.host_v))
+    for layer in range(L):
+        p.register_ring(layer, torch.zeros(B, H, k, D), torch.zeros(B, H, k, D))
     return p
 
 
-def test_cpu_fetch_gathers_rows():
+def test_transfer_writes_the_token_and_gathers_rows():
+    """One transfer: the real token's row goes to the host, the ring gets rows idx; a row equal to
+    the token's position comes from the token itself."""
     p = make_prefetcher()
+    ring_k, ring_v = p.rings[1]
     idx = torch.tensor([[[5, 0, 31], [7, 7, 2]]])
-    p.start(1, idx)
-    p.wait(1)
-    ring_k, ring_v = p.ring(1)
-    assert torch.equal(ring_k, torch.stack([p.host_k[1, 0, h, idx[0, h]] for h in range(2)])[None])
-    assert torch.equal(ring_v[0, 1, 0], p.host_v[1, 0, 1, 7])
-    assert p.bytes_per_step() == 2 * 2 * 1 * 2 * 3 * 4 * 4
+    new_k, new_v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+    p.start(1, ring_k, ring_v, idx, new_k, new_v, torch.tensor(7))
+    assert torch.equal(p.host_k[1, :, :, 7], new_k[:, :, 0]) and torch.equal(p.host_v[1, :, :, 7], new_v[:, :, 0])
+    assert torch.equal(ring_k[0, 0], p.host_k[1, 0, 0, idx[0, 0]])
+    assert torch.equal(ring_k[0, 1, 0], new_k[0, 1, 0]) and torch.equal(ring_v[0, 1, 1], new_v[0, 1, 0])
+    assert p.bytes_per_step() == 2 * 2 * (1 * 2 * 3 * 4 * 4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("with_idx,with_new", [(True, True), (True, False), (False, True)])
+def test_triton_transfer_matches_reference(with_idx, with_new):
+    g = torch.Generator().manual_seed(0)
+    host = [torch.randn(2, 3, 64, 40, generator=g) for _ in range(2)]
+    idx = torch.randint(0, 64, (2, 3, 8), generator=g) if with_idx else None
+    if with_idx:
+        idx[1, 2, 5] = 17  # the new token's own row
+    new = [torch.randn(2, 3, 1, 40, generator=g) for _ in range(2)] if with_new else [None, None]
+    pos = torch.tensor(17) if with_new else None
+    ref = [[h.clone() for h in host], [torch.zeros(2, 3, 8, 40) for _ in range(2)]]
+    tri = [[h.clone() for h in host], [torch.zeros(2, 3, 8, 40) for _ in range(2)]]
+    prefetch.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos)
+    prefetch.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos)
+    for a, b in zip(ref[0] + ref[1], tri[0] + tri[1]):
+        assert torch.equal(a, b)
 
 
 def test_wait_blocks_until_the_delayed_copy_landed():
     p = make_prefetcher()
     log = fake_async(p, delay=0.05)
+    ring_k, ring_v = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)
+    p.register_ring(0, ring_k, ring_v)
     idx = torch.tensor([[[1, 2, 3], [4, 5, 6]]])
-    p.start(0, idx)
-    assert not torch.equal(p.ring_k[0, 0, 0, 0], p.host_k[0, 0, 0, 1])  # still in flight
-    p.wait(0)
+    p.start(0, ring_k, ring_v, idx)
+    idx.fill_(0)  # the caller's tensor may change right away: the transfer reads the staged copy
+    assert not torch.equal(ring_k[0, 0, 0], p.host_k[0, 0, 0, 1])  # still in flight
+    p.wait(0, ring_k, ring_v)
     assert log == ["copied 0", "waited 0"]
-    assert torch.equal(p.ring_k[0, 0, 1, 2], p.host_k[0, 0, 1, 6])
+    assert torch.equal(ring_k[0, 1, 2], p.host_k[0, 0, 1, 6])
 
 
-def generate_with_late_fetches(new_tokens, join_each_step):
+def test_a_copy_of_the_ring_is_refused():
+    """If functionalization handed the op a temporary instead of the module's ring, the side stream
+    would write memory the graph frees: the op refuses."""
+    p = make_prefetcher(async_ops=True)
+    ring_k, ring_v = p.rings[0]
+    with pytest.raises(RuntimeError, match="copy of its ring"):
+        p.start(0, ring_k.clone(), ring_v, torch.zeros(1, 2, 3, dtype=torch.long))
+
+
+def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None):
     """A tiny SpeCache generation twice: synchronous CPU fetches, then every fetch landing late on
     fake streams. Returns (reference tokens, tokens, the fake streams' log)."""
     model = tiny_model()
@@ -153,7 +191,7 @@ def generate_with_late_fetches(new_tokens, join_each_step):
     ref, _ = generate(model, prompt, new_tokens, speculative=True)
     _, prefetcher, _ = setup_caches(model, "specache", **kw)
     log = fake_async(prefetcher, delay=0.002, join_each_step=join_each_step)
-    got, _ = generate(model, prompt, new_tokens, speculative=True)
+    got, _ = generate(model, prompt, new_tokens, speculative=True, **({"step_fn": step_fn} if step_fn else {}))
     return ref, got, log
 
 
@@ -182,6 +220,24 @@ def test_joined_steps_match_synchronous():
     assert log.count("joined") == 12 and not any(e.startswith("waited") for e in log)
     steps = "|".join(log).split("joined")[:-1]
     assert all(s.strip("|").split("|") == ["copied 0", "copied 1"] for s in steps), log
+
+
+@needs_interpreter
+def test_compiled_step_on_the_async_path_with_late_fetches():
+    """The CUDA-graph schedule compiled by inductor (fullgraph), with the custom ops and fetches
+    that land late: the ops get the rings themselves (checked in the op), nothing is reordered
+    around them, and the tokens equal the synchronous eager path's (H100 finding: the compiled
+    SpeCache step left tensors in the cudagraph pool)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(decode_step, fullgraph=True)
+    with kernels.custom_ops_on_cpu():  # the CUDA step's graph: attention and top-k are opaque ops too
+        ref, got, log = generate_with_late_fetches(12, join_each_step=True, step_fn=step)
+    assert torch.equal(got, ref)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert log.count("joined") >= 11
 
 
 def test_compression_ratio_at_8k():
