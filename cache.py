@@ -1,16 +1,23 @@
 """KV caches. Each attention layer owns one; model.py calls `cache(q, k, v, input_pos, mode)`.
 
+- CacheConfig: what a cache is (kind, bits, group, residual, fetched rows, fetch policy, scheme),
+  built from a name such as "specache-1bit-oracle" or from CLI flags, validated in one place.
 - FullCache: the 16-bit baseline (fp32 on CPU), static [B, Hkv, max_seq_len, D] buffers.
 - LowBitCache: KIVI (specache.txt §3.4, eq. 2/3): packed low-bit codes for tokens [0, n_quant) and a
   full-precision residual window for the most recent tokens; when the residual holds `residual`
   tokens they are quantized as a block (keys per channel in groups of `group` tokens, values per
-  token). `n_quant` and `res_len` are 0-d tensors, so one compiled decode graph serves every step.
-- SpeCache: LowBitCache + the full fp16 cache on the host + `k` fetched fp16 rows per kv head
-  that replace their quantized copies in attention (eq. 1). The speculative token's attention
-  picks the rows the next step needs and starts their fetch (Algorithm 3); prefetch.py moves them.
+  token in groups of `group` channels). `n_quant` and `res_len` are 0-d tensors, so one compiled
+  decode graph serves every step.
+- SpeCache: LowBitCache + the full fp16 cache on the host + `n_fetch` fetched fp16 rows per kv head
+  that replace their quantized copies in attention (eq. 1). A fetch policy decides which rows;
+  the paper's (Algorithm 3) lets a speculative token's attention pick the rows the next step
+  needs and starts their transfer (prefetch.py) while the step goes on.
 
-Byte accounting is exact: `device_bytes()` sums the tensors that live on the compute device.
+Byte accounting is exact: `device_bytes()` sums the tensors that live on the compute device and
+`read_bytes(T)` is what a decode step of T tokens reads from them (the kernels' byte floor).
 """
+import re
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -19,6 +26,131 @@ import torch.nn.functional as F
 
 import kernels
 import quant
+from kernels import Fetched, LowBitKV, Residual
+
+KINDS = ("full", "kivi", "specache")
+SCHEMES = ("kivi", "zipcache", "quantspec")
+POLICIES = ("speculative", "sequential", "oracle")
+FETCH_IMPLS = ("uva", "staged")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """One KV cache configuration. Name grammar (parts after the kind in any order):
+        full | (kivi|specache)[-<N>bit][-zipcache|-quantspec][-orig][-<policy>][-k<N>][-g<N>][-r<N>]
+    e.g. "kivi-2bit", "specache-1bit-oracle", "specache-2bit-k128-r64". `name` is the canonical
+    form (defaults left out), which eval.py and bench.py use as a label."""
+    kind: str = "specache"
+    bits: int = 1            # bits per code (QuantSpec: 4 = upper planes, 8 = both planes)
+    group: int = 64          # key group (tokens) and value group (channels, capped at head_dim)
+    residual: Optional[int] = None  # fp16 residual window; None: 128 for KIVI, 64 for SpeCache (§4.1)
+    k: int = 64              # SpeCache: fp16 KV pairs fetched per layer and kv head (the paper's top-k)
+    fetch: str = "speculative"  # SpeCache fetch policy (which rows, when)
+    scheme: str = "kivi"     # quantizer of the low-bit copy: quant.py's KIVI, ZipCache or QuantSpec
+    one_bit: str = "improved"  # 1-bit zero/scale: eq. 3 ("improved") or eq. 2 ("kivi", Table 5)
+    fetch_impl: str = "uva"  # CUDA transfer: Triton gather over UVA, or "staged" (eager only)
+
+    @property
+    def residual_len(self) -> int:
+        return self.residual if self.residual is not None else self.residual_len_default
+
+    @property
+    def two_tokens(self) -> bool:
+        """Does a decode step feed [real, speculative] tokens?"""
+        return self.kind == "specache" and self.fetch == "speculative"
+
+    @property
+    def name(self) -> str:
+        if self.kind == "full":
+            return "full"
+        parts = [self.kind, f"{self.bits}bit"]
+        parts += [self.scheme] if self.scheme != "kivi" else []
+        parts += ["orig"] if self.one_bit == "kivi" else []
+        if self.kind == "specache":
+            parts += [self.fetch] if self.fetch != "speculative" else []
+            parts += [f"k{self.k}"] if self.k != 64 else []
+        parts += [f"g{self.group}"] if self.group != 64 else []
+        parts += [f"r{self.residual}"] if self.residual is not None and self.residual != self.residual_len_default else []
+        return "-".join(parts)
+
+    @property
+    def residual_len_default(self) -> int:
+        """128 for KIVI, 64 for SpeCache (§4.1: it trades residual for fetched rows), rounded up to
+        a multiple of the group."""
+        base = 128 if self.kind == "kivi" else 64
+        return -(-base // self.group) * self.group
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "CacheConfig":
+        """Parse a name; keyword overrides (e.g. CLI flags that were given) win. Raises ValueError."""
+        parts = [p for p in str(name).strip().lower().split("-") if p]
+        if not parts or parts[0] not in KINDS:
+            raise ValueError(f"unknown cache {name!r}: a name starts with one of {', '.join(KINDS)} "
+                             f"(e.g. kivi-2bit, specache-1bit-oracle)")
+        kw = dict(kind=parts[0])
+        patterns = [(r"(\d+)bit", "bits", int), (r"k(\d+)", "k", int), (r"g(\d+)", "group", int),
+                    (r"r(\d+)", "residual", int)]
+        for p in parts[1:]:
+            if kw["kind"] == "full":
+                raise ValueError(f"cache {name!r}: the full cache takes no options")
+            for pat, key, conv in patterns:
+                if m := re.fullmatch(pat, p):
+                    kw[key] = conv(m.group(1))
+                    break
+            else:
+                if p in SCHEMES:
+                    kw["scheme"] = p
+                elif p == "orig":
+                    kw["one_bit"] = "kivi"
+                elif p in POLICIES and kw["kind"] == "specache":
+                    kw["fetch"] = p
+                elif p in POLICIES:
+                    raise ValueError(f"cache {name!r}: {p!r} is a SpeCache fetch policy; use specache-...-{p}")
+                else:
+                    raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
+                                     f"orig, {'/'.join(POLICIES)} for specache, kN, gN, rN)")
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw).validated()
+
+    def validated(self, head_dim: Optional[int] = None) -> "CacheConfig":
+        """Raise ValueError on anything the caches or kernels cannot do; returns self."""
+        def bad(msg):
+            raise ValueError(f"cache {self.name if self.kind in KINDS else self.kind!r}: {msg}")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown cache kind {self.kind!r} ({', '.join(KINDS)})")
+        if self.kind == "full":
+            return self
+        if self.scheme not in SCHEMES:
+            bad(f"unknown quantization scheme {self.scheme!r} ({', '.join(SCHEMES)})")
+        allowed = (4, 8) if self.scheme == "quantspec" else quant.BITS
+        if self.bits not in allowed:
+            bad(f"--bits {self.bits} is not available for scheme {self.scheme} ({', '.join(map(str, allowed))})")
+        if self.group < 1 or self.group & (self.group - 1):
+            bad(f"--group must be a positive power of two, got {self.group}")
+        if self.residual is not None and (self.residual <= 0 or self.residual % self.group):
+            bad(f"--residual ({self.residual}) must be a positive multiple of --group ({self.group})")
+        if self.one_bit not in quant.ONE_BIT_MODES:
+            bad(f"--one-bit must be one of {', '.join(quant.ONE_BIT_MODES)}")
+        if self.one_bit == "kivi" and self.bits != 1:
+            bad("'orig' (original KIVI 1-bit zero/scale, eq. 2) exists only for 1 bit")
+        if head_dim is not None and head_dim % min(self.group, head_dim):
+            bad(f"head_dim {head_dim} is not a multiple of the value group {min(self.group, head_dim)}")
+        if head_dim is not None and (head_dim * self.bits) % 8:
+            bad(f"head_dim {head_dim} does not pack into whole bytes at {self.bits} bits")
+        if self.kind == "specache":
+            if self.k < 1:
+                bad(f"--k must be >= 1, got {self.k}")
+            if self.fetch not in POLICIES:
+                bad(f"unknown fetch policy {self.fetch!r} ({', '.join(POLICIES)})")
+            if self.fetch_impl not in FETCH_IMPLS:
+                bad(f"unknown fetch implementation {self.fetch_impl!r} ({', '.join(FETCH_IMPLS)})")
+        return self
+
+    def with_(self, **kw) -> "CacheConfig":
+        return replace(self, **kw).validated()
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def causal_mask(input_pos: torch.Tensor, key_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -52,11 +184,13 @@ class FullCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("key_pos", torch.arange(max_seq_len, device=device), persistent=False)
+        self.register_buffer("length", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.sliding_window = sliding_window
 
     def forward(self, q, k, v, input_pos, mode="decode"):
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
+        self.length.copy_(torch.maximum(self.length, input_pos[-1] + 1))
         mask = causal_mask(input_pos, self.key_pos, self.sliding_window)
         return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
 
@@ -66,57 +200,73 @@ class FullCache(nn.Module):
     def host_bytes(self) -> int:
         return 0
 
+    def read_bytes(self, step_tokens: int = 1) -> int:
+        """K/V bytes a decode step must read: every valid token (the step's own included)."""
+        row = self.k_cache[0, :, 0].nbytes * self.k_cache.shape[0]
+        return 2 * row * (int(self.length) + step_tokens)
+
 
 class LowBitCache(nn.Module):
     """KIVI cache. Layout (S = capacity rounded up to `residual`, plus one scratch block that absorbs
     the no-op flush writes of a static-shape graph):
       k_codes [B,Hkv,S+R,D*bits/8] u8, k_scale/k_zero [B,Hkv,(S+R)/group,D]   keys per channel
       v_codes [B,Hkv,S+R,D*bits/8] u8, v_scale/v_zero [B,Hkv,S+R,D/group]     values per token
-      k_res/v_res [B,Hkv,R+max_new,D]: the residual window; decode writes the step's tokens here first.
+      k_res/v_res [B,Hkv,R+max_step_tokens,D]: the residual window; decode writes the step's tokens here first.
     `scheme` picks the quantizer of the siblings, all read by the same kernels:
       "kivi"       specache.txt eq. 2, and eq. 3 for 1 bit (one_bit="improved")
       "zipcache"   keys as KIVI; values channel-separable tokenwise (zipcache.txt eq. 6): the
                    channel scale v_chan_scale [B,Hkv,D] is set by the first quantized block, then fixed
       "quantspec"  hierarchical INT8 = upper INT4 (k_codes) + lower INT4 (k_codes_lo), quantspec.txt
-                   §4.2; `bits` 4 or 8 picks the view attention reads (set `view_bits` to switch)
+                   §4.2; config bits 4 or 8 picks the view attention reads (set `view_bits` to switch)
     """
 
-    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, *, bits=2, group=64,
-                 residual=128, one_bit="improved", scheme="kivi", max_step_tokens=2, meter=None):
+    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
+                 max_step_tokens=2, meter=None):
         super().__init__()
-        if residual % group or residual <= 0:
-            raise ValueError(f"--residual ({residual}) must be a positive multiple of --group ({group})")
-        if scheme not in ("kivi", "zipcache", "quantspec"):
-            raise ValueError(f"unknown quantization scheme {scheme!r} (kivi, zipcache, quantspec)")
-        if bits not in ((4, 8) if scheme == "quantspec" else (1, 2, 4, 8)):
-            raise ValueError(f"--bits {bits} is not available for scheme {scheme}")
-        self.scheme, self.group, self.residual, self.one_bit = scheme, group, residual, one_bit
-        self.bits = 4 if scheme == "quantspec" else bits  # bits per stored code (plane)
-        self.view_bits = bits
-        self.group_v = min(group, head_dim)
+        config = config.validated(head_dim)
+        self.config = config
+        self.scheme, self.group, self.one_bit = config.scheme, config.group, config.one_bit
+        self.residual = config.residual_len
+        self.bits = 4 if config.scheme == "quantspec" else config.bits  # bits per stored code (plane)
+        self.view_bits = config.bits
+        self.group_v = min(self.group, head_dim)
         self.sm_scale = head_dim ** -0.5
-        self.capacity = -(-max_seq_len // residual) * residual  # quantized slots, scratch block after
-        n_slots = self.capacity + residual
+        R = self.residual
+        self.capacity = -(-max_seq_len // R) * R  # quantized slots, scratch block after
+        n_slots = self.capacity + R
         B, H, D = batch, n_kv_heads, head_dim
         meta = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16  # scale/zero: 16 bits, as KIVI
         u8 = dict(dtype=torch.uint8, device=device)
-        buf = lambda name, shape, **kw: self.register_buffer(name, torch.zeros(shape, **kw), persistent=False)
+        buf = lambda name, shape, **kw: self.register_buffer(name, torch.zeros(shape, **kw), persistent=False)  # noqa: E731
         buf("k_codes", (B, H, n_slots, D * self.bits // 8), **u8)
-        buf("k_scale", (B, H, n_slots // group, D), dtype=meta, device=device)
-        buf("k_zero", (B, H, n_slots // group, D), dtype=meta, device=device)
+        buf("k_scale", (B, H, n_slots // self.group, D), dtype=meta, device=device)
+        buf("k_zero", (B, H, n_slots // self.group, D), dtype=meta, device=device)
         buf("v_codes", (B, H, n_slots, D * self.bits // 8), **u8)
         buf("v_scale", (B, H, n_slots, D // self.group_v), dtype=meta, device=device)
         buf("v_zero", (B, H, n_slots, D // self.group_v), dtype=meta, device=device)
-        if scheme == "quantspec":
+        if self.scheme == "quantspec":
             buf("k_codes_lo", (B, H, n_slots, D // 2), **u8)
             buf("v_codes_lo", (B, H, n_slots, D // 2), **u8)
-        if scheme == "zipcache":
+        if self.scheme == "zipcache":
             buf("v_chan_scale", (B, H, D), dtype=meta, device=device)
-        buf("k_res", (B, H, residual + max_step_tokens, D), dtype=dtype, device=device)
-        buf("v_res", (B, H, residual + max_step_tokens, D), dtype=dtype, device=device)
+        buf("k_res", (B, H, R + max_step_tokens, D), dtype=dtype, device=device)
+        buf("v_res", (B, H, R + max_step_tokens, D), dtype=dtype, device=device)
         buf("n_quant", (), dtype=torch.int64, device=device)
         buf("res_len", (), dtype=torch.int64, device=device)
         self.meter = meter  # counts prefill's transient fp K/V; the builder counts these buffers
+
+    # ---- what the kernels read -----------------------------------------------------------------
+    def stored(self) -> LowBitKV:
+        """The quantized tokens as the kernels read them (QuantSpec: the view `view_bits` picks)."""
+        hier8 = self.scheme == "quantspec" and self.view_bits == 8
+        return LowBitKV(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+                        self.n_quant, self.bits, self.group, self.group_v,
+                        k_codes_lo=self.k_codes_lo if hier8 else None, v_codes_lo=self.v_codes_lo if hier8 else None,
+                        v_chan=self.v_chan_scale if self.scheme == "zipcache" else None)
+
+    def residual_rows(self, step_tokens: int) -> Residual:
+        """The fp window with the step's tokens (already written after the kept ones) at its end."""
+        return Residual(self.k_res, self.v_res, self.res_len + step_tokens)
 
     # ---- storage -------------------------------------------------------------------------------
     def _quantize(self, k, v):
@@ -145,21 +295,14 @@ class LowBitCache(nn.Module):
         for name, x in per_group.items():
             getattr(self, name).index_copy_(2, groups, x)
 
-    def quant_kwargs(self):
-        """The kernels' arguments that describe the stored codes (scheme, view, channel scale)."""
-        hier8 = self.scheme == "quantspec" and self.view_bits == 8
-        return dict(k_codes_lo=self.k_codes_lo if hier8 else None, v_codes_lo=self.v_codes_lo if hier8 else None,
-                    v_chan_scale=self.v_chan_scale if self.scheme == "zipcache" else None)
-
     def dequantized(self, n: int):
         """Full-precision view of quantized tokens [0, n) (prefill only: it materializes them)."""
-        kw = {name: x[:, :, :n] if name.endswith("_lo") and x is not None else x for name, x in self.quant_kwargs().items()}
-        ng = n // self.group
-        kq = kernels.dequant_k(self.k_codes[:, :, :n], kw["k_codes_lo"], self.k_scale[:, :, :ng],
-                               self.k_zero[:, :, :ng], self.bits, self.group)
-        vq = kernels.dequant_v(self.v_codes[:, :, :n], kw["v_codes_lo"], self.v_scale[:, :, :n],
-                               self.v_zero[:, :, :n], self.bits, self.group_v, kw["v_chan_scale"])
-        return kq.to(self.k_res.dtype), vq.to(self.v_res.dtype)
+        s = self.stored()
+        cut = lambda x, m=n: None if x is None else x[:, :, :m]  # noqa: E731
+        part = s._replace(k_codes=cut(s.k_codes), k_scale=cut(s.k_scale, n // self.group), k_zero=cut(s.k_zero, n // self.group),
+                          v_codes=cut(s.v_codes), v_scale=cut(s.v_scale), v_zero=cut(s.v_zero),
+                          k_codes_lo=cut(s.k_codes_lo), v_codes_lo=cut(s.v_codes_lo))
+        return kernels.dequant_keys(part).to(self.k_res.dtype), kernels.dequant_values(part).to(self.v_res.dtype)
 
     def prefix_kv(self, p0: int):
         """Keys/values of positions [0, p0) for a prefill chunk: KIVI only has its low-bit copy."""
@@ -195,14 +338,10 @@ class LowBitCache(nn.Module):
         self.res_len.copy_(torch.where(flush, torch.zeros_like(res_len), res_len))
 
     # ---- attention -----------------------------------------------------------------------------
-    def attend(self, q, fetched=None):
+    def attend(self, q, fetched: Optional[Fetched] = None):
         """Attention of the step's T query tokens (already appended to the residual) over
         quantized + residual (+ fetched fp rows replacing their quantized copies)."""
-        return kernels.attention_lowbit(
-            q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
-            self.n_quant, self.k_res, self.v_res, self.res_len + q.shape[2],
-            bits_k=self.bits, bits_v=self.bits, group_k=self.group, group_v=self.group_v,
-            sm_scale=self.sm_scale, **self.quant_kwargs(), **(fetched or {}))
+        return kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale)
 
     def write_step(self, k, v):
         rows = self.res_len + torch.arange(k.shape[2], device=k.device)
@@ -214,7 +353,8 @@ class LowBitCache(nn.Module):
             return self.prefill(q, k, v, input_pos)
         self.write_step(k, v)
         out, _ = self.attend(q)
-        self.commit_step(keep=1)
+        if mode == "decode":  # the first token stays ("predecode" keeps nothing)
+            self.commit_step(keep=1)
         return out
 
     def prefill(self, q, k, v, input_pos):
@@ -241,34 +381,36 @@ class LowBitCache(nn.Module):
     def host_bytes(self) -> int:
         return 0
 
+    def read_bytes(self, step_tokens: int = 1) -> int:
+        """Bytes a decode step's attention reads: codes and scales of the quantized tokens (both
+        planes for QuantSpec's 8-bit view, ZipCache's channel scale) and the fp residual rows."""
+        return kernels.lowbit_read_bytes(self.stored(), int(self.n_quant)) + \
+            self.k_res[:, :, :1].nbytes * 2 * (int(self.res_len) + step_tokens)
+
 
 class SpeCache(LowBitCache):
-    """LowBitCache + host fp16 store + `k` fetched rows (speculative prefetch, specache.txt §3.3).
+    """LowBitCache + host fp16 store + `n_fetch` fetched rows (speculative prefetch, specache.txt §3.3).
 
-    fetch modes: "speculative" (Algorithm 3: the step's last token is the speculative one; its
-    attention picks the next step's rows), "sequential" (paper Table 4: the real token's own
-    low-bit attention picks rows, they are fetched synchronously, attention is recomputed), and
-    "oracle" (like sequential, with the exact top-k from fp16 keys: an accuracy upper bound).
+    Fetch policies (config.fetch), one method each:
+      speculative  Algorithm 3: the step's last token is the speculative one; its attention picks
+                   the next step's rows and their transfer overlaps the rest of the step.
+      sequential   paper Table 4: the real token's own low-bit attention picks rows; they are
+                   fetched synchronously and attention is recomputed.
+      oracle       like sequential, with the exact top-k from the fp16 keys: an accuracy upper bound.
     """
 
-    def __init__(self, layer_idx, prefetcher, *args, k=64, fetch="speculative", track_hits=False, **kw):
-        super().__init__(*args, **kw)
-        if fetch not in ("speculative", "sequential", "oracle"):
-            raise ValueError(f"unknown --fetch {fetch!r}")
-        self.layer_idx, self.prefetcher, self.k, self.fetch = layer_idx, prefetcher, k, fetch
-        B, H, n_slots, _ = self.k_codes.shape
-        dev, D = self.k_codes.device, self.k_res.shape[-1]
+    def __init__(self, layer_idx, prefetcher, batch, n_kv_heads, max_seq_len, head_dim, dtype, device,
+                 config: CacheConfig, **kw):
+        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, **kw)
+        self.layer_idx, self.prefetcher, self.fetch = layer_idx, prefetcher, config.fetch
+        self.n_fetch = n_fetch = prefetcher.k
+        B, H, dev = batch, n_kv_heads, self.k_codes.device
         # The fetched fp rows of this layer: module buffers, so a compiled step keeps their addresses.
-        self.register_buffer("ring_k", torch.zeros(B, H, k, D, dtype=self.k_res.dtype, device=dev), persistent=False)
-        self.register_buffer("ring_v", torch.zeros(B, H, k, D, dtype=self.k_res.dtype, device=dev), persistent=False)
+        self.register_buffer("ring_k", torch.zeros(B, H, n_fetch, head_dim, dtype=dtype, device=dev), persistent=False)
+        self.register_buffer("ring_v", torch.zeros(B, H, n_fetch, head_dim, dtype=dtype, device=dev), persistent=False)
         prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v)
-        self.register_buffer("fetch_idx", torch.zeros(B, H, k, dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("fetch_valid", torch.zeros(B, H, k, dtype=torch.bool, device=dev), persistent=False)
-        self.register_buffer("replaced", torch.zeros(B, H, n_slots, dtype=torch.bool, device=dev), persistent=False)
-        self.track_hits = track_hits
-        self.register_buffer("hit_sum", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
-        self.register_buffer("hit_sum_lowbit", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
-        self.register_buffer("hit_steps", torch.zeros((), dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("fetch_idx", torch.zeros(B, H, n_fetch, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("fetch_valid", torch.zeros(B, H, n_fetch, dtype=torch.bool, device=dev), persistent=False)
 
     # The host store holds every real token's fp16 k/v, by absolute position.
     def prefix_kv(self, p0):
@@ -278,84 +420,91 @@ class SpeCache(LowBitCache):
         super().append_prefill(k, v, input_pos)
         self.prefetcher.offload(self.layer_idx, k, v, input_pos)
 
-    def _fetched(self):
-        """kwargs for attention_lowbit: the fetched rows and the quantized positions they replace.
-        Unused slots point at the scratch slot (never attended), so the scatter is race-free."""
-        safe_idx = torch.where(self.fetch_valid, self.fetch_idx, self.replaced.shape[-1] - 1)
-        self.replaced.scatter_(2, safe_idx, self.fetch_valid)
-        return dict(k_fetch=self.ring_k, v_fetch=self.ring_v, fetch_valid=self.fetch_valid, replaced=self.replaced), safe_idx
+    def fetched(self) -> Fetched:
+        """The rows in the ring and the quantized positions they replace in attention (eq. 1)."""
+        return Fetched(self.ring_k, self.ring_v, self.fetch_idx, self.fetch_valid)
 
-    def _select(self, q_row, lse_row, fetched=None):
+    def select(self, q_row, lse_row, fetched: Optional[Fetched] = None):
         """Top-k quantized positions for one query token [B,H,D] -> (idx, valid) per kv head.
         `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A)."""
         if self.fetch == "oracle":
-            score, idx = kernels.topk_exact(q_row, self.prefetcher.host_keys(self.layer_idx), self.n_quant, self.k,
-                                            self.sm_scale)
+            score, idx = kernels.topk_exact(q_row, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
+                                            self.n_fetch, self.sm_scale)
         else:
-            score, idx = kernels.topk_lowbit(q_row, self.k_codes, self.k_scale, self.k_zero, self.n_quant, lse_row,
-                                             bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k,
-                                             k_codes_lo=self.quant_kwargs()["k_codes_lo"], **(fetched or {}))
+            score, idx = kernels.topk_lowbit(q_row, lse_row, self.stored(), self.n_fetch, self.sm_scale, fetched)
         return idx, score >= 0
 
-    def _record_hits(self, q_row, lse_row):
-        """Top-k hit rates of the speculative fetch, for the real token of this step (rebuttal Q6):
-        the share of its exact top-k (fp16 keys) that the fetch holds, and the share of its own
-        low-bit top-k (what a sequential, non-speculative fetch would have brought) it holds.
-        Steps with nothing quantized are not counted."""
-        held = torch.where(self.fetch_valid, self.fetch_idx, -1)[..., None, :]
-        counted = self.n_quant > 0
-        exact = kernels.topk_exact(q_row, self.prefetcher.host_keys(self.layer_idx), self.n_quant, self.k, self.sm_scale)
-        own = kernels.topk_lowbit(q_row, self.k_codes, self.k_scale, self.k_zero, self.n_quant, lse_row,
-                                  bits_k=self.bits, group_k=self.group, sm_scale=self.sm_scale, k=self.k,
-                                  k_codes_lo=self.quant_kwargs()["k_codes_lo"])
-        for total, (score, idx) in ((self.hit_sum, exact), (self.hit_sum_lowbit, own)):
-            hit = (idx[..., :, None] == held).any(-1) & (score >= 0)
-            rate = (hit.sum(-1) / (score >= 0).sum(-1).clamp(min=1)).double().mean()
-            total.add_(torch.where(counted, rate, 0.0))
-        self.hit_steps.add_(counted.long())
+    def start_fetch(self, idx, valid, new=(None, None, None)):
+        """Remember which rows the ring will hold and start their transfer (plus, with `new`, the
+        real token's K/V to the host store, in the same transfer)."""
+        self.fetch_idx.copy_(idx)
+        self.fetch_valid.copy_(valid)
+        self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx, *new)
+
+    # ---- the policies --------------------------------------------------------------------------
+    def speculative(self, q, new, keep):
+        """Algorithm 3 (Algorithm 2 when not keep): q [B,H,2,D] = [real, speculative] tokens."""
+        self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v)  # this layer's fetch only
+        fetched = self.fetched()
+        out, lse = self.attend(q, fetched)
+        if keep:
+            self.commit_step(keep=1)  # only the real token's KV stays
+        # The speculative (last) token's row picks the next step's rows among the quantized
+        # positions as they are after the flush; the transfer overlaps the remaining layers.
+        self.start_fetch(*self.select(q[:, :, -1], lse[:, :, -1], fetched), new)
+        return out
+
+    def sequential(self, q, new, keep):
+        """Table 4: pick rows with the real token itself, fetch and wait, then attend."""
+        _, lse = self.attend(q)
+        self.start_fetch(*self.select(q[:, :, 0], lse[:, :, 0]))
+        self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v, now=True)
+        out, _ = self.attend(q, self.fetched())
+        if keep:
+            self.commit_step(keep=1)
+            self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, None, *new)
+        return out
+
+    oracle = sequential  # same schedule; select() takes the exact top-k
 
     def forward(self, q, k, v, input_pos, mode="decode"):
         if mode == "prefill":
             return self.prefill(q, k, v, input_pos)
         keep = mode == "decode"  # pre-decoding (Algorithm 2) keeps nothing: T1 comes again as the real token
-        # the real token's K/V, written to the host store by this layer's next transfer
         new = (k[:, :, :1], v[:, :, :1], input_pos[0]) if keep else (None, None, None)
         self.write_step(k, v)
-        if self.fetch == "speculative":
-            # Algorithm 3 (Algorithm 2 when mode == "predecode"): wait for this layer's prefetch only.
-            self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v)
-            fetched, safe_idx = self._fetched()
-            out, lse = self.attend(q, fetched)
-            if self.track_hits and keep:
-                self._record_hits(q[:, :, 0], lse[:, :, 0])
-            self.replaced.scatter_(2, safe_idx, False)
-            if keep:
-                self.commit_step(keep=1)
-            # The speculative (last) token's row picks the next step's rows, among the quantized
-            # positions as they are after this step's flush; their transfer starts now and
-            # overlaps the remaining layers of this step.
-            idx, valid = self._select(q[:, :, -1], lse[:, :, -1],
-                                      dict(k_fetch=fetched["k_fetch"], fetch_idx=self.fetch_idx, fetch_valid=self.fetch_valid))
-            self.fetch_idx.copy_(idx)
-            self.fetch_valid.copy_(valid)
-            self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx, *new)
-        else:
-            # Table 4 "sequential": pick rows with the real token itself, fetch, recompute.
-            _, lse = self.attend(q)
-            idx, valid = self._select(q[:, :, 0], lse[:, :, 0])
-            self.fetch_idx.copy_(idx)
-            self.fetch_valid.copy_(valid)
-            self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx)
-            self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v, now=True)
-            fetched, safe_idx = self._fetched()
-            out, _ = self.attend(q, fetched)
-            self.replaced.scatter_(2, safe_idx, False)
-            if keep:
-                self.commit_step(keep=1)
-                self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, None, *new)
+        out = getattr(self, self.fetch)(q, new, keep)
         if self.layer_idx == self.prefetcher.n_layers - 1:
             self.prefetcher.end_step()
         return out
 
     def host_bytes(self) -> int:
         return self.prefetcher.host_bytes_per_layer()
+
+    def read_bytes(self, step_tokens: int = 1) -> int:
+        """LowBitCache's, plus the fetched rows, plus the top-k pass of the speculative token over
+        the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them)."""
+        s = self.stored()
+        keys_again = kernels.lowbit_read_bytes(s._replace(v_codes=None, v_scale=None, v_zero=None, v_codes_lo=None,
+                                                          v_chan=None), int(self.n_quant))
+        return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again
+
+
+def build_caches(model, config: CacheConfig, batch: int, max_seq_len: int, meter: MemoryMeter):
+    """One cache per layer of `model` (on its device and dtype). Returns (caches, prefetcher or None)."""
+    from prefetch import Prefetcher
+
+    args = model.args
+    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    config = config.validated(args.head_dim)
+    dims = (batch, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device)
+    if config.kind == "full":
+        return model.setup_caches(lambda i: FullCache(*dims, sliding_window=args.sliding_window)), None
+    if args.sliding_window is not None and args.sliding_window < max_seq_len:
+        raise ValueError("low-bit caches do not implement sliding-window attention; use --cache full")
+    if config.kind == "kivi":
+        return model.setup_caches(lambda i: LowBitCache(*dims, config, meter=meter)), None
+    n_fetch = min(config.k, max_seq_len)  # k >= context fetches every row
+    prefetcher = Prefetcher(args.n_layers, batch, args.n_kv_heads, max_seq_len, args.head_dim, n_fetch, dtype, device,
+                            impl=config.fetch_impl)
+    return model.setup_caches(lambda i: SpeCache(i, prefetcher, *dims, config, meter=meter)), prefetcher

@@ -49,7 +49,12 @@ def fail(message):
 
 
 def read_json(path, default=None):
-    return json.loads(Path(path).read_text()) if Path(path).is_file() else default
+    if not Path(path).is_file():
+        return default
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        fail(f"{path}: not valid JSON ({e})")
 
 
 def torch_dtype(name):
@@ -188,7 +193,9 @@ def convert_hf_dir(src, out, dtype="float32", name=None) -> dict:
     src, out, dt = Path(src), Path(out), torch_dtype(dtype)
     if not (src / "config.json").is_file():
         fail(f"{src}: no config.json, not a Hugging Face checkpoint directory")
-    hf = json.loads((src / "config.json").read_text())
+    hf = read_json(src / "config.json")
+    if not isinstance(hf, dict):
+        fail(f"{src / 'config.json'}: not a JSON object")
     arch = (hf.get("architectures") or ["unknown"])[0]
     if arch not in HF_ARCHS:
         fail(f"unsupported architecture {arch} (supported: {', '.join(HF_ARCHS)})")
@@ -204,7 +211,10 @@ def convert_hf_dir(src, out, dtype="float32", name=None) -> dict:
     n_heads, dim = hf["num_attention_heads"], hf["hidden_size"]
     n_kv_heads = hf.get("num_key_value_heads") or n_heads
     rope_theta, rope_scaling = hf_rope(hf)
-    files = [safe_open(src / s, framework="pt") for s in shards]  # lazy: tensors are read one at a time
+    try:
+        files = [safe_open(src / s, framework="pt") for s in shards]  # lazy: tensors are read one at a time
+    except Exception as e:  # safetensors' own (Rust) error types
+        fail(f"{src}: cannot read the safetensors shards ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})")
     where = {k: f for f in files for k in f.keys()}
     tie = hf.get("tie_word_embeddings", "lm_head.weight" not in where)
     if not tie and "lm_head.weight" not in where:
@@ -275,7 +285,10 @@ def gguf_tokenizer_json(meta) -> dict:
 def gguf_reader(path):
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/struct errors/... on a file that is not GGUF
+        fail(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e).strip()[:200]})")
     meta = lambda key, default=None: reader.fields[key].contents() if key in reader.fields else default
     return reader, meta
 
@@ -379,7 +392,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", help="float32 (default, fastest on CPU), float16 or bfloat16")
     p.add_argument("--name", help="model name in config.json (default: the output directory's name)")
     args = p.parse_args(argv)
-    cfg = convert(args.source, args.out, args.dtype, args.name)
+    try:
+        cfg = convert(args.source, args.out, args.dtype, args.name)
+    except KeyError as e:  # a field every Llama config has is missing
+        fail(f"{args.source}: the checkpoint's config lacks {e}")
     print(f"wrote {args.out}: {cfg['n_layers']} layers, dim {cfg['dim']}, vocab {cfg['vocab_size']}, {args.dtype}")
 
 

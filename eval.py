@@ -24,10 +24,10 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from cache import CacheConfig
 from tasks import (KEY_PHRASES, RULER_TASKS, essay_ids, essay_window, niah, niah_score, render, ruler_max_new,
                    ruler_sample, ruler_score, summary_prompt)
 
@@ -37,80 +37,42 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
 
 
-# ==== methods ================================================================================================
-METHOD_HELP = ("full, kivi-{1,2,4,8}bit, kivi-1bit-orig, specache-{1,2,4,8}bit, specache-1bit-orig, "
-               "specache-[Nbit-]sequential, specache-[Nbit-]oracle")
+# ==== methods: cache configurations by name (cache.CacheConfig) ============================================
+METHOD_HELP = ("cache names: full, kivi-{1,2,4,8}bit, specache-{1,2,4,8}bit, -orig (1-bit eq. 2), "
+               "-sequential/-oracle fetch, -zipcache/-quantspec, kN/gN/rN; see cache.CacheConfig")
 
 
-@dataclass(frozen=True)
-class Method:
-    name: str
-    cache: str  # full | kivi | specache
-    bits: int = 16
-    one_bit: str = "improved"  # "kivi" = original KIVI 1-bit zero/scale (Table 5's ablation)
-    fetch: str = "speculative"
-    k: int = 0
-    group: int = 0
-    residual: int = 0
-
-    @property
-    def speculative(self) -> bool:
-        return self.cache == "specache" and self.fetch == "speculative"
-
-    def key(self) -> dict:
-        return dict(method=self.name, k=self.k, group=self.group, residual=self.residual)
-
-
-def parse_method(name: str) -> dict:
-    """Method name -> setup_caches arguments. Raises ValueError with the accepted names."""
-    name = name.strip()
-    if name == "full":
-        return dict(cache="full")
-    m = re.fullmatch(r"(kivi|specache)(?:-(\d+)bit)?(?:-(orig|sequential|oracle))?", name)
-    bits = int(m.group(2)) if m and m.group(2) else 1
-    if not m or (m.group(2) is None and m.group(3) not in ("sequential", "oracle")) or bits not in (1, 2, 4, 8):
-        raise ValueError(f"unknown method {name!r}; expected one of: {METHOD_HELP}")
-    cache, variant = m.group(1), m.group(3)
-    if variant == "orig" and bits != 1:
-        raise ValueError(f"method {name!r}: '-orig' (original KIVI 1-bit quantization) exists only for 1 bit")
-    if variant in ("sequential", "oracle") and cache != "specache":
-        raise ValueError(f"method {name!r}: '-{variant}' is a SpeCache fetch mode; use specache-{variant}")
-    out = dict(cache=cache, bits=bits)
-    if variant == "orig":
-        out["one_bit"] = "kivi"
-    elif variant:
-        out["fetch"] = variant
-    return out
-
-
-def parse_int_list(text: str, what: str) -> list[int]:
+def parse_int_list(text: str, what: str, low: int = 1) -> list[int]:
     try:
-        return [int(x) for x in str(text).split(",") if x.strip()]
+        values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
         raise SystemExit(f"error: --{what} takes comma-separated integers, got {text!r}")
+    if not values or any(v < low for v in values):
+        raise SystemExit(f"error: --{what} takes integers >= {low}, got {text!r}")
+    return values
 
 
-def expand_methods(names: str, ks=(64,), groups=(64,), residuals=(None,)) -> list[Method]:
-    """Methods x the --k/--group/--residual sweeps that apply to them. Residual defaults to 128 for
-    KIVI and 64 for SpeCache (§4.1), rounded up to a multiple of the group."""
+def expand_methods(names: str, ks=(None,), groups=(None,), residuals=(None,)) -> list[CacheConfig]:
+    """Cache names x the --k/--group/--residual sweeps that apply to them (k: SpeCache only).
+    Raises ValueError for a bad name or combination."""
     out = []
     for name in [n.strip() for n in names.split(",") if n.strip()]:
-        kw = parse_method(name)
-        if kw["cache"] == "full":
-            out.append(Method(name, "full"))
+        base = CacheConfig.from_name(name)
+        if base.kind == "full":
+            out.append(base)
             continue
         for g in groups:
             for r in residuals:
-                r = -(-(r or (128 if kw["cache"] == "kivi" else 64)) // g) * g
-                out += [Method(name, group=g, residual=r, k=k, **kw) for k in (ks if kw["cache"] == "specache" else [0])]
+                for k in (ks if base.kind == "specache" else [None]):
+                    cfg = CacheConfig.from_name(name, group=g, residual=r, k=k)
+                    if cfg not in out:
+                        out.append(cfg)
     return out
 
 
-def label(m: Method, methods: list[Method]) -> str:
-    """Method name plus the swept parameters that distinguish it from its siblings."""
-    same = [x for x in methods if x.name == m.name]
-    tags = [f"{p}={getattr(m, p)}" for p in ("k", "group", "residual") if len({getattr(x, p) for x in same}) > 1]
-    return m.name + (f" ({', '.join(tags)})" if tags else "")
+def label(m: CacheConfig, methods=None) -> str:
+    """The canonical cache name: it spells out every non-default field, so it tells sweeps apart."""
+    return m.name
 
 
 # ==== results file: one JSON line per cell, resumable; markdown ==================================================
@@ -195,69 +157,70 @@ class Runner:
         # Compiled steps need one cache shape for the whole run, or every prompt recompiles.
         self.fixed_len = a.cache_len if a.compile else None
         self.step_fn = generate.compile_step(self.device) if a.compile else generate.decode_step
-        fwd = lambda tokens, pos: self.model(tokens, pos, mode="decode")
-        self.logits_fn = torch.compile(fwd, fullgraph=True) if a.compile else fwd
 
-    def setup(self, m: Method, seq_len: int, track_hits=False):
-        """Fresh caches for one prompt (kept in self.caches: hit_trace reads their counters)."""
-        self.caches = self.gen.setup_caches(self.model, m.cache, 1, self.fixed_len or seq_len, m.bits, m.group or 64,
-                                            m.residual or None, m.k or 64, m.fetch, m.one_bit, track_hits=track_hits)[0]
+    def setup(self, m: CacheConfig, seq_len: int):
+        """Fresh caches for one prompt (kept in self.caches)."""
+        self.caches = self.gen.setup_caches(self.model, m, 1, self.fixed_len or seq_len)[0]
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tok.encode(text, bos=False)  # chat text carries its own special tokens
 
-    def generate(self, m: Method, ids: list[int], max_new: int, step_fn=None, track_hits=False):
-        """Greedy answer text (cut at the first EOS) and generate()'s stats."""
-        self.setup(m, len(ids) + max_new + 2, track_hits)
+    def generate(self, m: CacheConfig, ids: list[int], max_new: int, on_step=None, eos=True, before=None):
+        """Greedy answer text (cut at the first EOS) and generate()'s stats. `before(caches)` runs
+        once the caches exist (eval probes attach there)."""
+        self.setup(m, len(ids) + max_new + 2)
+        if before:
+            before(self.caches)
         prompt = self.torch.tensor([ids], device=self.device)
-        out, stats = self.gen.generate(self.model, prompt, max_new, speculative=m.speculative, eos_ids=self.tok.eos_ids,
-                                       step_fn=step_fn or self.step_fn, chunk=self.chunk)
+        out, stats = self.gen.generate(self.model, prompt, max_new, speculative=m.two_tokens,
+                                       eos_ids=self.tok.eos_ids if eos else (), step_fn=self.step_fn,
+                                       chunk=self.chunk, on_step=on_step)
         row = [int(t) for t in out[0]]
         ends = [i for i, t in enumerate(row) if t in self.tok.eos_ids]
         return self.tok.decode(row[:ends[0]] if ends else row), stats
 
-    def nll_decode_path(self, m: Method, ids: list[int], n_eval: int) -> list[float]:
+    def nll_decode_path(self, m: CacheConfig, ids: list[int], n_eval: int) -> list[float]:
         """Teacher-forced NLL of the last n_eval tokens through the decode path: prefill ids[:L-n_eval-1],
-        then one decode step per true token. Speculative SpeCache feeds [true token, its own speculative
-        guess from the previous step's second row] and row 0 is scored."""
-        torch, F = self.torch, self.torch.nn.functional
+        then one decode step per true token (generate()'s loop with the true token forced in).
+        Speculative SpeCache feeds [true token, its own speculative guess from the previous step]."""
+        F = self.torch.nn.functional
         L = len(ids)
         P = L - n_eval - 1
-        self.setup(m, L + 2)
-        x = torch.tensor([ids], device=self.device)
+        truth = self.torch.tensor(ids, device=self.device)
         nll = []
-        with torch.no_grad():
-            self.gen.prefill(self.model, x[:, :P], self.chunk)
-            if m.speculative:
-                spec = self.gen.pre_decode(self.model, x[:, P], P).argmax(-1)
-            for t in range(P, L - 1):
-                if m.speculative:
-                    logits = self.logits_fn(torch.stack([x[:, t], spec], 1), torch.tensor([t, t + 1], device=self.device))
-                    spec = logits[:, 1].argmax(-1)
-                else:
-                    logits = self.logits_fn(x[:, t:t + 1], torch.tensor([t], device=self.device))
-                nll.append(float(F.cross_entropy(logits[:, 0].float(), x[:, t + 1])))
+
+        def force(step, logits, token, fed):
+            if step > 0:  # logits of the real row predict token P + step
+                nll.append(float(F.cross_entropy(logits.float(), truth[P + step][None])))
+            return truth[P + step][None]
+
+        self.generate(m, ids[:P], n_eval + 1, on_step=force, eos=False)
         return nll
 
-    def hit_trace(self, m: Method, ids: list[int], steps: int) -> dict:
-        """Greedy decode (up to `steps` decode steps, stopped at EOS) with SpeCache(track_hits=True).
-        Per decode step: the speculative fetch's top-k hit rate against the real token's exact fp16
-        top-k ("topk") and against its own low-bit top-k ("topk_lowbit"), each the mean over layers of
-        the cache counters' increase over the step (None while nothing is quantized), and whether the
-        speculative token fed at the step equalled the real token it produced ("exact")."""
-        trace = dict(topk=[], topk_lowbit=[], exact=[])
-        read = lambda: [(float(c.hit_sum), float(c.hit_sum_lowbit), int(c.hit_steps)) for c in self.caches]
+    def hit_trace(self, m: CacheConfig, ids: list[int], steps: int) -> dict:
+        """Greedy decode (up to `steps` decode steps, stopped at EOS) with a probe.FetchProbe on every
+        layer. Per decode step (mean over layers; None while nothing is quantized): "topk" the
+        share of the real token's exact fp16 top-k the fetched rows hold, "topk_lowbit" the share
+        of its own low-bit top-k, "mass" the share of its exact attention they carry; and "exact"
+        whether the speculative token fed at the step equalled the real token it produced. The
+        probe's per-layer records stay in self.last_probe."""
+        from probe import FetchProbe
 
-        def step(model, tokens, pos, *args):  # tokens [1, 2] = [T_t, T'_{t+1}]
-            before = read()
-            nxt = self.step_fn(model, tokens, pos, *args)
-            counted = [(b, a) for b, a in zip(before, read()) if a[2] > b[2]]
-            for j, key in enumerate(("topk", "topk_lowbit")):
-                trace[key].append(mean([(a[j] - b[j]) / (a[2] - b[2]) for b, a in counted]))
-            trace["exact"].append(int(tokens[0, 1]) == int(nxt[0, 0]))
-            return nxt
+        trace = dict(topk=[], topk_lowbit=[], mass=[], exact=[])
+        probes, seen = [], [0]
 
-        self.generate(m, ids, steps + 1, step_fn=step, track_hits=True)
+        def on_step(step, logits, token, fed):
+            if step == 0:
+                return
+            n = min((len(r) for r in probes[0].records), default=0)
+            for key, src in (("topk", "hit"), ("topk_lowbit", "hit_own"), ("mass", "mass")):
+                trace[key].append(probes[0].per_step(src)[-1] if n > seen[0] else None)
+            seen[0] = n
+            trace["exact"].append(bool(fed.shape[1] == 2 and int(fed[0, 1]) == int(token[0])))
+
+        self.generate(m, ids, steps + 1, on_step=on_step, before=lambda caches: probes.append(FetchProbe(caches)))
+        probes[0].remove()
+        self.last_probe = probes[0]
         return trace
 
 
@@ -275,11 +238,11 @@ def run_cells(cells, results: Results, fn, desc: str):
         results.add(Results.key(fields), dict(fields, **record, seconds=round(time.perf_counter() - t0, 2)))
 
 
-def base_fields(cmd, a, m: Method) -> dict:
-    return dict(cmd=cmd, model=a.checkpoint.name, **m.key())
+def base_fields(cmd, a, m: CacheConfig) -> dict:
+    return dict(cmd=cmd, model=a.checkpoint.name, method=m.name)
 
 
-def answer(runner: Runner, m: Method, sample, max_new: int) -> dict:
+def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
     """Greedy answer to a task sample: the fields every generation cell records (plus the text)."""
     ids = runner.encode_prompt(render(runner.tok, sample))
     text, stats = runner.generate(m, ids, max_new)
@@ -418,13 +381,13 @@ def write_ppl_report(results: Results):
 
 HIT_INTERVALS = [(1, 10), (11, 50), (51, 100), (101, 200), (201, None)]  # decode steps, as in rebuttal Q2
 HIT_SERIES = {"topk": "top-k hit % (vs fp16 top-k)", "topk_lowbit": "top-k hit % (vs low-bit top-k)",
-              "exact": "exact token hit %"}
+              "mass": "attention mass held %", "exact": "exact token hit %"}
 
 
 def cmd_hitrate(a, runner, methods, results):
-    bad = [m.name for m in methods if not m.speculative]
+    bad = [m.name for m in methods if m.kind != "specache"]
     if bad:
-        raise SystemExit(f"error: hitrate needs speculative SpeCache methods (specache-Nbit), not {', '.join(bad)}")
+        raise SystemExit(f"error: hitrate measures SpeCache fetches (specache-...), not {', '.join(bad)}")
     cells = [(dict(base_fields("hitrate", a, m), length=L, sample=i, steps=a.steps), m)
              for L in a.lengths for i in range(a.samples) for m in methods]
 
@@ -515,8 +478,8 @@ def parse_args(argv=None):
         s.add_argument("--out", type=Path, required=True, help="results folder (reruns resume into it)")
         s.add_argument("--quick", action="store_true", help="a few-minute smoke grid (explicit options still win)")
         s.add_argument("--methods", default=None, help=METHOD_HELP)
-        s.add_argument("--k", default="64", help="SpeCache rows fetched per layer and kv head; a list sweeps")
-        s.add_argument("--group", default="64", help="quantization group size; a list sweeps")
+        s.add_argument("--k", default=None, help="SpeCache rows fetched per layer and kv head (64); a list sweeps")
+        s.add_argument("--group", default=None, help="quantization group size (64); a list sweeps")
         s.add_argument("--residual", default=None, help="fp residual window (default 128 KIVI, 64 SpeCache); a list sweeps")
         s.add_argument("--lengths", default=None, help="prompt lengths in tokens")
         s.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
@@ -529,6 +492,8 @@ def parse_args(argv=None):
             s.add_argument(flag, **kw)
     a = p.parse_args(argv)
     if a.cmd == "prompt":
+        if a.length < 1 or not 0 <= a.depth <= 1:
+            raise SystemExit("error: --length must be >= 1 and --depth in [0, 1]")
         return a
     for name, value in {**DEFAULTS[a.cmd], **(QUICK[a.cmd] if a.quick else {})}.items():
         if getattr(a, name, None) is None:
@@ -538,11 +503,17 @@ def parse_args(argv=None):
         a.depths = [float(x) for x in a.depths.split(",")]
         if any(not 0 <= d <= 1 for d in a.depths):
             raise SystemExit("error: --depths are fractions in [0, 1]")
+    for flag in ("samples", "steps", "n_eval", "windows", "max_new_tokens", "threads", "prefill_chunk", "stride"):
+        value = getattr(a, flag, None)
+        if value is not None and value < 1:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1, got {value}")
+    sweep = lambda text, what: parse_int_list(text, what) if text else [None]  # noqa: E731
     try:
-        a.method_list = expand_methods(a.methods, parse_int_list(a.k, "k"), parse_int_list(a.group, "group"),
-                                       parse_int_list(a.residual, "residual") if a.residual else [None])
+        a.method_list = expand_methods(a.methods, sweep(a.k, "k"), sweep(a.group, "group"), sweep(a.residual, "residual"))
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    if not a.method_list:
+        raise SystemExit("error: --methods names no cache")
     a.cache_len = max(a.lengths) + 600  # --compile: every prompt gets caches of this size
     return a
 

@@ -2,6 +2,7 @@
 
     python generate.py --prompt "What is the capital of France?" --chat          # SpeCache, 1-bit, k=64
     python generate.py --cache full --prompt-file essay.txt --max-new-tokens 64 --compile
+    python generate.py --cache specache-2bit-oracle ...                           # any cache.CacheConfig name
 
 Read it next to the paper's appendix A:
   prefill()     Algorithm 1: layer by layer, exact attention, quantize + offload each layer's KV.
@@ -20,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from cache import FullCache, LowBitCache, MemoryMeter, SpeCache
+from cache import CacheConfig, MemoryMeter, build_caches
 from model import load_model
-from prefetch import Prefetcher
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
@@ -42,33 +42,14 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch
 
 
 # ---- cache construction ------------------------------------------------------------------------------
-def setup_caches(model, cache="specache", batch=1, max_seq_len=None, bits=1, group=64, residual=None, k=64,
-                 fetch="speculative", one_bit="improved", track_hits=False, fetch_impl="uva", scheme="kivi"):
-    """Attach one cache per layer. Returns (caches, prefetcher or None, meter)."""
-    args = model.args
-    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
-    max_seq_len = max_seq_len or args.max_seq_len
-    dims = (batch, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device)
-    meter, prefetcher = MemoryMeter(), None
-    if cache == "full":
-        caches = model.setup_caches(lambda i: FullCache(*dims, sliding_window=args.sliding_window))
-    elif cache in ("kivi", "specache"):
-        if args.sliding_window is not None and args.sliding_window < max_seq_len:
-            raise SystemExit("error: low-bit caches do not implement sliding-window attention; use --cache full")
-        residual = residual or (128 if cache == "kivi" else 64)  # §4.1: SpeCache trades residual for k rows
-        low = dict(bits=bits, group=group, residual=residual, one_bit=one_bit, scheme=scheme, meter=meter)
-        if cache == "kivi":
-            caches = model.setup_caches(lambda i: LowBitCache(*dims, **low))
-        else:
-            if k < 1:
-                raise SystemExit(f"error: --k must be >= 1, got {k}")
-            k = min(k, max_seq_len)  # k >= context fetches every row
-            prefetcher = Prefetcher(args.n_layers, batch, args.n_kv_heads, max_seq_len, args.head_dim, k,
-                                    dtype, device, impl=fetch_impl)
-            caches = model.setup_caches(lambda i: SpeCache(i, prefetcher, *dims, k=k, fetch=fetch,
-                                                           track_hits=track_hits, **low))
-    else:
-        raise SystemExit(f"error: unknown --cache {cache!r} (full, kivi, specache)")
+def setup_caches(model, config: CacheConfig | str = "specache", batch=1, max_seq_len=None):
+    """Attach one cache per layer. `config`: a CacheConfig or its name. Returns (caches, prefetcher
+    or None, meter). Raises ValueError on a configuration the model or the kernels cannot run."""
+    config = CacheConfig.from_name(config) if isinstance(config, str) else config
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    meter = MemoryMeter()
+    caches, prefetcher = build_caches(model, config, batch, max_seq_len or model.args.max_seq_len, meter)
     meter.alloc(kv_device_bytes(caches))
     return caches, prefetcher, meter
 
@@ -79,6 +60,11 @@ def kv_device_bytes(caches) -> int:
 
 def kv_host_bytes(caches) -> int:
     return sum(c.host_bytes() for c in caches)
+
+
+def kv_read_bytes(caches, step_tokens: int) -> int:
+    """KV bytes one decode step of `step_tokens` tokens reads (each cache's own byte floor)."""
+    return sum(c.read_bytes(step_tokens) for c in caches)
 
 
 def kv_fp16_bytes(model, batch, seq_len) -> int:
@@ -109,26 +95,36 @@ def pre_decode(model, t1: torch.Tensor, pos: int) -> torch.Tensor:
 
 
 def decode_step(model, tokens: torch.Tensor, input_pos: torch.Tensor, temperature: float = 0.0,
-                top_k: int | None = None) -> torch.Tensor:
+                top_k: int | None = None):
     """Algorithm 3 (tokens [B, 2] = [T_t, T'_{t+1}]) or a plain decode step (tokens [B, 1]).
-    Returns the next tokens [B, T]: column 0 is the output, column 1 the next speculative token."""
+    Returns (next tokens [B, T], logits [B, T, V]): column 0 is the output, column 1 the next
+    speculative token."""
     logits = model(tokens, input_pos, mode="decode")
-    return sample(logits, temperature, top_k)
+    return sample(logits, temperature, top_k), logits
 
 
 # ---- the generation loop ----------------------------------------------------------------------------
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: bool, step_fn=decode_step,
-             temperature=0.0, top_k=None, eos_ids=(), chunk=2048, on_token=None, progress=None,
+             temperature=0.0, top_k=None, eos_ids=(), chunk=2048, on_token=None, on_step=None, progress=None,
              sync=lambda: None, prefill_model=None):
     """prompt [B, P] -> (generated ids [B, N], stats). `speculative` selects the two-token loop;
-    `prefill_model` is e.g. a torch.compile'd view of `model` used for prefill only."""
+    `prefill_model` is e.g. a torch.compile'd view of `model` used for prefill only.
+
+    on_step(step, logits, token, fed) is called after prefill (step 0, logits of the last prompt
+    position, fed None) and after each decode step (logits [B, V] of the real token's row, fed
+    [B, T] the tokens the step was fed); `token` [B] is the real token about to be fed next.
+    Returning a tensor replaces it (teacher forcing: eval.py's perplexity); the speculative token
+    stays the model's own."""
     B, P = prompt.shape
     device = prompt.device
-    stats = {"spec_hits": 0, "spec_steps": 0}
+    stats = {"spec_steps": 0}
+    spec_hits = torch.zeros((), dtype=torch.int64, device=device)  # on the device: no sync per step
     t0 = time.perf_counter()
     last_logits = prefill(prefill_model or model, prompt, chunk, progress)
     token = sample(last_logits, temperature, top_k)  # T1
+    if on_step and (forced := on_step(0, last_logits, token, None)) is not None:
+        token = forced
     sync()
     stats["prefill_s"] = time.perf_counter() - t0
     out = [token]
@@ -138,16 +134,18 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: b
     if speculative:
         spec = sample(pre_decode(model, token, P), temperature, top_k)  # T'2
     pos = torch.tensor([P, P + 1] if speculative else [P], device=device)
-    for _ in range(max_new_tokens - 1):
+    for step in range(1, max_new_tokens):
         if eos_ids and all(int(t) in eos_ids for t in token):  # stop once every row ended
             break
+        fed = torch.stack([token, spec], 1) if speculative else token[:, None]
+        nxt, logits = step_fn(model, fed, pos, temperature, top_k)
+        token = nxt[:, 0].clone()
         if speculative:
-            nxt = step_fn(model, torch.stack([token, spec], 1), pos, temperature, top_k)
-            stats["spec_hits"] += int((spec == nxt[:, 0]).sum())  # was T'_{t+1} == T_{t+1}?
+            spec_hits += (spec == token).sum()  # was T'_{t+1} == T_{t+1}?
             stats["spec_steps"] += B
-            token, spec = nxt[:, 0].clone(), nxt[:, 1].clone()
-        else:
-            token = step_fn(model, token[:, None], pos, temperature, top_k)[:, 0].clone()
+            spec = nxt[:, 1].clone()
+        if on_step and (forced := on_step(step, logits[:, 0], token, fed)) is not None:
+            token = forced
         pos = pos + 1
         out.append(token)
         if on_token:
@@ -156,16 +154,9 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: b
     n_steps = len(out) - 1
     stats["decode_s"] = time.perf_counter() - t1
     stats["decode_tok_s"] = B * n_steps / stats["decode_s"] if n_steps else 0.0
+    stats["spec_hits"] = int(spec_hits)
     stats["spec_exact_hit_rate"] = stats["spec_hits"] / stats["spec_steps"] if stats["spec_steps"] else None
     return torch.stack(out, 1), stats
-
-
-def topk_hit_rate(caches, against="exact"):
-    """Mean over layers and steps of the speculative fetch's top-k hit rate (SpeCache(track_hits=True)):
-    against the real token's exact fp16 top-k, or ("lowbit") its own low-bit top-k."""
-    total = "hit_sum" if against == "exact" else "hit_sum_lowbit"
-    rates = [float(getattr(c, total) / c.hit_steps) for c in caches if getattr(c, "track_hits", False) and c.hit_steps > 0]
-    return sum(rates) / len(rates) if rates else None
 
 
 def compile_step(device):
@@ -174,27 +165,38 @@ def compile_step(device):
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
+def cache_flags(p):
+    """The cache options every entry point shares: a name (cache.CacheConfig) and field overrides."""
+    p.add_argument("--cache", default="specache",
+                   help="full | kivi | specache, or a full name such as specache-2bit-oracle (see cache.CacheConfig)")
+    p.add_argument("--bits", type=int, default=None, help="bits per code (default: the name's, else 1)")
+    p.add_argument("--group", type=int, default=None, help="quantization group (default 64)")
+    p.add_argument("--residual", type=int, default=None, help="fp residual window (default 128 kivi, 64 specache)")
+    p.add_argument("--k", type=int, default=None, help="SpeCache: fp16 KV pairs fetched per layer and kv head (64)")
+    p.add_argument("--fetch", default=None, help="SpeCache fetch policy: speculative (Algorithm 3), sequential, oracle")
+    p.add_argument("--one-bit", default=None, choices=["improved", "kivi"], help="1-bit zero/scale: eq. 3 or eq. 2")
+    p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"],
+                   help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")
+    p.add_argument("--fetch-impl", default=None, choices=["uva", "staged"], help="CUDA host-to-device transfer")
+
+
+def config_from_flags(a) -> CacheConfig:
+    return CacheConfig.from_name(a.cache, bits=a.bits, group=a.group, residual=a.residual, k=a.k, fetch=a.fetch,
+                                 one_bit=a.one_bit, scheme=a.quant, fetch_impl=a.fetch_impl)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--prompt", default="What is the capital of France?")
-    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin)")
+    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=1, help="the prompt is replicated per row")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--sample-top-k", type=int, default=None, help="sampling top-k (not SpeCache's --k)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples")
+    p.add_argument("--sample-top-k", type=int, default=None, help="sample from the k most likely tokens (not SpeCache's --k)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", default="specache", choices=["full", "kivi", "specache"])
-    p.add_argument("--bits", type=int, default=1, choices=[1, 2, 4, 8])
-    p.add_argument("--group", type=int, default=64)
-    p.add_argument("--residual", type=int, default=None, help="fp residual window (default 128 kivi, 64 specache)")
-    p.add_argument("--k", type=int, default=64, help="SpeCache: fp16 KV pairs fetched per layer and kv head")
-    p.add_argument("--fetch", default="speculative", choices=["speculative", "sequential", "oracle"])
-    p.add_argument("--one-bit", default="improved", choices=["improved", "kivi"], help="1-bit zero/scale: eq. 3 or eq. 2")
-    p.add_argument("--quant", default="kivi", choices=["kivi", "zipcache", "quantspec"],
-                   help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")
-    p.add_argument("--hit-rate", action="store_true", help="measure the top-k hit rate (extra exact attention per step)")
+    cache_flags(p)
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
@@ -211,47 +213,73 @@ def fail(msg):
     raise SystemExit(f"error: {msg}")
 
 
-def main(argv=None):
-    a = parse_args(argv)
+def check_device(name: str) -> torch.device:
     try:
-        device = torch.device(a.device)
+        device = torch.device(name)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError
         torch.empty(0, device=device)
     except RuntimeError:
-        fail(f"device {a.device!r} is not available here")
+        fail(f"device {name!r} is not available here")
+    return device
+
+
+def read_prompt(a) -> str:
+    if not a.prompt_file:
+        return a.prompt
+    try:
+        return sys.stdin.read() if str(a.prompt_file) == "-" else a.prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        fail(f"prompt file {a.prompt_file} is not valid UTF-8 ({e.reason} at byte {e.start})")
+    except OSError as e:
+        fail(f"cannot read prompt file {a.prompt_file}: {e.strerror}")
+
+
+def check_args(a):
+    for flag, value, low in (("--max-new-tokens", a.max_new_tokens, 1), ("--batch-size", a.batch_size, 1),
+                             ("--prefill-chunk", a.prefill_chunk, 1), ("--threads", a.threads, 1),
+                             ("--sample-top-k", a.sample_top_k, 1)):
+        if value is not None and value < low:
+            fail(f"{flag} must be >= {low}, got {value}")
+    if a.temperature < 0:
+        fail(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
+    if a.sample_top_k is not None and a.temperature == 0:
+        fail("--sample-top-k needs --temperature > 0 (greedy decoding ignores it)")
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    check_args(a)
+    try:
+        config = config_from_flags(a)
+    except ValueError as e:
+        fail(str(e))
+    device = check_device(a.device)
     if a.threads:
         torch.set_num_threads(a.threads)
     if not (a.checkpoint / "config.json").exists():
         fail(f"no checkpoint at {a.checkpoint} (run `make demo`, or `python convert_hf.py SOURCE --out {a.checkpoint}`)")
-    if a.max_new_tokens < 1 or a.batch_size < 1:
-        fail("--max-new-tokens and --batch-size must be >= 1")
     torch.manual_seed(a.seed)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
 
     from tokenizer import load_tokenizer
-    tok = load_tokenizer(a.checkpoint)
-    if a.prompt_file:
-        text = sys.stdin.read() if str(a.prompt_file) == "-" else a.prompt_file.read_text()
-    else:
-        text = a.prompt
-    if a.chat:
-        text = tok.chat(text)
-    ids = tok.encode(text, bos=tok.bos_id is not None and not a.chat)
-    cfg = json.loads((a.checkpoint / "config.json").read_text())
-    model_max = cfg.get("max_seq_len", 0)
-    seq_len = len(ids) + a.max_new_tokens + 1  # +1: the speculative token's slot
-    if seq_len > model_max:
-        fail(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's max_seq_len {model_max}")
-
-    model = load_model(a.checkpoint, device=device, dtype=dtype)
     try:
-        caches, prefetcher, meter = setup_caches(
-            model, a.cache, a.batch_size, seq_len, a.bits, a.group, a.residual, a.k, a.fetch, a.one_bit,
-            track_hits=a.hit_rate, scheme=a.quant)
+        tok = load_tokenizer(a.checkpoint)
+        model = load_model(a.checkpoint, device=device, dtype=dtype)
     except ValueError as e:
         fail(str(e))
-    speculative = a.cache == "specache" and a.fetch == "speculative"
+    text = read_prompt(a)
+    if not text.strip():
+        fail("the prompt is empty")
+    ids = tok.encode_prompt(text, chat=a.chat)
+    seq_len = len(ids) + a.max_new_tokens + 1  # +1: the speculative token's slot
+    if seq_len > model.args.max_seq_len:
+        fail(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's max_seq_len "
+             f"{model.args.max_seq_len}")
+    try:
+        caches, prefetcher, meter = setup_caches(model, config, a.batch_size, seq_len)
+    except ValueError as e:
+        fail(str(e))
     step_fn = compile_step(device) if a.compile else decode_step
     prefill_model = torch.compile(model, dynamic=True) if a.compile_prefill else model
     prompt = torch.tensor([ids] * a.batch_size, device=device)
@@ -271,7 +299,7 @@ def main(argv=None):
             print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    out, stats = generate(model, prompt, a.max_new_tokens, speculative=speculative, step_fn=step_fn,
+    out, stats = generate(model, prompt, a.max_new_tokens, speculative=config.two_tokens, step_fn=step_fn,
                           temperature=a.temperature, top_k=a.sample_top_k, eos_ids=tok.eos_ids,
                           chunk=a.prefill_chunk, on_token=on_token, progress=progress, sync=sync,
                           prefill_model=prefill_model)
@@ -294,15 +322,12 @@ def main(argv=None):
         "kv_host_bytes": kv_host_bytes(caches),
         "kv_fp16_bytes": kv_fp16_bytes(model, a.batch_size, seq_len),
         "kv_peak_prefill_device_bytes": meter.peak,
-        "cache": a.cache, "bits": a.bits if a.cache != "full" else 16, "k": a.k if a.cache == "specache" else 0,
-        "fetch": a.fetch if a.cache == "specache" else None,
+        "cache": config.name, "config": config.as_dict(),
         "spec_exact_hit_rate": stats["spec_exact_hit_rate"],
-        "topk_hit_rate": topk_hit_rate(caches),
-        "topk_hit_rate_lowbit": topk_hit_rate(caches, "lowbit"),
         "bytes_fetched_per_step": prefetcher.bytes_per_step() if prefetcher else 0,
     }
     mib = 2 ** 20
-    print(f"[{a.cache}] prefill {len(ids)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
+    print(f"[{config.name}] prefill {len(ids)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
           f"KV device {result['kv_device_bytes'] / mib:.2f} MiB, host {result['kv_host_bytes'] / mib:.2f} MiB, "
           f"fp16 equiv {result['kv_fp16_bytes'] / mib:.2f} MiB", file=sys.stderr if a.json else sys.stdout)
     if a.json:

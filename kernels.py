@@ -1,11 +1,14 @@
 """Decode-time kernels over the low-bit device cache (SpeCache §3.2-3.4).
 
   attention_lowbit  attention of T new query tokens over
-                      quantized slots [0, n_quant)  (KIVI codes dequantized on the fly),
-                      minus the `replaced` slots whose fp rows were fetched (eq. 1: C' ∪ C_K replaces C'_K),
+                      quantized slots [0, n_quant)  (codes dequantized on the fly),
+                      minus the slots whose fp rows were fetched (eq. 1: C' ∪ C_K replaces C'_K),
                       plus the fetched fp rows and the fp residual window (causal among the new tokens).
   topk_lowbit       top-k quantized positions by attention probability of one (speculative) query.
   topk_exact        the same top-k from full-precision keys (oracle fetch, hit rates).
+
+What they read is described by three small tuples: LowBitKV (the stored codes and their scales),
+Residual (the fp window) and Fetched (fp rows fetched from the host and the positions they replace).
 
 GQA: H = Hkv * G query heads, query head h reads kv head h // G. A query block of one kv head
 is the G*T rows m = g*T + t, contiguous in a [B, H, T, D] tensor.
@@ -13,12 +16,12 @@ is the G*T rows m = g*T + t, contiguous in a [B, H, T, D] tensor.
 Each public function dispatches on the device: CUDA -> Triton kernel behind a torch.library
 custom op (so torch.compile(fullgraph=True) can call it); CPU -> the torch reference inline,
 written with static shapes (masks over all S slots, no slicing by n_quant, garbage past the valid
-lengths masked out) so one compiled graph serves every step and inductor fuses the unpack and
-dequantize elementwise work (the matmuls stay library calls). The Triton launchers (`*_triton`) also run on CPU
-tensors under TRITON_INTERPRET=1, which is how the tests check them against the references.
+lengths masked out) so one compiled graph serves every step. The Triton launchers (`*_triton`)
+also run on CPU tensors under TRITON_INTERPRET=1, which is how the tests check them against the
+references.
 """
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -29,51 +32,86 @@ import quant
 Tensor = torch.Tensor
 
 
+class LowBitKV(NamedTuple):
+    """The quantized tokens of a low-bit cache (cache.LowBitCache.stored()). Slots [0, n_quant) hold
+    tokens; the rest is garbage the kernels never read into a result."""
+    k_codes: Tensor  # [B,Hkv,S,D*bits/8] uint8; keys quantized per channel in groups of group_k tokens
+    k_scale: Tensor  # [B,Hkv,S/group_k,D] (16-bit)
+    k_zero: Tensor
+    v_codes: Tensor  # [B,Hkv,S,D*bits/8] uint8; values quantized per token in groups of group_v channels
+    v_scale: Tensor  # [B,Hkv,S,D/group_v]
+    v_zero: Tensor
+    n_quant: Tensor  # 0-d int64
+    bits: int
+    group_k: int
+    group_v: int
+    k_codes_lo: Optional[Tensor] = None  # QuantSpec's 8-bit view: the lower 4-bit planes (bits == 4)
+    v_codes_lo: Optional[Tensor] = None
+    v_chan: Optional[Tensor] = None  # ZipCache: per-channel value scale [B,Hkv,D] (eq. 6)
+
+
+class Residual(NamedTuple):
+    """The fp window: rows [0, length) hold the newest tokens in order; a step's T query tokens are
+    its last T rows (causal among them)."""
+    k: Tensor  # [B,Hkv,R,D]
+    v: Tensor
+    length: Tensor  # 0-d
+
+
+class Fetched(NamedTuple):
+    """fp rows fetched from the host store; they replace quantized positions idx where valid."""
+    k: Tensor  # [B,Hkv,K,D]
+    v: Tensor
+    idx: Tensor  # [B,Hkv,K] int64
+    valid: Tensor  # [B,Hkv,K] bool
+
+
 # =============================================================================================
 # torch references (the CPU path)
 # =============================================================================================
-def dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k):
-    """Keys of a low-bit cache in fp32 (KIVI, or QuantSpec's 8-bit view when k_codes_lo is given)."""
-    if k_codes_lo is not None:  # QuantSpec 8-bit view (upper + lower planes)
-        assert bits_k == 4, "hierarchical codes are 4-bit planes"
-        return quant.dequantize_hier_keys(k_codes, k_codes_lo, k_scale, k_zero, group_k, view_bits=8)
-    return quant.dequantize_keys(k_codes, k_scale, k_zero, bits_k, group_k)
+def dequant_keys(s: LowBitKV) -> Tensor:
+    """Keys in fp32 [B,Hkv,S,D] (KIVI; QuantSpec's 8-bit view when k_codes_lo is given)."""
+    if s.k_codes_lo is not None:
+        return quant.dequantize_hier_keys(s.k_codes, s.k_codes_lo, s.k_scale, s.k_zero, s.group_k, view_bits=8)
+    return quant.dequantize_keys(s.k_codes, s.k_scale, s.k_zero, s.bits, s.group_k)
 
 
-def dequant_v(v_codes, v_codes_lo, v_scale, v_zero, bits_v, group_v, v_chan_scale):
-    """Values in fp32 (KIVI; QuantSpec 8-bit view with v_codes_lo; ZipCache with v_chan_scale)."""
-    if v_codes_lo is not None:
-        assert bits_v == 4, "hierarchical codes are 4-bit planes"
-        v = quant.dequantize_hier_values(v_codes, v_codes_lo, v_scale, v_zero, group_v, view_bits=8)
+def dequant_values(s: LowBitKV) -> Tensor:
+    """Values in fp32 [B,Hkv,S,D] (KIVI; QuantSpec 8-bit view; ZipCache's channel scale)."""
+    if s.v_codes_lo is not None:
+        v = quant.dequantize_hier_values(s.v_codes, s.v_codes_lo, s.v_scale, s.v_zero, s.group_v, view_bits=8)
     else:
-        v = quant.dequantize_values(v_codes, v_scale, v_zero, bits_v, group_v)
-    if v_chan_scale is not None:  # ZipCache eq. 6: x' = dequant * c
-        v = v * v_chan_scale.float()[..., None, :]
+        v = quant.dequantize_values(s.v_codes, s.v_scale, s.v_zero, s.bits, s.group_v)
+    if s.v_chan is not None:  # ZipCache eq. 6: x' = dequant * c
+        v = v * s.v_chan.float()[..., None, :]
     return v
 
 
-def attention_lowbit_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len,
-                         *, bits_k, bits_v, group_k, group_v, sm_scale, k_fetch=None, v_fetch=None,
-                         fetch_valid=None, replaced=None, v_chan_scale=None, k_codes_lo=None, v_codes_lo=None):
+def replaced_mask(fetched: Fetched, S: int) -> Tensor:
+    """[B,Hkv,S] bool: quantized slots whose fp row was fetched. Unused fetch slots point at S-1,
+    a scratch slot that is never attended."""
+    safe = torch.where(fetched.valid, fetched.idx, S - 1)
+    return torch.zeros(*fetched.idx.shape[:2], S, dtype=torch.bool, device=fetched.idx.device).scatter(2, safe, fetched.valid)
+
+
+def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale):
     B, H, T, D = q.shape
-    Hkv, S, R = k_codes.shape[1], k_codes.shape[2], k_res.shape[2]
+    Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     G, dev = H // Hkv, q.device
     M = G * T
     qg = q.float().reshape(B, Hkv, M, D) * sm_scale
 
-    keep_q = (torch.arange(S, device=dev) < n_quant).expand(B, Hkv, S)
-    if replaced is not None:  # eq. 1: a fetched fp row replaces its quantized copy
-        keep_q = keep_q & ~replaced
-    t = torch.arange(M, device=dev) % T  # query row m = g*T + t sees residual rows < res_len - T + t + 1
+    keep_q = (torch.arange(S, device=dev) < store.n_quant).expand(B, Hkv, S)
+    if fetched is not None:  # eq. 1: a fetched fp row replaces its quantized copy
+        keep_q = keep_q & ~replaced_mask(fetched, S)
+    t = torch.arange(M, device=dev) % T  # query row m = g*T + t sees residual rows < length - T + t + 1
+    res_len = residual.length
     keep_res = torch.arange(R, device=dev) < res_len - T + 1 + t[:, None]  # [M, R]
     # (keys, values, keep per key row, keep per (query row, key row)) of each part
-    parts = [(dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k),
-              dequant_v(v_codes, v_codes_lo, v_scale, v_zero, bits_v, group_v, v_chan_scale),
-              keep_q, keep_q[:, :, None, :]),
-             (k_res, v_res, (torch.arange(R, device=dev) < res_len).expand(B, Hkv, R), keep_res)]
-    if k_fetch is not None:
-        fv = torch.ones(k_fetch.shape[:3], dtype=torch.bool, device=dev) if fetch_valid is None else fetch_valid
-        parts.append((k_fetch, v_fetch, fv, fv[:, :, None, :]))
+    parts = [(dequant_keys(store), dequant_values(store), keep_q, keep_q[:, :, None, :]),
+             (residual.k, residual.v, (torch.arange(R, device=dev) < res_len).expand(B, Hkv, R), keep_res)]
+    if fetched is not None:
+        parts.append((fetched.k, fetched.v, fetched.valid, fetched.valid[:, :, None, :]))
 
     scores = torch.cat([torch.where(keep, qg @ k.float().transpose(-1, -2), -math.inf)
                         for k, _, _, keep in parts], -1)  # [B, Hkv, M, S + R (+ K)]
@@ -91,33 +129,32 @@ def attention_lowbit_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, 
     return out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
 
 
-def _exact_fetched_scores(prob, q_row, lse_row, sm_scale, k_fetch, fetch_idx, fetch_valid):
+def _exact_fetched_scores(prob, q_row, lse_row, sm_scale, fetched: Fetched):
     """Algorithm 3 takes ArgTopK of the attention that already used the fetched fp rows: their
     positions get exact scores, so a row that matters keeps its place whatever its low-bit copy
     scores. Invalid fetch slots write back the scratch slot's own value (position S-1 >= n_quant)."""
     B, H, D = q_row.shape
     Hkv, S = prob.shape[1], prob.shape[2]
     qg = q_row.float().reshape(B, Hkv, H // Hkv, D) * sm_scale
-    exact = torch.exp(qg @ k_fetch.float().transpose(-1, -2) - lse_row.float().reshape(B, Hkv, -1, 1)).sum(2)
-    safe = torch.where(fetch_valid, fetch_idx, S - 1)
-    return prob.scatter(-1, safe, torch.where(fetch_valid, exact, prob.gather(-1, safe)))
+    exact = torch.exp(qg @ fetched.k.float().transpose(-1, -2) - lse_row.float().reshape(B, Hkv, -1, 1)).sum(2)
+    safe = torch.where(fetched.valid, fetched.idx, S - 1)
+    return prob.scatter(-1, safe, torch.where(fetched.valid, exact, prob.gather(-1, safe)))
 
 
-def topk_lowbit_ref(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bits_k, group_k, sm_scale, k,
-                    k_codes_lo=None, k_fetch=None, fetch_idx=None, fetch_valid=None):
+def topk_lowbit_ref(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None):
     """score[p] = sum over the G query heads of kv head j of exp(sm_scale * q_g . k'_p - lse_g): the
     attention probability kv row p would get, summed over the heads that share it (one fetch per
-    kv head serves all G heads); with k_fetch, fetched positions score with their fp rows.
+    kv head serves all G heads); with `fetched`, fetched positions score with their fp rows.
     Positions p >= n_quant score -1 with index 0. Sorted descending."""
     B, H, D = q_row.shape
-    Hkv, S = k_codes.shape[1], k_codes.shape[2]
+    Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     G = H // Hkv
-    keys = dequant_k(k_codes, k_codes_lo, k_scale, k_zero, bits_k, group_k)  # [B,Hkv,S,D]
+    keys = dequant_keys(store)  # [B,Hkv,S,D]
     logits = (q_row.float().reshape(B, Hkv, G, D) * sm_scale) @ keys.transpose(-1, -2)  # [B,Hkv,G,S]
     prob = torch.exp(logits - lse_row.float().reshape(B, Hkv, G, 1)).sum(2)
-    if k_fetch is not None:
-        prob = _exact_fetched_scores(prob, q_row, lse_row, sm_scale, k_fetch, fetch_idx, fetch_valid)
-    valid = torch.arange(S, device=q_row.device) < n_quant
+    if fetched is not None:
+        prob = _exact_fetched_scores(prob, q_row, lse_row, sm_scale, fetched)
+    valid = torch.arange(S, device=q_row.device) < store.n_quant
     score, idx = torch.where(valid, prob, -1.0).topk(k, dim=-1)
     return score, torch.where(score >= 0, idx, 0)
 
@@ -358,17 +395,14 @@ def _u8(mask):  # bool -> uint8 view (same bytes), the pointer type every Triton
     return mask.contiguous().view(torch.uint8)
 
 
-def attention_lowbit_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len,
-                            *, bits_k, bits_v, group_k, group_v, sm_scale, k_fetch=None, v_fetch=None,
-                            fetch_valid=None, replaced=None, v_chan_scale=None, k_codes_lo=None, v_codes_lo=None,
+def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
                             n_splits=None):
     B, H, T, D = q.shape
-    Hkv, S, R = k_codes.shape[1], k_codes.shape[2], k_res.shape[2]
+    Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, BH = (H // Hkv) * T, B * Hkv
-    group_v = min(group_v, D)
-    assert k_scale.shape[2] * group_k == S, "quantized slots must be a whole number of key groups"
-    assert replaced is None or replaced.shape == (B, Hkv, S), "replaced must be [B, Hkv, S]"
-    BLOCK_N = _block_n(group_k)
+    group_v = min(store.group_v, D)
+    assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
+    BLOCK_N = _block_n(store.group_k)
     n_blocks = triton.cdiv(S, BLOCK_N)
     if n_splits is None:  # enough programs to fill a GPU (~128), never more splits than blocks
         n_splits = min(n_blocks, max(1, 128 // BH))
@@ -377,20 +411,20 @@ def attention_lowbit_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zer
     NS = n_splits + 1  # + the program for fetched and residual rows
 
     c = lambda x: x.contiguous() if x is not None else q  # noqa: E731 (absent inputs: any valid pointer)
-    fetch = k_fetch is not None
-    if fetch and fetch_valid is None:
-        fetch_valid = torch.ones(k_fetch.shape[:3], dtype=torch.bool, device=q.device)
+    fetch = fetched is not None
+    replaced = replaced_mask(fetched, S) if fetch else None
     q = q.contiguous()
     out_part = torch.empty(BH, NS, M, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(BH, NS, M, dtype=torch.float32, device=q.device)
     _attn_split_kernel[(BH, NS)](
-        q, c(k_codes), c(k_codes_lo), c(k_scale), c(k_zero), c(v_codes), c(v_codes_lo), c(v_scale), c(v_zero),
-        c(v_chan_scale), c(n_quant), _u8(replaced) if replaced is not None else q, c(k_res), c(v_res), c(res_len),
-        c(k_fetch), c(v_fetch), _u8(fetch_valid) if fetch else q, out_part, lse_part,
-        float(sm_scale), S, R, k_fetch.shape[2] if fetch else 0, D, T, M, split_len,
-        BITS_K=bits_k, BITS_V=bits_v, GROUP_K=group_k, GROUP_V=group_v,
-        K_HIER=k_codes_lo is not None, V_HIER=v_codes_lo is not None, HAS_FETCH=fetch,
-        HAS_REPLACED=replaced is not None, HAS_CHAN=v_chan_scale is not None, DOT=_dot_precision(q.dtype),
+        q, c(store.k_codes), c(store.k_codes_lo), c(store.k_scale), c(store.k_zero), c(store.v_codes),
+        c(store.v_codes_lo), c(store.v_scale), c(store.v_zero), c(store.v_chan), c(store.n_quant),
+        _u8(replaced) if fetch else q, c(residual.k), c(residual.v), c(residual.length),
+        c(fetched.k) if fetch else q, c(fetched.v) if fetch else q, _u8(fetched.valid) if fetch else q, out_part, lse_part,
+        float(sm_scale), S, R, fetched.k.shape[2] if fetch else 0, D, T, M, split_len,
+        BITS_K=store.bits, BITS_V=store.bits, GROUP_K=store.group_k, GROUP_V=group_v,
+        K_HIER=store.k_codes_lo is not None, V_HIER=store.v_codes_lo is not None, HAS_FETCH=fetch,
+        HAS_REPLACED=fetch, HAS_CHAN=store.v_chan is not None, DOT=_dot_precision(q.dtype),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)))
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -399,22 +433,22 @@ def attention_lowbit_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zer
     return out, lse
 
 
-def topk_lowbit_triton(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bits_k, group_k, sm_scale, k,
-                       k_codes_lo=None, k_fetch=None, fetch_idx=None, fetch_valid=None):
+def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None):
     B, H, D = q_row.shape
-    Hkv, S = k_codes.shape[1], k_codes.shape[2]
+    Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
-    BLOCK_N = _block_n(group_k)
+    BLOCK_N = _block_n(store.group_k)
     score = torch.empty(B, Hkv, S, dtype=torch.float32, device=q_row.device)
+    lo = store.k_codes_lo
     _topk_score_kernel[(B * Hkv, triton.cdiv(S, BLOCK_N))](
-        q_row.contiguous(), k_codes.contiguous(), (k_codes_lo if k_codes_lo is not None else k_codes).contiguous(),
-        k_scale.contiguous(), k_zero.contiguous(), n_quant.contiguous(), lse_row.contiguous(), score,
-        float(sm_scale), S, D, H // Hkv, BITS_K=bits_k, GROUP_K=group_k, K_HIER=k_codes_lo is not None,
+        q_row.contiguous(), store.k_codes.contiguous(), (lo if lo is not None else store.k_codes).contiguous(),
+        store.k_scale.contiguous(), store.k_zero.contiguous(), store.n_quant.contiguous(), lse_row.contiguous(), score,
+        float(sm_scale), S, D, H // Hkv, BITS_K=store.bits, GROUP_K=store.group_k, K_HIER=lo is not None,
         DOT=_dot_precision(q_row.dtype), BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)))
-    if k_fetch is not None:  # k rows per kv head: a few small torch ops between the two kernels
-        score = _exact_fetched_scores(score, q_row, lse_row, sm_scale, k_fetch, fetch_idx, fetch_valid)
+    if fetched is not None:  # k rows per kv head: a few small torch ops between the two kernels
+        score = _exact_fetched_scores(score, q_row, lse_row, sm_scale, fetched)
     top_score = torch.empty(B, Hkv, k, dtype=torch.float32, device=q_row.device)
     top_idx = torch.empty(B, Hkv, k, dtype=torch.int64, device=q_row.device)
     _topk_select_kernel[(B * Hkv,)](score, top_score, top_idx, S, k, BLOCK=min(1024, triton.next_power_of_2(S)))
@@ -424,41 +458,44 @@ def topk_lowbit_triton(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bit
 # =============================================================================================
 # custom ops (CUDA path, opaque to torch.compile) and the public dispatchers
 # =============================================================================================
+# The ops take the tuples' tensors flat (custom ops take tensors, not tuples): `_flat` / `_unflat`.
+def _flat(store: LowBitKV, residual: Residual, fetched: Optional[Fetched]):
+    f = fetched or Fetched(None, None, None, None)
+    tensors = (store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero, store.n_quant,
+               residual.k, residual.v, residual.length)
+    optional = (store.k_codes_lo, store.v_codes_lo, store.v_chan, f.k, f.v, f.idx, f.valid)
+    return tensors, (store.bits, store.group_k, store.group_v), optional
+
+
+def _unflat(tensors, ints, optional):
+    k_lo, v_lo, v_chan, f_k, f_v, f_idx, f_valid = optional
+    store = LowBitKV(*tensors[:7], *ints, k_lo, v_lo, v_chan)
+    residual = Residual(*tensors[7:10]) if len(tensors) == 10 else None  # (top-k reads no residual)
+    return store, residual, (Fetched(f_k, f_v, f_idx, f_valid) if f_k is not None else None)
+
+
 @torch.library.custom_op("specache::attention_lowbit", mutates_args=())
-def _attention_lowbit_op(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
-                         v_scale: Tensor, v_zero: Tensor, n_quant: Tensor, k_res: Tensor, v_res: Tensor,
-                         res_len: Tensor, bits_k: int, bits_v: int, group_k: int, group_v: int, sm_scale: float,
-                         k_fetch: Optional[Tensor] = None, v_fetch: Optional[Tensor] = None,
-                         fetch_valid: Optional[Tensor] = None, replaced: Optional[Tensor] = None,
-                         v_chan_scale: Optional[Tensor] = None, k_codes_lo: Optional[Tensor] = None,
-                         v_codes_lo: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    return attention_lowbit_triton(
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len, bits_k=bits_k,
-        bits_v=bits_v, group_k=group_k, group_v=group_v, sm_scale=sm_scale, k_fetch=k_fetch, v_fetch=v_fetch,
-        fetch_valid=fetch_valid, replaced=replaced, v_chan_scale=v_chan_scale, k_codes_lo=k_codes_lo,
-        v_codes_lo=v_codes_lo)
+def _attention_lowbit_op(q: Tensor, tensors: list[Tensor], ints: list[int], optional: list[Optional[Tensor]],
+                         sm_scale: float) -> tuple[Tensor, Tensor]:
+    return attention_lowbit_triton(q, *_unflat(tensors, ints, optional), sm_scale)
 
 
 @_attention_lowbit_op.register_fake
-def _(q, *args):
+def _(q, tensors, ints, optional, sm_scale):
     # contiguous, like the real op (which makes q contiguous first), whatever q's strides
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("specache::topk_lowbit", mutates_args=())
-def _topk_lowbit_op(q_row: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, n_quant: Tensor,
-                    lse_row: Tensor, bits_k: int, group_k: int, sm_scale: float, k: int,
-                    k_codes_lo: Optional[Tensor] = None, k_fetch: Optional[Tensor] = None,
-                    fetch_idx: Optional[Tensor] = None, fetch_valid: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    return topk_lowbit_triton(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k=bits_k, group_k=group_k,
-                              sm_scale=sm_scale, k=k, k_codes_lo=k_codes_lo, k_fetch=k_fetch, fetch_idx=fetch_idx,
-                              fetch_valid=fetch_valid)
+def _topk_lowbit_op(q_row: Tensor, lse_row: Tensor, tensors: list[Tensor], ints: list[int],
+                    optional: list[Optional[Tensor]], k: int, sm_scale: float) -> tuple[Tensor, Tensor]:
+    store, _, fetched = _unflat(tensors, ints, optional)
+    return topk_lowbit_triton(q_row, lse_row, store, k, sm_scale, fetched)
 
 
 @_topk_lowbit_op.register_fake
-def _(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k, group_k, sm_scale, k, k_codes_lo=None,
-      k_fetch=None, fetch_idx=None, fetch_valid=None):
-    shape = (q_row.shape[0], k_codes.shape[1], k)
+def _(q_row, lse_row, tensors, ints, optional, k, sm_scale):
+    shape = (q_row.shape[0], tensors[0].shape[1], k)
     return q_row.new_empty(shape, dtype=torch.float32), q_row.new_empty(shape, dtype=torch.int64)
 
 
@@ -478,29 +515,28 @@ class custom_ops_on_cpu:
         _ops_on_cpu = False
 
 
-def attention_lowbit(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len,
-                     *, bits_k, bits_v, group_k, group_v, sm_scale, k_fetch=None, v_fetch=None, fetch_valid=None,
-                     replaced=None, v_chan_scale=None, k_codes_lo=None, v_codes_lo=None):
-    """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores).
-    Shapes: see the module docstring and attention_lowbit_ref; n_quant and res_len are 0-d tensors."""
-    args = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len)
-    opt = dict(k_fetch=k_fetch, v_fetch=v_fetch, fetch_valid=fetch_valid, replaced=replaced,
-               v_chan_scale=v_chan_scale, k_codes_lo=k_codes_lo, v_codes_lo=v_codes_lo)
+def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale):
+    """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores)."""
     if q.is_cuda or _ops_on_cpu:
-        return _attention_lowbit_op(*args, bits_k, bits_v, group_k, group_v, float(sm_scale), **opt)
-    return attention_lowbit_ref(*args, bits_k=bits_k, bits_v=bits_v, group_k=group_k, group_v=group_v,
-                                sm_scale=sm_scale, **opt)
+        tensors, ints, optional = _flat(store, residual, fetched)
+        return _attention_lowbit_op(q, list(tensors), list(ints), list(optional), float(sm_scale))
+    return attention_lowbit_ref(q, store, residual, fetched, sm_scale)
 
 
-def topk_lowbit(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, *, bits_k, group_k, sm_scale, k,
-                k_codes_lo=None, k_fetch=None, fetch_idx=None, fetch_valid=None):
+def topk_lowbit(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None):
     """-> (score [B,Hkv,k] fp32, idx [B,Hkv,k] int64); see topk_lowbit_ref for the GQA reduction.
-    Optional fetched rows (k_fetch [B,Hkv,K,D] at quantized positions fetch_idx where fetch_valid)
-    score exactly. Slots with score < 0 are invalid (fewer than k quantized positions). The CPU
-    path returns them sorted by score, the Triton path in position order."""
-    fetched = dict(k_fetch=k_fetch, fetch_idx=fetch_idx, fetch_valid=fetch_valid)
+    Slots with score < 0 are invalid (fewer than k quantized positions). The CPU path returns them
+    sorted by score, the Triton path in position order."""
     if q_row.is_cuda or _ops_on_cpu:
-        return _topk_lowbit_op(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k, group_k,
-                               float(sm_scale), k, k_codes_lo, **fetched)
-    return topk_lowbit_ref(q_row, k_codes, k_scale, k_zero, n_quant, lse_row, bits_k=bits_k, group_k=group_k,
-                           sm_scale=sm_scale, k=k, k_codes_lo=k_codes_lo, **fetched)
+        tensors, ints, optional = _flat(store, Residual(None, None, None), fetched)
+        return _topk_lowbit_op(q_row, lse_row, list(tensors[:7]), list(ints), list(optional), k, float(sm_scale))
+    return topk_lowbit_ref(q_row, lse_row, store, k, sm_scale, fetched)
+
+
+def lowbit_read_bytes(store: LowBitKV, n_quant: int) -> int:
+    """Bytes of the stored codes and scales of tokens [0, n_quant) (absent tensors count 0)."""
+    per_row = [store.k_codes, store.v_codes, store.v_scale, store.v_zero, store.k_codes_lo, store.v_codes_lo]
+    per_group = [store.k_scale, store.k_zero]
+    total = sum(t[:, :, :n_quant].nbytes for t in per_row if t is not None)
+    total += sum(t[:, :, :n_quant // store.group_k].nbytes for t in per_group if t is not None)
+    return total + (store.v_chan.nbytes if store.v_chan is not None else 0)

@@ -188,22 +188,59 @@ class Transformer(nn.Module):
         return F.linear(x, w).float()
 
 
+def read_config(ckpt_dir) -> ModelArgs:
+    path = Path(ckpt_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+        return ModelArgs.from_dict(cfg)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not a valid model config: {e}") from None
+
+
 def load_model(ckpt_dir, device="cpu", dtype=torch.float32, max_seq_len: Optional[int] = None) -> Transformer:
     """Build on the meta device, then assign the checkpoint's tensors one at a time (converted to
-    `dtype` on the way), so peak memory is the model plus one tensor."""
+    `dtype` on the way), so peak memory is the model plus one tensor. Raises ValueError (with the
+    file's path) for a missing, truncated or mismatched checkpoint."""
     from safetensors import safe_open
 
     ckpt_dir = Path(ckpt_dir)
-    cfg = json.loads((ckpt_dir / "config.json").read_text())
-    args = ModelArgs.from_dict(cfg)
+    args = read_config(ckpt_dir)
     if max_seq_len is not None:
         args.max_seq_len = max_seq_len
     with torch.device("meta"):
         model = Transformer(args)
-    with safe_open(str(ckpt_dir / "model.safetensors"), framework="pt", device="cpu") as f:
-        state = {name: f.get_tensor(name).to(device=device, dtype=dtype) for name in f.keys()}
+    weights = ckpt_dir / "model.safetensors"
+    try:
+        with safe_open(str(weights), framework="pt", device="cpu") as f:
+            state = {name: f.get_tensor(name).to(device=device, dtype=dtype) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own (Rust) error types for bad files
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot read {weights}: {reason} (truncated or not a safetensors file? "
+                         f"convert it again with convert_hf.py)") from None
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"checkpoint {ckpt_dir} does not match ModelArgs: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    model.rope = rope_table(args, args.max_seq_len).to(device)
+    return model.eval()
+
+
+def random_model(name: str, device="cpu", dtype=torch.float32, max_seq_len: Optional[int] = None, seed=0) -> Transformer:
+    """A KNOWN_CONFIGS model with random weights: decode speed does not depend on the weights'
+    values, so this is how bench.py measures 7-8B shapes without downloading anything."""
+    args = ModelArgs.from_name(name)
+    if max_seq_len is not None:
+        args.max_seq_len = max_seq_len
+    with torch.device("meta"):
+        model = Transformer(args)
+    g = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for pname, p in model.state_dict().items():  # N(0, 0.02), generated where the model lives
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        state[pname] = t.fill_(1.0) if "norm" in pname else t.normal_(0.0, 0.02, generator=g)
+    model.load_state_dict(state, strict=True, assign=True)
     model.rope = rope_table(args, args.max_seq_len).to(device)
     return model.eval()

@@ -5,7 +5,8 @@ Kinds (config.json's "tokenizer" entry, written by convert_hf.py, says which one
   tiktoken       Llama-3's tokenizer.model (base64 token + rank per line) and its 256 special tokens
   gpt2-bpe       byte-level BPE from a Hugging Face tokenizer.json (SmolLM2, Llama-3 HF, GPT-2 style),
                  run by tiktoken for speed
-Interface: encode(text, bos=False) -> ids, decode(ids) -> text, bos_id, eos_ids, add_bos, and
+Interface: encode(text, bos=False) -> ids, encode_prompt(text, chat) -> ids as the model expects them
+(BOS by the tokenizer's own add_bos setting), decode(ids) -> text, bos_id, eos_ids, add_bos, and
 chat(prompt, system=None) -> prompt text wrapped in the family's template (special tokens as text;
 encode() maps them back to their ids).
 """
@@ -79,6 +80,14 @@ class Tokenizer:
     def encode(self, text: str, bos: bool = False) -> list[int]:
         ids = self._encode(text)
         return [self.bos_id] + ids if bos and self.bos_id is not None else ids
+
+    def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
+        """Ids of a prompt, the way the model expects it: a chat turn (its template writes the BOS
+        token where the family's does), or plain text with BOS only if the tokenizer adds one
+        (tokenizer_config.json's / GGUF's add_bos_token; SmolLM2: no)."""
+        if chat:
+            return self.encode(self.chat(text), bos=False)
+        return self.encode(text, bos=self.add_bos)
 
     def decode(self, ids) -> str:
         raise NotImplementedError
@@ -268,8 +277,14 @@ class BPETokenizer(Tokenizer):
 
 def load_tokenizer(ckpt_dir) -> Tokenizer:
     """The tokenizer of a converted checkpoint, as described by config.json's "tokenizer" entry."""
-    cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
-    if not cfg.get("tokenizer"):
+    path = Path(ckpt_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise ValueError(f"{path} is not a valid model config: {e}") from None
+    if not isinstance(cfg, dict) or not cfg.get("tokenizer"):
         raise ValueError(f"{ckpt_dir}: the checkpoint has no tokenizer")
     return tokenizer_from_entry(ckpt_dir, cfg["tokenizer"])
 

@@ -177,47 +177,28 @@ def loop_loads(sass_text: str) -> dict:
 
 # ---- the cases: the cache configurations the project supports ---------------------------------------
 def cases(quick=False):
-    """(name, callable) pairs. Each builds a small cache state on CPU and calls the Triton launchers
-    the way the caches do, so the launchers choose blocks, bits and flags themselves."""
+    """(name, callable) pairs. Each builds a cache of a supported configuration on CPU (cache.py) and
+    calls the Triton launchers the way the decode step does, so the launchers choose blocks, bits and
+    flags themselves."""
     import kernels
     import prefetch
-    import quant
+    from cache import CacheConfig, LowBitCache
 
-    def attention_case(bits, dtype, D, scheme="kivi", fetch=True, G=4, T=2, S=512, group=64):
+    def step_case(name, dtype, D, G=4, T=2):
         def run():
-            g = torch.Generator().manual_seed(0)
-            B, Hkv, R = 1, 2, group + T
-            k = torch.randn(B, Hkv, S, D, generator=g)
-            v = torch.randn(B, Hkv, S, D, generator=g)
-            kw = dict(bits_k=bits, bits_v=bits, group_k=group, group_v=group, sm_scale=D ** -0.5)
-            if scheme == "quantspec":
-                k_codes, kw["k_codes_lo"], k_scale, k_zero = quant.quantize_hier_keys(k, group)
-                v_codes, kw["v_codes_lo"], v_scale, v_zero = quant.quantize_hier_values(v, group)
-                kw["bits_k"] = kw["bits_v"] = 4
-            else:
-                k_codes, k_scale, k_zero = quant.quantize_keys(k, bits, group)
-                if scheme == "zipcache":
-                    kw["v_chan_scale"] = quant.channel_scale(v)
-                    v_codes, v_scale, v_zero = quant.quantize_values_zip(v, bits, group, kw["v_chan_scale"])
-                else:
-                    v_codes, v_scale, v_zero = quant.quantize_values(v, bits, group)
-            meta = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
-            k_scale, k_zero, v_scale, v_zero = (x.to(meta) for x in (k_scale, k_zero, v_scale, v_zero))
-            q = torch.randn(B, Hkv * G, T, D, generator=g).to(dtype)
-            res = torch.randn(B, Hkv, R, D, generator=g).to(dtype)
-            nq, rl = torch.tensor(S - group), torch.tensor(T + 3)
-            if fetch:
-                K = 64
-                kw["k_fetch"], kw["v_fetch"] = res.new_zeros(B, Hkv, K, D), res.new_zeros(B, Hkv, K, D)
-                kw["fetch_valid"] = torch.ones(B, Hkv, K, dtype=torch.bool)
-                kw["replaced"] = torch.zeros(B, Hkv, S, dtype=torch.bool)
-            kernels.attention_lowbit_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, nq, res, res, rl, **kw)
-            if fetch and T == 2:
-                qr, lse = q[:, :, -1], torch.zeros(B, Hkv * G)
-                fetched = dict(k_fetch=kw["k_fetch"], fetch_idx=torch.zeros(B, Hkv, 64, dtype=torch.long),
-                               fetch_valid=kw["fetch_valid"])
-                kernels.topk_lowbit_triton(qr, k_codes, k_scale, k_zero, nq, lse, bits_k=kw["bits_k"], group_k=group,
-                                           sm_scale=D ** -0.5, k=64, k_codes_lo=kw.get("k_codes_lo"), **fetched)
+            cfg = CacheConfig.from_name(name)
+            c = LowBitCache(1, 2, 1024, D, dtype, torch.device("cpu"), cfg)
+            c.n_quant.fill_(512)
+            c.res_len.fill_(3)
+            q = torch.zeros(1, 2 * G, T, D, dtype=dtype)
+            fetched = None
+            if cfg.kind == "specache":
+                K = cfg.k
+                fetched = kernels.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
+                                          torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
+            kernels.attention_lowbit_triton(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
+            if cfg.kind == "specache":
+                kernels.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), c.stored(), cfg.k, c.sm_scale, fetched)
         return run
 
     def rows_case(dtype, D):
@@ -230,18 +211,17 @@ def cases(quick=False):
             prefetch.transfer_rows_triton(*host, *ring, None, new, new, pos)
         return run
 
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
     out = []
-    for dtype in dtypes:
-        name = str(dtype).replace("torch.", "")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        dn = str(dtype).replace("torch.", "")
         for bits in (1, 2, 4, 8):
-            out.append((f"kivi-{bits}bit-{name}-D128-specache", attention_case(bits, dtype, 128)))
+            out.append((f"specache-{bits}bit {dn} D128", step_case(f"specache-{bits}bit", dtype, 128)))
             if not quick:
-                out.append((f"kivi-{bits}bit-{name}-D128-kivi", attention_case(bits, dtype, 128, fetch=False, T=1)))
-        out.append((f"quantspec-int8view-{name}", attention_case(8, dtype, 128, scheme="quantspec")))
-        out.append((f"zipcache-2bit-{name}", attention_case(2, dtype, 128, scheme="zipcache")))
-        out.append((f"kivi-1bit-{name}-D64", attention_case(1, dtype, 64, G=3)))
-        out.append((f"rows-{name}", rows_case(dtype, 128)))
+                out.append((f"kivi-{bits}bit {dn} D128 T1", step_case(f"kivi-{bits}bit", dtype, 128, T=1)))
+        out.append((f"specache-8bit-quantspec {dn}", step_case("specache-8bit-quantspec", dtype, 128)))
+        out.append((f"specache-2bit-zipcache {dn}", step_case("specache-2bit-zipcache", dtype, 128)))
+        out.append((f"specache-1bit {dn} D64 G3", step_case("specache-1bit", dtype, 64, G=3)))
+        out.append((f"rows {dn}", rows_case(dtype, 128)))
     return out
 
 

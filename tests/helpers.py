@@ -23,6 +23,15 @@ def tiny_model(seed=0, n_layers=2, max_seq_len=512, vocab_size=256) -> Transform
 
 
 def require_default_checkpoint():
+    """The default model is part of the fast suite: `make test` converts it first. Missing, the
+    tests that need it fail (a parity test that silently skips is not a parity test)."""
     if not (DEFAULT_CKPT / "config.json").exists():
-        pytest.skip("default checkpoint missing: run `make test` (it converts it first)")
+        pytest.fail(f"default checkpoint missing at {DEFAULT_CKPT}: run `make test` (it converts it first)")
     return DEFAULT_CKPT
+
+
+def setup(model, kind, batch=1, max_seq_len=None, **fields):
+    """generate.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
+    from cache import CacheConfig
+    from generate import setup_caches
+    return setup_caches(model, CacheConfig(kind=kind, **fields).validated(), batch, max_seq_len)

@@ -8,15 +8,16 @@ import torch
 
 import bench
 import generate
+import measure
 import quant
-from tests.helpers import tiny_model
+from tests.helpers import setup, tiny_model
 
-CACHES = ["full", "kivi", "kivi-2tok", "specache", "specache-sequential"]
+CACHES = ["full", "kivi", "kivi+2tok", "specache", "specache-sequential"]
 
 
 def opts(**kw):
-    a = dict(bits=1, group=16, residual=32, k=8, one_bit="improved", warmup=1, steps=2, profile_steps=0,
-             prefill_chunk=64, compile=False)
+    a = dict(bits=1, group=16, residual=32, k=8, one_bit=None, quant=None, warmup=1, steps=2, profile_steps=0,
+             prefill_chunk=64, compile=False, max_run_batch=None, host_budget_gb=64.0)
     a.update(kw)
     return Namespace(**a)
 
@@ -40,8 +41,8 @@ def test_run_config_fields_and_bytes(model, cache):
     ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     r = bench.run_config(model, cache, 100, 2, ids, a, BW)
     caches, prefetcher = attached(model)
-    kind, _, T = bench.CACHES[cache]
-    assert r["step_tokens"] == T == (2 if cache in ("specache", "kivi-2tok") else 1)
+    cfg, T = bench.bench_config(cache, a)
+    assert r["step_tokens"] == T == (2 if cache in ("specache", "kivi+2tok") else 1)
     assert r["n_timed"] == a.steps and len(r["tokens"]) == 1 + a.warmup + a.steps
     assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
     assert r["tok_s"] == pytest.approx(2 / (r["step_ms_median"] / 1e3))  # one output token per step
@@ -49,13 +50,13 @@ def test_run_config_fields_and_bytes(model, cache):
     # the caches' own accounting
     assert r["kv_device_bytes"] == generate.kv_device_bytes(caches)
     assert r["kv_host_bytes"] == generate.kv_host_bytes(caches)
-    assert r["fetch_bytes_per_step"] == (prefetcher.bytes_per_step() if kind == "specache" else 0)
-    assert (r["kv_host_bytes"] > 0) == (kind == "specache")
+    assert r["fetch_bytes_per_step"] == (prefetcher.bytes_per_step() if cfg.kind == "specache" else 0)
+    assert (r["kv_host_bytes"] > 0) == (cfg.kind == "specache")
     n_valid = 100 + a.warmup + a.steps
-    assert r["read_bytes_per_step"] == bench.weight_bytes(model) + bench.kv_read_bytes(caches, prefetcher, n_valid, T)
+    assert r["read_bytes_per_step"] == bench.weight_bytes(model) + generate.kv_read_bytes(caches, T)
     assert r["achieved_gbs"] == pytest.approx(r["read_bytes_per_step"] / (r["step_ms_median"] / 1e3) / 1e9)
     assert r["of_copy_bw"] == pytest.approx(r["achieved_gbs"] / BW["copy_gbs"])
-    if kind != "full":  # the low-bit caches kept exactly the real tokens
+    if cfg.kind != "full":  # the low-bit caches kept exactly the real tokens
         assert all(int(c.n_quant) + int(c.res_len) == n_valid for c in caches)
     json.dumps(r)
 
@@ -69,64 +70,66 @@ def test_weight_bytes(model):
     assert bench.weight_bytes(tied) == sum(p.nbytes for p in tied.parameters())  # read whole by the output head
 
 
-def test_kv_read_bytes_full_and_lowbit(model):
-    """A full cache read to capacity is its whole buffer; a low-bit cache's read equals the per-token
-    sizes of quant.quantized_bytes (codes + amortized scale/zero) plus the fp residual rows."""
+def test_read_bytes_full_and_lowbit(model):
+    """A full cache's step reads its valid tokens; a low-bit cache's read equals the per-token sizes
+    of quant.quantized_bytes (codes + amortized scale/zero) plus the fp residual rows; SpeCache adds
+    the fetched rows and a second pass over the quantized keys (the top-k)."""
     L, B, Hkv, D = model.args.n_layers, 2, model.args.n_kv_heads, model.args.head_dim
-    caches, pf, _ = generate.setup_caches(model, "full", B, 96)
-    assert bench.kv_read_bytes(caches, pf, 96, 1) == generate.kv_device_bytes(caches)
+    caches, _, _ = setup(model, "full", B, 96)
+    for c in caches:
+        c.length.fill_(95)
+    assert generate.kv_read_bytes(caches, 1) == generate.kv_device_bytes(caches)
     for kind in ("kivi", "specache"):
-        caches, pf, _ = generate.setup_caches(model, kind, B, 200, bits=2, group=16, residual=32, k=8)
+        caches, pf, _ = setup(model, kind, B, 200, bits=2, group=16, residual=32, k=8)
         for c in caches:
             c.n_quant.fill_(128)
             c.res_len.fill_(5)
         meta = caches[0].k_scale.dtype
-        per_tok = quant.quantized_bytes("key", 2, 16, D, meta) + quant.quantized_bytes("value", 2, 16, D, meta)
+        key_tok, val_tok = quant.quantized_bytes("key", 2, 16, D, meta), quant.quantized_bytes("value", 2, 16, D, meta)
         fp_row = 2 * D * caches[0].k_res.element_size()
-        expect = L * B * Hkv * (128 * per_tok + (5 + 2) * fp_row)
+        expect = L * B * Hkv * (128 * (key_tok + val_tok) + (5 + 2) * fp_row)
         if kind == "specache":
-            expect += L * B * Hkv * 8 * fp_row
+            expect += L * B * Hkv * (8 * fp_row + 128 * key_tok)
             assert pf.bytes_per_step() == L * B * Hkv * 8 * fp_row
-        assert bench.kv_read_bytes(caches, pf, 0, 2) == expect
+        assert generate.kv_read_bytes(caches, 2) == expect
 
 
 @pytest.mark.parametrize("cache", ["full", "kivi", "specache"])
-def test_budget_picks_largest_batch_that_fits(model, cache):
+def test_budget_lines_are_linear_in_the_batch(model, cache):
     a = opts()
     n = bench.cache_len(100, a)
-    fixed, per_row = bench.kv_bytes_linear(model, cache, n, a)
-    kind, fetch, _ = bench.CACHES[cache]
-    build = lambda b: generate.kv_device_bytes(generate.setup_caches(model, kind, b, n, a.bits, a.group, a.residual,
-                                                                     a.k, fetch, a.one_bit)[0])
-    assert build(3) == fixed + 3 * per_row  # linear in the batch
-    for budget in (fixed + 5 * per_row, fixed + 5 * per_row + per_row // 2, fixed + 6 * per_row - 1):
-        b = bench.largest_batch(fixed, per_row, budget)
-        assert b == 5
-        assert build(b) <= budget < build(b + 1)
-    assert bench.largest_batch(fixed, per_row, per_row // 2) == 0
+    fixed, per_row, host_row = bench.kv_bytes_linear(model, cache, n, a)
+    cfg, _ = bench.bench_config(cache, a)
+    caches = generate.setup_caches(model, cfg, 3, n)[0]
+    assert generate.kv_device_bytes(caches) == fixed + 3 * per_row
+    assert generate.kv_host_bytes(caches) == 3 * host_row
 
 
 def test_budget_section_caps_and_fixed_batch(model):
-    a = opts(kv_budget_gb=None, max_run_batch=2, fixed_batch=None)
+    a = opts(kv_budget_gb=None, max_run_batch=2)
     ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     caches = ["full", "kivi", "specache"]
     n = bench.cache_len(64, a)
     lines = {c: bench.kv_bytes_linear(model, c, n, a) for c in caches}
-    fixed, per_row = lines["full"]
+    fixed, per_row, _ = lines["full"]
     a.kv_budget_gb = (fixed + 3.5 * per_row) / 1e9  # full fits 3; the low-bit caches fit more
     runner = bench.Runner(model, ids, a, BW)
     out = bench.budget_section(runner, caches, [64], a)
     rows = {r["cache"]: r for r in out["rows"]}
     for c in caches:
         r = rows[c]
-        assert r["max_batch"] == bench.largest_batch(*lines[c], a.kv_budget_gb * 1e9)
-        assert r["kv_device_bytes_at_max"] <= a.kv_budget_gb * 1e9
+        f, p, h = lines[c]
+        assert f + p * r["max_batch"] <= a.kv_budget_gb * 1e9 < f + p * (r["max_batch"] + 1)
         assert r["run_batch"] == min(r["max_batch"], 2) and r["capped"] == (r["max_batch"] > 2)
         measured = runner.rows[(c, 64, r["run_batch"])]
-        assert measured["kv_device_bytes"] == lines[c][0] + lines[c][1] * r["run_batch"]
+        assert measured["kv_device_bytes"] == f + p * r["run_batch"]
     assert rows["full"]["max_batch"] == 3
     assert rows["kivi"]["max_batch"] > 3 and rows["specache"]["max_batch"] > 3
     assert rows["full"]["speedup_vs_full"] == 1.0
+    # host memory is the second limit: SpeCache keeps an fp16 copy of every row there
+    a.host_budget_gb = 2.5 * lines["specache"][2] / 1e9
+    limited = {r["cache"]: r for r in bench.budget_section(runner, caches, [64], a)["rows"]}
+    assert limited["specache"]["max_batch"] == 2 and limited["kivi"]["max_batch"] == rows["kivi"]["max_batch"]
     # Q6: one batch for all (min of the max batches, capped), ratios against full and kivi
     assert {r["batch"] for r in out["fixed"]} == {2}
     fx = {r["cache"]: r for r in out["fixed"]}
@@ -137,23 +140,36 @@ def test_budget_section_caps_and_fixed_batch(model):
 def test_overlap_stats():
     main = [(0, 10), (20, 30), (5, 12)]  # merged: [0, 12], [20, 30]
     side = [(8, 22), (40, 45)]
-    st = bench.overlap_stats(main, side)
+    st = measure.overlap_stats(main, side)
     assert st["main_busy"] == 22 and st["side_busy"] == 19
     assert st["overlapped"] == (12 - 8) + (22 - 20)
     assert st["overlap_frac"] == pytest.approx(6 / 19)
-    assert bench.overlap_stats(main, [])["overlap_frac"] is None
+    assert measure.overlap_stats(main, [])["overlap_frac"] is None
 
 
-def test_overhead_rows_are_ratios_to_kivi():
-    grid = [{"cache": c, "label": c, "context": 64, "batch": 1, "step_ms_median": ms}
-            for c, ms in (("full", 1.0), ("kivi", 2.0), ("specache", 2.2), ("kivi-2tok", 2.1))]
-    rows = {o["label"]: o["ratio"] for o in bench.overhead_rows(grid)}
-    assert rows == {"specache": pytest.approx(1.1), "kivi-2tok": pytest.approx(1.05)}
+def test_ratio_rows():
+    grid = [{"label": lb, "context": 64, "batch": 1, "step_ms_median": ms, "step_tokens": t}
+            for lb, ms, t in (("full", 1.0, 1), ("kivi-1bit", 2.0, 1), ("specache-1bit", 2.2, 2), ("kivi-1bit+2tok", 2.1, 2))]
+    rows = {o["label"]: (o["vs_full"], o["vs_kivi"]) for o in bench.ratio_rows(grid)}
+    assert rows == {"kivi-1bit": ("2.00x", "1.00x"), "specache-1bit": ("2.20x", "1.10x"),
+                    "kivi-1bit+2tok": ("2.10x", "1.05x")}
 
 
-def test_labels():
-    assert [bench.label(c, 1) for c in CACHES] == ["full", "kivi-1bit", "kivi-1bit-2tok", "specache-1bit",
+def test_labels_and_bad_names():
+    a = opts(bits=None, group=None, residual=None, k=None)
+    assert [bench.label(c, a) for c in CACHES] == ["full", "kivi-1bit", "kivi-1bit+2tok", "specache-1bit",
                                                    "specache-1bit-sequential"]
+    a = opts(bits=2, group=None, residual=None, k=None)
+    assert bench.label("kivi", a) == "kivi-2bit" and bench.label("kivi-4bit", a) == "kivi-4bit"  # the name wins
+    for bad in ("specache+2tok", "h2o", "kivi-3bit"):
+        with pytest.raises(ValueError):
+            bench.bench_config(bad, a)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--caches", "full,h2o"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--contexts", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--random-weights"])
 
 
 def test_main_end_to_end(tmp_path, model):
@@ -164,24 +180,39 @@ def test_main_end_to_end(tmp_path, model):
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
     (ckpt / "config.json").write_text(json.dumps(asdict(model.args)))
     out = tmp_path / "bench.json"
-    res = bench.main(["--checkpoint", str(ckpt), "--contexts", "64,600", "--caches", "full,kivi,specache",
-                      "--group", "16", "--residual", "32", "--k", "8", "--warmup", "1", "--steps", "2",
-                      "--kv-budget-gb", "0.004", "--max-run-batch", "2", "--bandwidth-mb", "8", "--threads", "1",
-                      "--json", str(out)])
+    bench.main(["--checkpoint", str(ckpt), "--contexts", "64,600", "--caches", "full,kivi,specache",
+                "--group", "16", "--residual", "32", "--k", "8", "--warmup", "1", "--steps", "2",
+                "--kv-budget-gb", "0.004", "--max-run-batch", "2", "--bandwidth-mb", "8", "--threads", "1",
+                "--json", str(out)])
     data = json.loads(out.read_text())
     md = out.with_suffix(".md").read_text()
     assert data["prompt_source"] == "random"
-    assert data["config"]["contexts"] == [64, 512 - (1 + 2 + 0 + 2)]  # clipped to the model's max_seq_len
+    assert data["config"]["contexts"] == [64, 512 - bench.cache_len(0, bench.parse_args(["--warmup", "1", "--steps", "2"]))]
     for key in ("date", "torch", "cpu", "threads", "dtype", "device"):
         assert key in data["environment"]
     assert data["environment"]["threads"] == 1
     assert data["bandwidth"]["copy_gbs"] > 0 and data["bandwidth"]["read_gbs"] > 0
+    ctx2 = data["config"]["contexts"][1]
     grid = {(r["cache"], r["context"], r["batch"]): r for r in data["grid"]}
     for c in ("full", "kivi", "specache"):
-        for ctx in (64, 507):
+        for ctx in (64, ctx2):
             assert (c, ctx, 1) in grid
-    assert {o["label"] for o in data["overhead"]} == {"specache-1bit"}
     assert data["budget"]["rows"] and all(r.get("run_batch", 0) <= 2 for r in data["budget"]["rows"])
-    for title in ("## Decode steps", "## Two-token overhead", "## Table 3", "reviewers' Q6"):
+    for title in ("## Decode steps", "## Step time ratios", "## Table 3", "reviewers' Q6"):
         assert title in md
-    assert "| specache-1bit | 507 | 1 |" in md
+    assert f"| specache-1bit-g16-r32-k8 | {ctx2} | 1 |" in md or f"| specache-1bit-k8-g16-r32 | {ctx2} | 1 |" in md
+
+
+def test_random_weights_of_a_known_config_and_kernel_table(tmp_path):
+    """--model NAME --random-weights needs no checkpoint; --kernels prints each kernel against its floor."""
+    res = bench.main(["--model", "SmolLM2-135M", "--random-weights", "--contexts", "256", "--caches", "full,kivi",
+                      "--warmup", "0", "--steps", "1", "--bandwidth-mb", "8", "--threads", "1"])
+    assert res["model"] == "SmolLM2-135M (random weights)" and res["prompt_source"] == "random"
+    assert {r["label"] for r in res["grid"]} == {"full", "kivi-1bit"}
+    res = bench.main(["--model", "SmolLM2-135M", "--random-weights", "--contexts", "256", "--kernels",
+                      "--kernel-bits", "1", "--kernel-reps", "2", "--bandwidth-mb", "8", "--threads", "1"])
+    names = [r["kernel"] for r in res["kernels"]]
+    assert names[0].startswith("full-cache SDPA") and any("1-bit attention" in n for n in names)
+    assert any("top-k" in n for n in names) and any("fetch" in n for n in names)
+    for r in res["kernels"]:
+        assert r["bytes"] > 0 and r["us"] > 0 and r["floor_us_h100"] == pytest.approx(r["bytes"] / 3350e9 * 1e6)

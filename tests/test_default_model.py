@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import quant
-from generate import decode_step, generate, prefill, setup_caches
+from generate import decode_step, generate, prefill
 from model import load_model
-from tests.helpers import require_default_checkpoint
+from tests.helpers import require_default_checkpoint, setup
 from tokenizer import load_tokenizer
 
 
@@ -30,26 +30,56 @@ def essay_ids(tok, n):
 
 
 def greedy(model, ids, new, cache="full", **kw):
-    setup_caches(model, cache, batch=1, max_seq_len=len(ids) + new + 1, **kw)
+    setup(model, cache, batch=1, max_seq_len=len(ids) + new + 1, **kw)
     speculative = cache == "specache" and kw.get("fetch", "speculative") == "speculative"
     out, stats = generate(model, torch.tensor([ids]), new, speculative=speculative)
     return out[0].tolist(), stats
 
 
-def test_greedy_matches_transformers_on_the_same_gguf(model, tok):
-    """32 greedy tokens, token for token, against transformers' own GGUF loader and Llama."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' own GGUF loader and Llama: the reference (requirements-test.txt pins it and the
+    accelerate it needs; a missing reference is an error here, not a skip)."""
+    import transformers
+    import accelerate  # noqa: F401 - transformers' GGUF loading needs it
     import convert_hf
     gguf = convert_hf.find_default_gguf()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                           torch_dtype=torch.float32).eval()
-    ids = tok.encode(tok.chat("What is the capital of France? Answer in one long paragraph."))
+    return transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                             dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, ids, new):
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, len(ids):]
+        return hf_model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+
+
+def test_greedy_matches_transformers_on_the_same_gguf(model, tok, hf_model):
+    """32 greedy tokens of a chat prompt, token for token, against transformers."""
+    ids = tok.encode_prompt("What is the capital of France? Answer in one long paragraph.", chat=True)
     ours, _ = greedy(model, ids, 32)
-    assert ours == ref.tolist()
+    assert ours == hf_greedy(hf_model, ids, 32)
     assert "Paris" in tok.decode(ours)
+
+
+@pytest.mark.parametrize("prompt", ["def fibonacci(n):\n", "The history of the city of Rome begins"])
+def test_plain_prompts_match_transformers_tokens_and_ids(model, tok, hf_model, prompt, capsys):
+    """A plain prompt is encoded as transformers' tokenizer encodes it (no BOS: SmolLM2's tokenizer
+    says add_bos_token false) and 24 greedy tokens match, from the first one on."""
+    import transformers
+    ref_tok = transformers.AutoTokenizer.from_pretrained(str(require_default_checkpoint()))
+    ids = tok.encode_prompt(prompt)
+    assert ids == ref_tok(prompt)["input_ids"] and ids[0] != tok.bos_id
+    ref = hf_greedy(hf_model, ids, 24)
+    ours, _ = greedy(model, ids, 24)
+    assert ours == ref
+    # and the way a user runs it: generate.py's CLI (it stops at EOS, so compare up to it)
+    import json
+    from generate import main
+    main(["--checkpoint", str(require_default_checkpoint()), "--prompt", prompt, "--cache", "full", "--json",
+          "--quiet", "--max-new-tokens", "24"])
+    cli = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli["prompt_tokens"] == len(ids) and cli["tokens"] == ref[:len(cli["tokens"])] and cli["tokens"]
 
 
 def test_specache_fetching_every_row_equals_full_cache(model, tok):
@@ -63,7 +93,7 @@ def test_specache_fetching_every_row_equals_full_cache(model, tok):
 def test_quantization_error_bounds_on_real_keys_and_values(model, tok):
     """KIVI's per-group bound |x - x'| <= s/2 on SmolLM2's own post-RoPE keys and values (fp32
     scales here: with fp16 scales the clamp at the group's max can add a rounding of s)."""
-    caches, _, _ = setup_caches(model, "full", batch=1, max_seq_len=512)
+    caches, _, _ = setup(model, "full", batch=1, max_seq_len=512)
     with torch.no_grad():
         prefill(model, torch.tensor([essay_ids(tok, 512)]))
     for layer in (0, 15, 29):
@@ -87,7 +117,7 @@ def test_compiled_equals_eager_on_the_default_model(model, tok):
     eager, _ = greedy(model, ids, 12, "specache", bits=1, k=64)
     torch._dynamo.reset()
     counters.clear()
-    setup_caches(model, "specache", batch=1, max_seq_len=len(ids) + 13, bits=1, k=64)
+    setup(model, "specache", batch=1, max_seq_len=len(ids) + 13, bits=1, k=64)
     out, _ = generate(model, torch.tensor([ids]), 12, speculative=True,
                       step_fn=torch.compile(decode_step, fullgraph=True))
     assert out[0].tolist() == eager
@@ -100,7 +130,7 @@ def test_needle_full_vs_kivi_vs_specache(model, tok, capsys):
     finds it, 1-bit KIVI loses it, 1-bit SpeCache (k=64) recovers part of it. (At 3k tokens
     SpeCache-1bit misses it too on this 135M model: see README, results/niah.)"""
     import tasks
-    ids = tok.encode(tasks.render(tok, tasks.niah(tok, 1000, 0.5)))
+    ids = tok.encode(tasks.render(tok, tasks.niah(tok, 1000, 0.5)))  # chat text: its own special tokens
     answers = {}
     for name, cache, kw in (("fp16", "full", {}), ("kivi-1bit", "kivi", dict(bits=1)),
                             ("specache-1bit-k64", "specache", dict(bits=1, k=64))):

@@ -164,11 +164,11 @@ def test_reports_and_heatmap(tmp_path):
     assert "| full | 1000 | 1 | 100.0 | 50.0 | 75.0 |" in (tmp_path / "results.md").read_text()
     f = dict(cmd="hitrate", method="specache-1bit", length=1000, sample=0)
     r.add(ev.Results.key(f), dict(f, label="specache-1bit", topk=[None] + [1.0] * 9 + [0.5] * 10,
-                                  topk_lowbit=[None] + [0.5] * 19, exact=[True, False] * 10))
+                                  topk_lowbit=[None] + [0.5] * 19, mass=[None] + [0.25] * 19, exact=[True, False] * 10))
     ev.write_hitrate_report(r)
     md = (tmp_path / "results.md").read_text()
-    # totals: steps, then top-k vs fp16 (None skipped: (9 + 5) / 19), top-k vs low-bit, exact token
-    assert f"| specache-1bit | 20 | {100 * 14 / 19:.1f} | 50.0 | 50.0 |" in md
+    # totals: steps, then top-k vs fp16 (None skipped: (9 + 5) / 19), top-k vs low-bit, mass, exact token
+    assert f"| specache-1bit | 20 | {100 * 14 / 19:.1f} | 50.0 | 25.0 | 50.0 |" in md
     # by decode-step interval, one row per measure; intervals past the last step are left out
     assert "| method | measure | [1, 10] | [11, 50] |" in md and "[51, 100]" not in md
     assert "| specache-1bit | top-k hit % (vs fp16 top-k) | 100.0 | 50.0 |" in md
@@ -214,45 +214,50 @@ def tiny_runner():
     return r
 
 
-def test_hit_trace_per_step_agrees_with_the_cache_totals():
+def test_hit_trace_per_step_agrees_with_the_probe():
     import random
-    import generate
+    from cache import CacheConfig
 
     r = tiny_runner()
     ids = [random.Random(1).randrange(256) for _ in range(100)]
-    m = ev.expand_methods("specache-1bit", ks=[8], groups=[16], residuals=[16])[0]
+    m = CacheConfig.from_name("specache-1bit-k8-g16-r16")
     text, stats = r.generate(m, ids, 41)
     trace = r.hit_trace(m, ids, 40)
     assert all(len(v) == 40 for v in trace.values())
-    assert r.generate(m, ids, 41, track_hits=True)[0] == text  # recording hits does not change the tokens
+    assert r.generate(m, ids, 41)[0] == text  # the probe does not change the tokens
     assert ev.mean(trace["exact"]) == pytest.approx(stats["spec_exact_hit_rate"])
-    for key, against in (("topk", "exact"), ("topk_lowbit", "lowbit")):
-        assert all(v is not None and 0 <= v <= 1 for v in trace[key])
-        assert ev.step_mean([trace], key) == pytest.approx(generate.topk_hit_rate(r.caches, against))
+    probe = r.last_probe
+    for key, src in (("topk", "hit"), ("topk_lowbit", "hit_own"), ("mass", "mass")):
+        assert all(v is None or 0 <= v <= 1 + 1e-6 for v in trace[key])
+        assert [v for v in trace[key] if v is not None] == pytest.approx(probe.per_step(src))
 
 
 # ---- method names ---------------------------------------------------------------------------------------
 def test_method_parsing():
-    assert ev.parse_method("full") == dict(cache="full")
-    assert ev.parse_method("kivi-2bit") == dict(cache="kivi", bits=2)
-    assert ev.parse_method("kivi-1bit-orig") == dict(cache="kivi", bits=1, one_bit="kivi")
-    assert ev.parse_method("specache-1bit-orig") == dict(cache="specache", bits=1, one_bit="kivi")
-    assert ev.parse_method("specache-sequential") == dict(cache="specache", bits=1, fetch="sequential")
-    assert ev.parse_method("specache-2bit-oracle") == dict(cache="specache", bits=2, fetch="oracle")
-    for bad, msg in (("kivi", "unknown method"), ("kivi-3bit", "unknown method"), ("h2o", "unknown method"),
-                     ("kivi-2bit-orig", "only for 1 bit"), ("kivi-sequential", "SpeCache fetch mode")):
+    from cache import CacheConfig as C
+    assert ev.expand_methods("full") == [C("full")]
+    assert ev.expand_methods("kivi-2bit") == [C("kivi", bits=2)]
+    assert ev.expand_methods("kivi-1bit-orig") == [C("kivi", bits=1, one_bit="kivi")]
+    assert ev.expand_methods("specache-1bit-orig") == [C("specache", bits=1, one_bit="kivi")]
+    assert ev.expand_methods("specache-sequential") == [C("specache", bits=1, fetch="sequential")]
+    assert ev.expand_methods("specache-2bit-oracle") == [C("specache", bits=2, fetch="oracle")]
+    for bad, msg in (("kivi-3bit", "not available"), ("h2o", "unknown cache"),
+                     ("kivi-2bit-orig", "only for 1 bit"), ("kivi-sequential", "SpeCache fetch policy")):
         with pytest.raises(ValueError, match=msg) as e:
-            ev.parse_method(bad)
-        assert repr(bad) in str(e.value)
-    with pytest.raises(SystemExit, match="unknown method 'specache-3bit'.*expected one of"):
-        ev.parse_args(["niah", "--out", "x", "--methods", "full,specache-3bit"])
+            ev.expand_methods(bad)
+        assert bad.split("-")[0] in str(e.value)
+    with pytest.raises(SystemExit, match="unknown cache 'h2o'"):
+        ev.parse_args(["niah", "--out", "x", "--methods", "full,h2o"])
+    for args in (["--samples", "0"], ["--lengths", "0"], ["--k", "0"], ["--methods", ","]):
+        with pytest.raises(SystemExit):
+            ev.parse_args(["ruler", "--out", "x", *args])
 
 
 def test_method_sweeps_and_labels():
-    ms = ev.expand_methods("full,kivi-1bit,specache-1bit", ks=[16, 64], groups=[64])
-    assert [(m.name, m.k, m.residual) for m in ms] == [("full", 0, 0), ("kivi-1bit", 0, 128),
-                                                       ("specache-1bit", 16, 64), ("specache-1bit", 64, 64)]
-    assert [ev.label(m, ms) for m in ms] == ["full", "kivi-1bit", "specache-1bit (k=16)", "specache-1bit (k=64)"]
-    assert ev.expand_methods("specache-1bit", groups=[128])[0].residual == 128  # residual a multiple of group
+    ms = ev.expand_methods("full,kivi-1bit,specache-1bit", ks=[16, 64], groups=[None])
+    assert [(m.name, m.k, m.residual_len) for m in ms] == [("full", 64, 64), ("kivi-1bit", 64, 128),
+                                                           ("specache-1bit-k16", 16, 64), ("specache-1bit", 64, 64)]
+    assert [ev.label(m, ms) for m in ms] == ["full", "kivi-1bit", "specache-1bit-k16", "specache-1bit"]
+    assert ev.expand_methods("specache-1bit", groups=[128])[0].residual_len == 128  # residual a multiple of group
     a = ev.parse_args(["ppl", "--out", "x", "--quick", "--k", "16,32"])
-    assert a.lengths == [1024, 2048] and a.n_eval == 64 and {m.k for m in a.method_list} == {0, 16, 32}
+    assert a.lengths == [1024, 2048] and a.n_eval == 64 and {m.k for m in a.method_list} == {64, 16, 32}

@@ -23,13 +23,50 @@ def run_json(ckpt, capsys, *args):
     (["--device", "cuda"], "device 'cuda' is not available"),
     (["--device", "tpu9"], "device 'tpu9' is not available"),
     (["--cache", "kivi", "--quant", "quantspec", "--bits", "1"], "--bits 1 is not available for scheme quantspec"),
-    (["--cache", "kivi", "--group", "48", "--residual", "64"], "must be a positive multiple of --group"),
+    (["--cache", "kivi", "--group", "32", "--residual", "48"], "must be a positive multiple of --group"),
     (["--max-new-tokens", "0"], "must be >= 1"),
+    (["--group", "-64"], "--group must be a positive power of two, got -64"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["--residual", "0"], "--residual (0) must be a positive multiple"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "0.7", "--sample-top-k", "0"], "--sample-top-k must be >= 1"),
+    (["--sample-top-k", "5"], "--sample-top-k needs --temperature > 0"),
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "   \n"], "the prompt is empty"),
+    (["--cache", "specache-3bit"], "--bits 3 is not available"),
+    (["--cache", "h2o"], "unknown cache 'h2o'"),
+    (["--fetch", "magic"], "unknown fetch policy 'magic'"),
 ])
 def test_bad_input_is_one_clear_line(ckpt, args, message):
     with pytest.raises(SystemExit) as e:
         main(["--checkpoint", ckpt, *args] if "--checkpoint" not in args else args)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def broken_copy(ckpt, tmp_path, name, data):
+    """A copy of the checkpoint with one file replaced."""
+    import shutil
+    dst = tmp_path / "ckpt"
+    shutil.copytree(ckpt, dst)
+    (dst / name).write_bytes(data)
+    return str(dst)
+
+
+def test_truncated_weights_malformed_config_and_binary_prompt(ckpt, tmp_path):
+    from pathlib import Path
+    weights = (Path(ckpt) / "model.safetensors").read_bytes()
+    bad = {"truncated": ("model.safetensors", weights[:len(weights) // 3], "cannot read"),
+           "config": ("config.json", b'{"dim": 576, "n_layers": ', "is not a valid model config")}
+    for case, (name, data, message) in bad.items():
+        path = broken_copy(ckpt, tmp_path / case, name, data)
+        with pytest.raises(SystemExit) as e:
+            main(["--checkpoint", path, "--max-new-tokens", "2", "--quiet"])
+        assert message in str(e.value) and name in str(e.value) and "\n" not in str(e.value), str(e.value)
+    prompt = tmp_path / "latin1.txt"
+    prompt.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(SystemExit) as e:
+        main(["--checkpoint", ckpt, "--prompt-file", str(prompt)])
+    assert "is not valid UTF-8" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_json_contract(ckpt, capsys):

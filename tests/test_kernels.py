@@ -8,6 +8,7 @@ Triton tests are skipped here and re-run in a fresh interpreter process instead.
 import os
 import subprocess
 import sys
+from typing import NamedTuple, Optional
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -17,6 +18,7 @@ import torch  # noqa: E402
 import kernels  # noqa: E402
 import prefetch  # noqa: E402
 import quant  # noqa: E402
+from kernels import Fetched, LowBitKV, Residual  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRETED = type(kernels._attn_split_kernel).__name__ == "InterpretedFunction"
@@ -24,13 +26,24 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="kernels imported
                                        "(covered by test_kernels_interpreted_in_fresh_process)")
 
 
+class Case(NamedTuple):
+    q: torch.Tensor
+    store: LowBitKV
+    residual: Residual
+    fetched: Optional[Fetched]
+    sm_scale: float
+    fp: dict  # the fp32 originals of the quantized keys and values
+
+    def args(self):
+        return self.q, self.store, self.residual, self.fetched, self.sm_scale
+
+
 # ---- a small cache with garbage past every valid length -----------------------------------------
 def make_case(B=1, Hkv=2, G=3, T=2, D=64, S=256, n_quant=160, R=64, res_len=37, bits=2, gk=32, gv=64,
-              fetch=0, hier=False, zip=False, dtype=torch.float32, seed=0):
-    """-> (args, kwargs, fp) for attention_lowbit; fp holds the fp32 originals. n_quant must be a
-    multiple of gk (a cache invariant: whole key groups are quantized). Slots >= n_quant get
-    random codes and NaN/inf meta, residual rows >= res_len and invalid fetched rows NaN: nothing
-    outside the valid ranges may leak into the result."""
+              fetch=0, hier=False, zip=False, dtype=torch.float32, seed=0) -> Case:
+    """n_quant must be a multiple of gk (a cache invariant: whole key groups are quantized). Slots
+    >= n_quant get random codes and NaN/inf meta, residual rows >= res_len and invalid fetched rows
+    NaN: nothing outside the valid ranges may leak into the result."""
     assert n_quant % gk == 0 and T <= res_len <= R
     g = torch.Generator().manual_seed(seed)
     H = Hkv * G
@@ -38,18 +51,19 @@ def make_case(B=1, Hkv=2, G=3, T=2, D=64, S=256, n_quant=160, R=64, res_len=37, 
     chan[torch.randperm(D, generator=g)[:3]] = 8.0  # outlier key channels
     k_fp = torch.randn(B, Hkv, S, D, generator=g) * chan
     v_fp = torch.randn(B, Hkv, S, D, generator=g)
-    kw = dict(group_k=gk, group_v=gv, sm_scale=D**-0.5, bits_k=4 if hier else bits, bits_v=4 if hier else bits)
+    lo = dict(k_codes_lo=None, v_codes_lo=None, v_chan=None)
     if hier:
-        k_codes, kw["k_codes_lo"], k_scale, k_zero = quant.quantize_hier_keys(k_fp, gk)
-        v_codes, kw["v_codes_lo"], v_scale, v_zero = quant.quantize_hier_values(v_fp, gv)
+        k_codes, lo["k_codes_lo"], k_scale, k_zero = quant.quantize_hier_keys(k_fp, gk)
+        v_codes, lo["v_codes_lo"], v_scale, v_zero = quant.quantize_hier_values(v_fp, gv)
+        bits = 4
     else:
         k_codes, k_scale, k_zero = quant.quantize_keys(k_fp, bits, gk)
         if zip:
-            kw["v_chan_scale"] = quant.channel_scale(v_fp)
-            v_codes, v_scale, v_zero = quant.quantize_values_zip(v_fp, bits, gv, kw["v_chan_scale"])
+            lo["v_chan"] = quant.channel_scale(v_fp)
+            v_codes, v_scale, v_zero = quant.quantize_values_zip(v_fp, bits, gv, lo["v_chan"])
         else:
             v_codes, v_scale, v_zero = quant.quantize_values(v_fp, bits, gv)
-    for codes in (k_codes, v_codes, kw.get("k_codes_lo"), kw.get("v_codes_lo")):
+    for codes in (k_codes, v_codes, lo["k_codes_lo"], lo["v_codes_lo"]):
         if codes is not None:
             codes[:, :, n_quant:] = torch.randint(0, 256, codes[:, :, n_quant:].shape, generator=g, dtype=torch.uint8)
     k_scale[:, :, n_quant // gk:], k_zero[:, :, n_quant // gk:] = float("nan"), float("inf")
@@ -57,49 +71,46 @@ def make_case(B=1, Hkv=2, G=3, T=2, D=64, S=256, n_quant=160, R=64, res_len=37, 
     k_res, v_res = torch.randn(B, Hkv, R, D, generator=g), torch.randn(B, Hkv, R, D, generator=g)
     k_res[:, :, res_len:], v_res[:, :, res_len:] = float("nan"), float("nan")
     q = torch.randn(B, H, T, D, generator=g)
+    fetched = None
     if fetch:
         idx = torch.stack([torch.randperm(max(n_quant, fetch), generator=g)[:fetch] for _ in range(B * Hkv)])
         idx = idx.reshape(B, Hkv, fetch)
-        kw["fetch_valid"] = (torch.rand(B, Hkv, fetch, generator=g) < 0.75) & (idx < n_quant)
-        idx = torch.where(kw["fetch_valid"], idx, 0)
-        kw["k_fetch"] = torch.gather(k_fp, 2, idx[..., None].expand(-1, -1, -1, D)).clone()
-        kw["v_fetch"] = torch.gather(v_fp, 2, idx[..., None].expand(-1, -1, -1, D)).clone()
-        kw["k_fetch"][~kw["fetch_valid"]], kw["v_fetch"][~kw["fetch_valid"]] = float("nan"), float("nan")
-        kw["replaced"] = torch.zeros(B, Hkv, S, dtype=torch.bool).scatter_(2, idx, kw["fetch_valid"])
+        valid = (torch.rand(B, Hkv, fetch, generator=g) < 0.75) & (idx < n_quant)
+        idx = torch.where(valid, idx, 0)
+        fk = torch.gather(k_fp, 2, idx[..., None].expand(-1, -1, -1, D)).clone()
+        fv = torch.gather(v_fp, 2, idx[..., None].expand(-1, -1, -1, D)).clone()
+        fk[~valid], fv[~valid] = float("nan"), float("nan")
+        fetched = Fetched(fk, fv, idx, valid)
     if dtype != torch.float32:  # the CUDA dtypes: fp16/bf16 queries, residual and fetched rows
         q, k_res, v_res = q.to(dtype), k_res.to(dtype), v_res.to(dtype)
-        for name in ("k_fetch", "v_fetch"):
-            if name in kw:
-                kw[name] = kw[name].to(dtype)
-    args = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, torch.tensor(n_quant), k_res, v_res,
-            torch.tensor(res_len))
-    return args, kw, dict(k=k_fp, v=v_fp)
+        if fetched is not None:
+            fetched = fetched._replace(k=fetched.k.to(dtype), v=fetched.v.to(dtype))
+    store = LowBitKV(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, torch.tensor(n_quant), bits, gk, gv, **lo)
+    return Case(q, store, Residual(k_res, v_res, torch.tensor(res_len)), fetched, D ** -0.5, dict(k=k_fp, v=v_fp))
 
 
-def dense_attention(args, kw):
+def dense_attention(c: Case):
     """Loop-per-(batch, head, token) fp32 attention over everything that is valid."""
-    q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len = args
-    B, H, T, D = q.shape
-    Hkv, S = k_codes.shape[1], k_codes.shape[2]
-    keys = kernels.dequant_k(k_codes, kw.get("k_codes_lo"), k_scale, k_zero, kw["bits_k"], kw["group_k"])
-    vals = kernels.dequant_v(v_codes, kw.get("v_codes_lo"), v_scale, v_zero, kw["bits_v"], kw["group_v"],
-                              kw.get("v_chan_scale"))
-    keep = torch.arange(S) < n_quant
+    B, H, T, D = c.q.shape
+    Hkv, S = c.store.k_codes.shape[1], c.store.k_codes.shape[2]
+    keys, vals = kernels.dequant_keys(c.store), kernels.dequant_values(c.store)
+    keep = torch.arange(S) < c.store.n_quant
+    replaced = kernels.replaced_mask(c.fetched, S) if c.fetched is not None else None
     out, lse = torch.zeros(B, H, T, D), torch.zeros(B, H, T)
     for b in range(B):
         for h in range(H):
             j = h // (H // Hkv)
-            kq = keep & ~kw["replaced"][b, j] if "replaced" in kw else keep
+            kq = keep & ~replaced[b, j] if replaced is not None else keep
             ks, vs = [keys[b, j][kq]], [vals[b, j][kq]]
-            if "k_fetch" in kw:
-                fv = kw["fetch_valid"][b, j]
-                ks.append(kw["k_fetch"][b, j][fv])
-                vs.append(kw["v_fetch"][b, j][fv])
+            if c.fetched is not None:
+                fv = c.fetched.valid[b, j]
+                ks.append(c.fetched.k[b, j][fv])
+                vs.append(c.fetched.v[b, j][fv])
             for t in range(T):
-                n_res = int(res_len) - T + t + 1
-                K_all = torch.cat([x.float() for x in ks + [k_res[b, j, :n_res]]])
-                V_all = torch.cat([x.float() for x in vs + [v_res[b, j, :n_res]]])
-                s = K_all @ q[b, h, t].float() * kw["sm_scale"]
+                n_res = int(c.residual.length) - T + t + 1
+                K_all = torch.cat([x.float() for x in ks + [c.residual.k[b, j, :n_res]]])
+                V_all = torch.cat([x.float() for x in vs + [c.residual.v[b, j, :n_res]]])
+                s = K_all @ c.q[b, h, t].float() * c.sm_scale
                 out[b, h, t] = torch.softmax(s, 0) @ V_all
                 lse[b, h, t] = torch.logsumexp(s, 0)
     return out, lse
@@ -127,11 +138,11 @@ CASES = {
 # ---- reference vs dense ---------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES)
 def test_reference_matches_dense(case):
-    args, kw, _ = make_case(**CASES[case])
-    out, lse = kernels.attention_lowbit_ref(*args, **kw)
-    want_out, want_lse = dense_attention(args, kw)
-    assert out.shape == args[0].shape and out.dtype == args[0].dtype
-    assert lse.shape == args[0].shape[:3] and lse.dtype == torch.float32
+    c = make_case(**CASES[case])
+    out, lse = kernels.attention_lowbit_ref(*c.args())
+    want_out, want_lse = dense_attention(c)
+    assert out.shape == c.q.shape and out.dtype == c.q.dtype
+    assert lse.shape == c.q.shape[:3] and lse.dtype == torch.float32
     torch.testing.assert_close(out, want_out.to(out.dtype), **tol(out.dtype))
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
@@ -140,44 +151,44 @@ def test_reference_matches_dense(case):
 def test_all_rows_fetched_is_exact_attention(bits):
     """eq. 1 with every quantized position fetched: exactly fp attention over [original, residual]."""
     B, Hkv, G, T, D, n_quant, res_len = 1, 2, 3, 2, 64, 96, 20
-    args, kw, fp = make_case(B=B, Hkv=Hkv, G=G, T=T, D=D, S=128, n_quant=n_quant, res_len=res_len, bits=bits)
+    c = make_case(B=B, Hkv=Hkv, G=G, T=T, D=D, S=128, n_quant=n_quant, res_len=res_len, bits=bits)
     perm = torch.stack([torch.randperm(n_quant) for _ in range(B * Hkv)]).reshape(B, Hkv, n_quant)
-    kw["k_fetch"] = torch.gather(fp["k"], 2, perm[..., None].expand(-1, -1, -1, D))
-    kw["v_fetch"] = torch.gather(fp["v"], 2, perm[..., None].expand(-1, -1, -1, D))
-    kw["fetch_valid"] = torch.ones(B, Hkv, n_quant, dtype=torch.bool)
-    kw["replaced"] = torch.arange(128).expand(B, Hkv, 128) < n_quant
-    out, lse = kernels.attention_lowbit(*args, **kw)
-    q, k_res, v_res = args[0], args[8], args[9]
-    keys = torch.cat([fp["k"][:, :, :n_quant], k_res[:, :, :res_len]], 2).repeat_interleave(G, 1)
-    vals = torch.cat([fp["v"][:, :, :n_quant], v_res[:, :, :res_len]], 2).repeat_interleave(G, 1)
+    gather = lambda x: torch.gather(x, 2, perm[..., None].expand(-1, -1, -1, D))  # noqa: E731
+    fetched = Fetched(gather(c.fp["k"]), gather(c.fp["v"]), perm, torch.ones(B, Hkv, n_quant, dtype=torch.bool))
+    out, lse = kernels.attention_lowbit(c.q, c.store, c.residual, fetched, c.sm_scale)
+    keys = torch.cat([c.fp["k"][:, :, :n_quant], c.residual.k[:, :, :res_len]], 2).repeat_interleave(G, 1)
+    vals = torch.cat([c.fp["v"][:, :, :n_quant], c.residual.v[:, :, :res_len]], 2).repeat_interleave(G, 1)
     causal = torch.arange(n_quant + res_len) < n_quant + res_len - T + 1 + torch.arange(T)[:, None]
-    s = (q @ keys.transpose(-1, -2) * kw["sm_scale"]).masked_fill(~causal, float("-inf"))
+    s = (c.q @ keys.transpose(-1, -2) * c.sm_scale).masked_fill(~causal, float("-inf"))
     torch.testing.assert_close(out, torch.softmax(s, -1) @ vals, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
 
 
 # ---- top-k ----------------------------------------------------------------------------------------
-def topk_inputs(G=3, n_quant=160, S=256, hier=False, k=16, seed=1):
-    args, kw, _ = make_case(G=G, T=1, S=S, n_quant=n_quant, hier=hier, seed=seed)
-    _, lse = kernels.attention_lowbit_ref(*args, **kw)
-    q_row = args[0][:, :, 0]
-    targs = (q_row, args[1], args[2], args[3], args[7], lse[:, :, 0])
-    tkw = dict(bits_k=kw["bits_k"], group_k=kw["group_k"], sm_scale=kw["sm_scale"], k=k,
-               k_codes_lo=kw.get("k_codes_lo"))
-    return targs, tkw, kw
+class TopkCase(NamedTuple):
+    q_row: torch.Tensor
+    lse_row: torch.Tensor
+    store: LowBitKV
+    k: int
+    sm_scale: float
 
 
-def dense_topk_scores(targs, tkw, kw):
-    q_row, k_codes, k_scale, k_zero, n_quant, lse_row = targs
-    B, H, D = q_row.shape
-    Hkv, S = k_codes.shape[1], k_codes.shape[2]
-    keys = kernels.dequant_k(k_codes, kw.get("k_codes_lo"), k_scale, k_zero, kw["bits_k"], kw["group_k"])
+def topk_inputs(G=3, n_quant=160, S=256, hier=False, k=16, seed=1) -> TopkCase:
+    c = make_case(G=G, T=1, S=S, n_quant=n_quant, hier=hier, seed=seed)
+    _, lse = kernels.attention_lowbit_ref(*c.args())
+    return TopkCase(c.q[:, :, 0], lse[:, :, 0], c.store, k, c.sm_scale)
+
+
+def dense_topk_scores(t: TopkCase):
+    B, H, D = t.q_row.shape
+    Hkv, S = t.store.k_codes.shape[1], t.store.k_codes.shape[2]
+    keys = kernels.dequant_keys(t.store)
     score = torch.full((B, Hkv, S), -1.0)
     for b in range(B):
         for j in range(Hkv):
-            for p in range(int(n_quant)):
+            for p in range(int(t.store.n_quant)):
                 heads = range(j * (H // Hkv), (j + 1) * (H // Hkv))
-                score[b, j, p] = sum(torch.exp(tkw["sm_scale"] * q_row[b, h] @ keys[b, j, p] - lse_row[b, h])
+                score[b, j, p] = sum(torch.exp(t.sm_scale * t.q_row[b, h] @ keys[b, j, p] - t.lse_row[b, h])
                                      for h in heads)
     return score
 
@@ -185,49 +196,58 @@ def dense_topk_scores(targs, tkw, kw):
 @pytest.mark.parametrize("G,n_quant,hier,k", [(1, 128, False, 16), (3, 96, False, 16), (4, 64, True, 16),
                                               (3, 32, False, 64)])
 def test_topk_reference_matches_dense(G, n_quant, hier, k):
-    targs, tkw, kw = topk_inputs(G=G, n_quant=n_quant, hier=hier, S=128, k=k)
-    score, idx = kernels.topk_lowbit_ref(*targs, **tkw)
-    dense = dense_topk_scores(targs, tkw, kw)
-    want = dense.topk(tkw["k"], -1).values
-    torch.testing.assert_close(score, want, atol=1e-6, rtol=1e-5)
+    t = topk_inputs(G=G, n_quant=n_quant, hier=hier, S=128, k=k)
+    score, idx = kernels.topk_lowbit_ref(*t)
+    dense = dense_topk_scores(t)
+    torch.testing.assert_close(score, dense.topk(k, -1).values, atol=1e-6, rtol=1e-5)
     valid = score >= 0
-    assert valid.sum(-1).eq(min(n_quant, tkw["k"])).all()
+    assert valid.sum(-1).eq(min(n_quant, k)).all()
     torch.testing.assert_close(torch.gather(dense, 2, idx)[valid], score[valid], atol=1e-6, rtol=1e-5)
     assert (idx[~valid] == 0).all()
     if G == 1:  # one head per kv head: probabilities of a distribution (<= 1 in total)
         assert dense.clamp_min(0).sum(-1).le(1 + 1e-5).all()
 
 
-def fetched_rows(targs, n_fetch=6, seed=3):
+def fetched_rows(t: TopkCase, n_fetch=6, seed=3) -> Fetched:
     """fp rows for some quantized positions (some slots unused), as the SpeCache step holds them."""
-    q_row, k_codes = targs[0], targs[1]
-    B, Hkv, D = q_row.shape[0], k_codes.shape[1], q_row.shape[2]
+    B, Hkv, D = t.q_row.shape[0], t.store.k_codes.shape[1], t.q_row.shape[2]
     g = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(int(targs[4]), generator=g)[:n_fetch] for _ in range(B * Hkv)]).view(B, Hkv, -1)
+    idx = torch.stack([torch.randperm(int(t.store.n_quant), generator=g)[:n_fetch] for _ in range(B * Hkv)])
     valid = torch.rand(B, Hkv, n_fetch, generator=g) < 0.7
-    return dict(k_fetch=torch.randn(B, Hkv, n_fetch, D, generator=g) * 3, fetch_idx=idx, fetch_valid=valid)
+    k = torch.randn(B, Hkv, n_fetch, D, generator=g) * 3
+    return Fetched(k, torch.zeros_like(k), idx.view(B, Hkv, -1), valid)
 
 
 def test_topk_fetched_rows_score_exactly():
     """Algorithm 3's ArgTopK uses the attention that saw the fetched fp rows: at a fetched position
     the score is the fp row's probability, elsewhere the low-bit one."""
-    targs, tkw, kw = topk_inputs(G=3, n_quant=96, S=128, k=96)  # k = n_quant: every slot valid
-    fetched = fetched_rows(targs)
-    score, idx = kernels.topk_lowbit_ref(*targs, **tkw, **fetched)
-    dense = dense_topk_scores(targs, tkw, kw)
-    q_row, lse = targs[0], targs[5]
+    t = topk_inputs(G=3, n_quant=96, S=128, k=96)  # k = n_quant: every slot valid
+    f = fetched_rows(t)
+    score, idx = kernels.topk_lowbit_ref(*t, f)
+    dense = dense_topk_scores(t)
     B, Hkv = dense.shape[:2]
-    G = q_row.shape[1] // Hkv
+    G = t.q_row.shape[1] // Hkv
     for b in range(B):
         for j in range(Hkv):
-            for slot in range(fetched["fetch_idx"].shape[2]):
-                if fetched["fetch_valid"][b, j, slot]:
-                    row = fetched["k_fetch"][b, j, slot]
-                    dense[b, j, fetched["fetch_idx"][b, j, slot]] = sum(
-                        torch.exp(tkw["sm_scale"] * q_row[b, h] @ row - lse[b, h]) for h in range(j * G, (j + 1) * G))
+            for slot in range(f.idx.shape[2]):
+                if f.valid[b, j, slot]:
+                    dense[b, j, f.idx[b, j, slot]] = sum(
+                        torch.exp(t.sm_scale * t.q_row[b, h] @ f.k[b, j, slot] - t.lse_row[b, h]) for h in range(j * G, (j + 1) * G))
     by_position = torch.full_like(dense, -1.0).scatter(2, idx, score)
     valid = torch.arange(dense.shape[2]) < 96
     torch.testing.assert_close(by_position[..., valid], dense[..., valid], atol=1e-6, rtol=1e-5)
+
+
+def test_topk_exact_is_the_reference_on_full_precision_keys():
+    """The oracle's exact top-k equals topk_lowbit_ref over an 8-bit-free 'store' of the same keys."""
+    t = topk_inputs(G=3, n_quant=96, S=128, k=16)
+    keys = kernels.dequant_keys(t.store)
+    score, idx = kernels.topk_exact(t.q_row, keys, t.store.n_quant, 16, t.sm_scale)
+    logits = torch.einsum("bhgd,bhsd->bhgs", t.q_row.view(1, 2, 3, -1), keys) * t.sm_scale
+    logits[..., 96:] = float("-inf")
+    want = torch.softmax(logits, -1).sum(2).topk(16, -1)
+    torch.testing.assert_close(score, want.values)
+    assert torch.equal(idx, want.indices)
 
 
 def assert_same_topk(got, want):
@@ -244,9 +264,9 @@ def assert_same_topk(got, want):
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES)
 def test_triton_attention_matches_reference(case):
-    args, kw, _ = make_case(**CASES[case])
-    want = kernels.attention_lowbit_ref(*args, **kw)
-    got = kernels.attention_lowbit_triton(*args, **kw)
+    c = make_case(**CASES[case])
+    want = kernels.attention_lowbit_ref(*c.args())
+    got = kernels.attention_lowbit_triton(*c.args())
     assert got[0].dtype == want[0].dtype and got[1].dtype == torch.float32
     torch.testing.assert_close(got[0], want[0], **tol(want[0].dtype, 1e-4))
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
@@ -256,9 +276,9 @@ def test_triton_attention_matches_reference(case):
 @pytest.mark.parametrize("n_splits", [1, 3, 8])
 def test_triton_attention_split_counts(n_splits):
     """Flash-decoding splits (some empty past n_quant) combine to the same result."""
-    args, kw, _ = make_case(G=3, T=2, fetch=8, n_quant=96)
-    want = kernels.attention_lowbit_ref(*args, **kw)
-    got = kernels.attention_lowbit_triton(*args, **kw, n_splits=n_splits)
+    c = make_case(G=3, T=2, fetch=8, n_quant=96)
+    want = kernels.attention_lowbit_ref(*c.args())
+    got = kernels.attention_lowbit_triton(*c.args(), n_splits=n_splits)
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
 
@@ -267,28 +287,27 @@ def test_triton_attention_split_counts(n_splits):
 @pytest.mark.parametrize("G,n_quant,hier,k", [(1, 160, False, 16), (3, 96, False, 16), (4, 256, True, 32),
                                               (3, 32, False, 64)])
 def test_triton_topk_matches_reference(G, n_quant, hier, k):
-    targs, tkw, _ = topk_inputs(G=G, n_quant=n_quant, hier=hier, k=k)
-    want = kernels.topk_lowbit_ref(*targs, **tkw)
-    got = kernels.topk_lowbit_triton(*targs, **tkw)
+    t = topk_inputs(G=G, n_quant=n_quant, hier=hier, k=k)
+    want = kernels.topk_lowbit_ref(*t)
+    got = kernels.topk_lowbit_triton(*t)
     assert got[0].shape == want[0].shape and got[1].dtype == torch.int64
     assert_same_topk(got, want)
 
 
 @needs_interpreter
 def test_triton_topk_with_fetched_rows_matches_reference():
-    targs, tkw, _ = topk_inputs(G=3, n_quant=96, k=16)
-    fetched = fetched_rows(targs)
-    assert_same_topk(kernels.topk_lowbit_triton(*targs, **tkw, **fetched), kernels.topk_lowbit_ref(*targs, **tkw, **fetched))
+    t = topk_inputs(G=3, n_quant=96, k=16)
+    f = fetched_rows(t)
+    assert_same_topk(kernels.topk_lowbit_triton(*t, f), kernels.topk_lowbit_ref(*t, f))
 
 
 @needs_interpreter
 def test_triton_topk_ties_fill_exactly_k():
     """All-equal scores: the threshold ties must fill exactly k distinct slots."""
-    targs, tkw, _ = topk_inputs(G=1, n_quant=64, k=16)
-    q_row = torch.zeros_like(targs[0])  # every logit 0: every position ties
-    targs = (q_row,) + targs[1:]
-    score, idx = kernels.topk_lowbit_triton(*targs, **tkw)
-    want, _ = kernels.topk_lowbit_ref(*targs, **tkw)
+    t = topk_inputs(G=1, n_quant=64, k=16)
+    t = t._replace(q_row=torch.zeros_like(t.q_row))  # every logit 0: every position ties
+    score, idx = kernels.topk_lowbit_triton(*t)
+    want, _ = kernels.topk_lowbit_ref(*t)
     torch.testing.assert_close(score, want)
     assert all(len(set(row.tolist())) == 16 for row in idx.flatten(0, 1))
 
@@ -296,21 +315,17 @@ def test_triton_topk_ties_fill_exactly_k():
 @needs_interpreter
 def test_triton_custom_ops_opcheck():
     """Schema, fake (meta) kernels and the real launch agree (run on CPU through the interpreter)."""
-    args, kw, _ = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
-    opt = [kw.get(n) for n in ("k_fetch", "v_fetch", "fetch_valid", "replaced", "v_chan_scale", "k_codes_lo",
-                               "v_codes_lo")]
-    # the call form attention_lowbit uses on CUDA (optional tensors as keywords)
-    got = kernels._attention_lowbit_op(*args, kw["bits_k"], kw["bits_v"], kw["group_k"], kw["group_v"],
-                                       kw["sm_scale"], k_fetch=kw["k_fetch"], v_fetch=kw["v_fetch"],
-                                       fetch_valid=kw["fetch_valid"], replaced=kw["replaced"])
-    torch.testing.assert_close(got, kernels.attention_lowbit_ref(*args, **kw), atol=1e-4, rtol=1e-4)
+    c = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
+    tensors, ints, optional = kernels._flat(c.store, c.residual, c.fetched)
+    got = kernels._attention_lowbit_op(c.q, list(tensors), list(ints), list(optional), c.sm_scale)
+    torch.testing.assert_close(got, kernels.attention_lowbit_ref(*c.args()), atol=1e-4, rtol=1e-4)
     tests = ("test_schema", "test_faketensor")
-    torch.library.opcheck(kernels._attention_lowbit_op,
-                          (*args, kw["bits_k"], kw["bits_v"], kw["group_k"], kw["group_v"], kw["sm_scale"], *opt),
+    torch.library.opcheck(kernels._attention_lowbit_op, (c.q, list(tensors), list(ints), list(optional), c.sm_scale),
                           test_utils=tests)
-    targs, tkw, _ = topk_inputs(G=3, n_quant=64, S=128)
-    torch.library.opcheck(kernels._topk_lowbit_op, (*targs, tkw["bits_k"], tkw["group_k"], tkw["sm_scale"],
-                                                    tkw["k"], None), test_utils=tests)
+    t = topk_inputs(G=3, n_quant=64, S=128)
+    tensors, ints, optional = kernels._flat(t.store, Residual(None, None, None), None)
+    torch.library.opcheck(kernels._topk_lowbit_op, (t.q_row, t.lse_row, list(tensors[:7]), list(ints), list(optional),
+                                                    t.k, t.sm_scale), test_utils=tests)
 
 
 @needs_interpreter
@@ -319,13 +334,14 @@ def test_triton_attention_op_fake_has_the_real_strides():
     passes it) the fake must return the contiguous tensor the real op returns (H100 finding:
     assert_size_stride failed in the compiled SpeCache step)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    args, kw, _ = make_case(G=3, T=2, S=128, n_quant=64)
-    q = args[0].transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B,T,H,D] memory
+    c = make_case(G=3, T=2, S=128, n_quant=64)
+    q = c.q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B,T,H,D] memory
     assert not q.is_contiguous()
-    static = (kw["bits_k"], kw["bits_v"], kw["group_k"], kw["group_v"], kw["sm_scale"])
-    real = kernels._attention_lowbit_op(q, *args[1:], *static)
+    tensors, ints, optional = kernels._flat(c.store, c.residual, c.fetched)
+    real = kernels._attention_lowbit_op(q, list(tensors), list(ints), list(optional), c.sm_scale)
     with FakeTensorMode() as mode:
-        fake = kernels._attention_lowbit_op(*(mode.from_tensor(a) for a in (q, *args[1:])), *static)
+        fake_in = [mode.from_tensor(x) for x in tensors]
+        fake = kernels._attention_lowbit_op(mode.from_tensor(q), fake_in, list(ints), list(optional), c.sm_scale)
     for r, f in zip(real, fake):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
 
@@ -339,46 +355,38 @@ def test_kernels_interpreted_in_fresh_process():
 
 
 # ---- torch.compile (CPU path: the references inline) ----------------------------------------------
-def decode_step(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res, res_len,
-                k_fetch, v_fetch, fetch_valid, replaced, *, bits, group_k, group_v, sm_scale, k):
-    out, lse = kernels.attention_lowbit(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant, k_res, v_res,
-                                        res_len, bits_k=bits, bits_v=bits, group_k=group_k, group_v=group_v,
-                                        sm_scale=sm_scale, k_fetch=k_fetch, v_fetch=v_fetch,
-                                        fetch_valid=fetch_valid, replaced=replaced)
-    score, idx = kernels.topk_lowbit(q[:, :, -1], k_codes, k_scale, k_zero, n_quant, lse[:, :, -1], bits_k=bits,
-                                     group_k=group_k, sm_scale=sm_scale, k=k)
-    ring_k, ring_v = (torch.empty(*idx.shape, k_res.shape[3]) for _ in range(2))
-    prefetch.transfer_rows(k_res, v_res, ring_k, ring_v, torch.remainder(idx, res_len))  # (any valid rows will do)
+def decode_step(c: Case, k: int):
+    out, lse = kernels.attention_lowbit(*c.args())
+    score, idx = kernels.topk_lowbit(c.q[:, :, -1], lse[:, :, -1], c.store, k, c.sm_scale)
+    ring_k, ring_v = (torch.empty(*idx.shape, c.residual.k.shape[3]) for _ in range(2))
+    prefetch.transfer_rows(c.residual.k, c.residual.v, ring_k, ring_v, torch.remainder(idx, c.residual.length))
     return out, lse, score, idx, ring_k
 
 
 def _compile_inputs():
-    args, kw, _ = make_case(G=3, T=2, S=128, n_quant=64, R=32, res_len=9, fetch=4)
-    tensors = (*args, kw["k_fetch"], kw["v_fetch"], kw["fetch_valid"], kw["replaced"])
-    return tensors, dict(bits=kw["bits_k"], group_k=kw["group_k"], group_v=kw["group_v"],
-                         sm_scale=kw["sm_scale"], k=8)
+    return make_case(G=3, T=2, S=128, n_quant=64, R=32, res_len=9, fetch=4)
 
 
 def test_compile_fullgraph_no_graph_breaks():
-    tensors, static = _compile_inputs()
+    c = _compile_inputs()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(lambda *t: decode_step(*t, **static), fullgraph=True, backend="eager")
-    got, want = compiled(*tensors), decode_step(*tensors, **static)
+    compiled = torch.compile(lambda c: decode_step(c, 8), fullgraph=True, backend="eager")
+    got, want = compiled(c), decode_step(c, 8)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
-    # a new n_quant / res_len value is data, not a new graph
-    tensors = (*tensors[:7], torch.tensor(96), *tensors[8:10], torch.tensor(12), *tensors[11:])
-    compiled(*tensors)
+    # a new n_quant / residual length is data, not a new graph
+    compiled(c._replace(store=c.store._replace(n_quant=torch.tensor(96)),
+                        residual=c.residual._replace(length=torch.tensor(12))))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_inductor_compile_matches_eager():
     """One real (small) inductor compile of the fused CPU path, ~15 s cold."""
-    tensors, static = _compile_inputs()
+    c = _compile_inputs()
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *t: decode_step(*t, **static), fullgraph=True)
-    got, want = compiled(*tensors), decode_step(*tensors, **static)
+    compiled = torch.compile(lambda c: decode_step(c, 8), fullgraph=True)
+    got, want = compiled(c), decode_step(c, 8)
     for a, b in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[3].sort(-1).values, want[3].sort(-1).values)

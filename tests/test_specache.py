@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import quant
-from generate import decode_step, generate, setup_caches, topk_hit_rate
-from tests.helpers import tiny_model
+from generate import decode_step, generate, setup_caches
+from tests.helpers import setup, tiny_model
 
 PROMPT_LEN, NEW = 100, 40
 
@@ -14,7 +14,7 @@ def prompt(batch=1, n=PROMPT_LEN, seed=1):
 
 
 def run(model, cache, new=NEW, batch=1, step_fn=decode_step, **kw):
-    caches, prefetcher, meter = setup_caches(model, cache, batch=batch, max_seq_len=PROMPT_LEN + new + 1, **kw)
+    caches, prefetcher, meter = setup(model, cache, batch=batch, max_seq_len=PROMPT_LEN + new + 1, **kw)
     speculative = cache == "specache" and kw.get("fetch", "speculative") == "speculative"
     out, stats = generate(model, prompt(batch), new, speculative=speculative, step_fn=step_fn)
     return out, stats, caches, meter
@@ -38,7 +38,7 @@ def test_lowbit_counters_and_contents(model, full_tokens):
     n = seq.shape[1]
     fed = {}
     for kind, kw in (("full", {}), ("kivi", dict(bits=2, group=16, residual=32))):
-        caches, _, _ = setup_caches(model, kind, batch=1, max_seq_len=n + 1, **kw)
+        caches, _, _ = setup(model, kind, batch=1, max_seq_len=n + 1, **kw)
         with torch.no_grad():
             model(seq[:, :PROMPT_LEN], torch.arange(PROMPT_LEN), mode="prefill")
             for p in range(PROMPT_LEN, n):
@@ -77,7 +77,7 @@ def test_batch_rows_agree(model, full_tokens):
 
 def test_prefill_peak_is_one_layer_of_fp_kv(model):
     """Algorithm 1: device KV during prefill peaks at the low-bit cache + one layer's fp K/V."""
-    caches, prefetcher, meter = setup_caches(model, "specache", batch=1, max_seq_len=256, bits=1, group=16,
+    caches, prefetcher, meter = setup(model, "specache", batch=1, max_seq_len=256, bits=1, group=16,
                                              residual=32, k=8)
     resident = meter.current
     from generate import prefill
@@ -91,28 +91,41 @@ def test_prefill_peak_is_one_layer_of_fp_kv(model):
 
 def test_chunked_prefill_is_exact_for_specache(model):
     from generate import prefill
-    setup_caches(model, "full", batch=1, max_seq_len=256)
+    setup(model, "full", batch=1, max_seq_len=256)
     ref = prefill(model, prompt(), chunk=4096)
-    setup_caches(model, "specache", batch=1, max_seq_len=256, bits=1, group=16, residual=32, k=8)
+    setup(model, "specache", batch=1, max_seq_len=256, bits=1, group=16, residual=32, k=8)
     got = prefill(model, prompt(), chunk=24)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
-def test_hit_rates_are_recorded(model):
-    _, stats, caches, _ = run(model, "specache", bits=1, group=16, residual=32, k=8, track_hits=True)
-    assert 0.0 <= topk_hit_rate(caches) <= 1.0
-    assert 0.0 <= stats["spec_exact_hit_rate"] <= 1.0
-    # with k >= context every exact top-k row is held: hit rate exactly 1
-    _, _, caches, _ = run(model, "specache", bits=1, group=16, residual=32, k=256, track_hits=True)
-    assert topk_hit_rate(caches) == 1.0
+def test_fetch_probe_measures_without_changing_the_tokens(model, full_tokens):
+    """probe.FetchProbe (eval.py's hit rates) hooks the layers from outside: same tokens, rates in
+    [0, 1]; with k >= context every exact top-k row is held (hit rate and mass exactly 1)."""
+    from probe import FetchProbe
+    plain, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8)
+    caches, _, _ = setup(model, "specache", max_seq_len=PROMPT_LEN + NEW + 1, bits=1, group=16, residual=32, k=8)
+    with FetchProbe(caches) as probe:
+        out, _ = generate(model, prompt(), NEW, speculative=True)
+    assert torch.equal(out, plain)
+    for key in ("hit", "hit_own", "mass", "mass_topk"):
+        vals = probe.per_step(key)
+        assert len(vals) >= NEW - 5 and all(0.0 <= v <= 1.0 + 1e-6 for v in vals), key
+    assert all(m <= t + 1e-6 for m, t in zip(probe.per_step("mass"), probe.per_step("mass_topk")))
+    caches, _, _ = setup(model, "specache", max_seq_len=PROMPT_LEN + NEW + 1, bits=1, group=16, residual=32, k=256)
+    with FetchProbe(caches) as probe:
+        generate(model, prompt(), NEW, speculative=True)
+    assert probe.per_step("hit") and all(h == 1.0 for h in probe.per_step("hit"))
+    assert all(abs(m - t) < 1e-6 for m, t in zip(probe.per_step("mass"), probe.per_step("mass_topk")))
 
 
 def test_bad_arguments_are_clear(model):
     with pytest.raises(ValueError, match="multiple of --group"):
-        setup_caches(model, "kivi", max_seq_len=128, group=48, residual=64)
-    with pytest.raises(SystemExit, match="--k must be >= 1"):
-        setup_caches(model, "specache", max_seq_len=128, k=0)
-    with pytest.raises(SystemExit, match="unknown --cache"):
+        setup(model, "kivi", max_seq_len=128, group=32, residual=48)
+    with pytest.raises(ValueError, match="power of two"):
+        setup(model, "kivi", max_seq_len=128, group=48)
+    with pytest.raises(ValueError, match="--k must be >= 1"):
+        setup(model, "specache", max_seq_len=128, k=0)
+    with pytest.raises(ValueError, match="unknown cache 'h2o'"):
         setup_caches(model, "h2o", max_seq_len=128)
 
 
@@ -139,7 +152,7 @@ def test_sibling_quantizers_plug_into_the_same_cache(model, full_tokens, scheme,
     seq = torch.cat([prompt(), full_tokens[:, :-1]], 1)
     fed = {}
     for kind, kw in (("full", {}), ("kivi", dict(bits=bits, group=16, residual=32, scheme=scheme))):
-        caches, _, _ = setup_caches(model, kind, batch=1, max_seq_len=seq.shape[1] + 1, **kw)
+        caches, _, _ = setup(model, kind, batch=1, max_seq_len=seq.shape[1] + 1, **kw)
         with torch.no_grad():
             model(seq, torch.arange(seq.shape[1]), mode="prefill")
         fed[kind] = caches[0]
@@ -158,4 +171,4 @@ def test_sibling_quantizers_plug_into_the_same_cache(model, full_tokens, scheme,
 
 def test_bad_scheme_bits():
     with pytest.raises(ValueError, match="not available for scheme quantspec"):
-        setup_caches(tiny_model(), "kivi", max_seq_len=64, bits=1, group=16, residual=32, scheme="quantspec")
+        setup(tiny_model(), "kivi", max_seq_len=64, bits=1, group=16, residual=32, scheme="quantspec")

@@ -1,0 +1,197 @@
+"""Measuring instruments for bench.py: the environment, a bandwidth probe, per-step timers, peak
+memory, kernel timing and the CUDA side-stream overlap profile. Nothing here knows about caches."""
+import datetime
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device, dtype, **extra) -> dict:
+    import triton
+    env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "cpu": cpu_name(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+           "device": str(device), "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "argv": sys.argv[1:],
+           "loadavg_at_start": os.getloadavg(), **extra}
+    try:
+        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["git"] = None
+    return env
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device, mbytes=256, reps=5) -> dict:
+    """Copy: (read + write bytes) / time of dst.copy_(src); read: bytes / time of src.sum(). Best of reps."""
+    src = torch.ones(mbytes * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+
+    def best(fn):
+        ts = []
+        for _ in range(reps + 1):
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            ts.append(time.perf_counter() - t0)
+        return min(ts[1:])
+    copy_s, read_s = best(lambda: dst.copy_(src)), best(lambda: src.sum())
+    return {"bytes": src.nbytes, "copy_gbs": 2 * src.nbytes / copy_s / 1e9, "read_gbs": src.nbytes / read_s / 1e9}
+
+
+def time_fn(fn, device, warmup=3, reps=20) -> dict:
+    """Seconds per call of fn(): CUDA events around each call on CUDA, perf_counter on CPU."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    ts = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return {"min_s": min(ts), "median_s": statistics.median(ts), "n": reps}
+
+
+class PeakMemory:
+    """Peak memory while the block runs: torch.cuda.max_memory_allocated on CUDA; on CPU the process
+    RSS sampled every 10 ms (psutil), or the lifetime peak RSS (getrusage) when psutil is missing."""
+
+    def __init__(self, device):
+        self.device, self.peak, self.base, self.kind = device, None, None, None
+
+    @property
+    def delta(self):
+        """Peak minus the memory in use when the block started (what the run itself added)."""
+        return None if self.peak is None or self.base is None else self.peak - self.base
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return self
+        try:
+            import psutil
+        except ImportError:
+            return self
+        proc, self._stop = psutil.Process(), threading.Event()
+        self.peak = self.base = proc.memory_info().rss
+
+        def sample():
+            while not self._stop.wait(0.01):
+                self.peak = max(self.peak, proc.memory_info().rss)
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak, self.kind = torch.cuda.max_memory_allocated(self.device), "cuda_max_allocated"
+        elif getattr(self, "_thread", None):
+            self._stop.set()
+            self._thread.join()
+            self.kind = "rss_sampled"
+        else:
+            self.peak, self.kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_lifetime_peak"
+
+
+class StepMarks:
+    """Marks between decode steps (generate()'s on_step): CUDA events recorded on the current stream
+    (no host sync between steps) or perf_counter on CPU. durations()[i] = time of step i + 1."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+# ---- CUDA: fetch / compute overlap ---------------------------------------------------------------------
+def merge(intervals):
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def overlap_stats(main, side) -> dict:
+    """Kernel intervals (start, end) of the main stream and the side (fetch) stream -> busy times and
+    the share of the side stream's busy time during which the main stream was also busy."""
+    m, s = merge(main), merge(side)
+    busy = lambda iv: sum(e - b for b, e in iv)  # noqa: E731
+    both = 0
+    for b, e in s:
+        for mb, me in m:
+            both += max(0, min(e, me) - max(b, mb))
+    side_busy = busy(s)
+    return {"main_busy": busy(m), "side_busy": side_busy, "overlapped": both,
+            "overlap_frac": both / side_busy if side_busy else None}
+
+
+def profile_of(prof, n_steps: int) -> dict:
+    """A finished torch.profiler trace of n_steps decode steps -> the main stream (the one with the
+    most kernel time) vs the side streams (the prefetcher's transfers): busy times and overlap, and
+    the kernel time per name (us per step), the per-kernel profile of a whole step."""
+    by_stream, by_name = {}, {}
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() == torch.autograd.DeviceType.CUDA and ev.duration_ns() > 0:
+            by_stream.setdefault(ev.device_resource_id(), []).append((ev.start_ns(), ev.end_ns(), ev.name()))
+            by_name[ev.name()] = by_name.get(ev.name(), 0) + ev.duration_ns()
+    if not by_stream:
+        return {"error": "no CUDA kernels in the trace (CUDA-graph replays may hide them)"}
+    busy = {sid: sum(e - s for s, e, _ in evs) for sid, evs in by_stream.items()}
+    main = max(busy, key=busy.get)
+    side = [(s, e) for sid, evs in by_stream.items() if sid != main for s, e, _ in evs]
+    st = overlap_stats([(s, e) for s, e, _ in by_stream[main]], side)
+    top = sorted(by_name.items(), key=lambda x: -x[1])[:12]
+    return {"steps": n_steps, "main_busy_ms_per_step": st["main_busy"] / 1e6 / n_steps,
+            "fetch_ms_per_step": st["side_busy"] / 1e6 / n_steps, "overlap_frac": st["overlap_frac"],
+            "kernels_us_per_step": {name[:80]: ns / 1e3 / n_steps for name, ns in top}}
