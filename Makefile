@@ -9,7 +9,7 @@ CKPT := checkpoints/smollm2-135m-instruct
 export OMP_NUM_THREADS ?= 2
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
 
-.PHONY: demo test test-all clean
+.PHONY: demo test test-all gpu-check aot-report clean
 
 $(STAMP): requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ test: $(CKPT)/config.json
 
 test-all: $(CKPT)/config.json
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m ""
+
+# The GPU verification: the machine's own Python (torch + Triton with CUDA), no venv, no network.
+# (the venv's Python if there is one, else $(PYTHON); override with `make gpu-check GPU_PY=...`)
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	@$(GPU_PY) gpu_check.py
+
+# Registers, spills and load widths of every Triton kernel variant, compiled for sm_80/sm_90 (no GPU needed).
+aot-report: $(STAMP)
+	$(PY) triton_aot.py
 
 clean:
 	rm -rf $(VENV) checkpoints .cache

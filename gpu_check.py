@@ -1,0 +1,129 @@
+"""The whole GPU verification in one command (`make gpu-check`), for anyone with a CUDA GPU.
+
+    python gpu_check.py [--out DIR] [--budget-s 450]
+
+1. correctness: `pytest -m cuda` (tests/test_cuda.py): kernels against the torch references (the
+   kernel-test cases and Llama-3.1-8B shapes at 32k in bf16), exactness with every row fetched for
+   every fetch policy and transfer, CUDA fp32 tokens == CPU tokens, compiled (CUDA graph) == eager
+   with one graph for full/KIVI/SpeCache, and the default model through generate.py --compile
+   (skipped, and said so, when checkpoints/smollm2-135m-instruct is absent);
+2. speed: each kernel alone against its byte floor (bench.py --kernels), then whole compiled decode
+   steps of Llama-3.1-8B shapes with random bf16 weights (bench.py --model Llama-3.1-8B
+   --random-weights --compile) at 32k, then 8k while the time budget lasts.
+Prints one summary table (then the speed tables) and exits non-zero on any failure. It needs only
+the machine's Python with torch and Triton: no network, no package installs, no virtual environment.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+
+
+def run(cmd, timeout, env=None):
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1, timeout))
+        return r.returncode, r.stdout, r.stderr, time.perf_counter() - t0
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return None, out, "timed out", time.perf_counter() - t0
+
+
+def pytest_rows(xml_path: Path) -> list[dict]:
+    rows = []
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        status, note = "pass", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                status = {"failure": "FAIL", "error": "FAIL", "skipped": "skip"}[tag]
+                note = (el.get("message") or "").strip().splitlines()[0][:120] if el.get("message") else ""
+        rows.append(dict(check=case.get("name"), status=status, seconds=float(case.get("time", 0)), note=note))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / ".cache" / "gpu-check", help="where the JSON/markdown results go")
+    p.add_argument("--budget-s", type=float, default=450, help="stop starting speed runs past this many seconds")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--dry-run-cpu", action="store_true", help="run the same plumbing on CPU at toy sizes (tests the "
+                   "script on a machine without a GPU; its numbers mean nothing)")
+    a = p.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print(f"gpu-check: torch is not importable by {sys.executable}: nothing to check (point GPU_PY at a Python "
+              "with CUDA torch and Triton)")
+        return 0
+    if not torch.cuda.is_available() and not a.dry_run_cpu:
+        print(f"gpu-check: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False): "
+              "nothing to check")
+        return 0
+    t0 = time.perf_counter()
+    left = lambda: a.budget_s - (time.perf_counter() - t0)  # noqa: E731
+    a.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TRITON_INTERPRET="0", TORCHINDUCTOR_CACHE_DIR=str(ROOT / ".cache" / "inductor"))
+    if a.dry_run_cpu:
+        env.update(TRITON_INTERPRET="1", SPECACHE_CHECK_DEVICE="cpu", OMP_NUM_THREADS="1")
+        device = f"CPU dry run (torch {torch.__version__})"
+    else:
+        device = f"{torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    print(f"# gpu-check on {device}", flush=True)
+
+    rows = []
+    xml = a.out / "pytest-cuda.xml"
+    code, out, err, secs = run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                                f"--junitxml={xml}", "tests/test_cuda.py"], timeout=max(240, left()), env=env)
+    if xml.exists():
+        rows += pytest_rows(xml)
+    if code not in (0, 5) or not xml.exists():
+        rows.append(dict(check="pytest -m cuda", status="FAIL", seconds=secs,
+                         note=("timed out" if code is None else (out + err).strip().splitlines()[-1][:120] if (out + err).strip() else "")))
+
+    speed_md = []
+    if not a.skip_speed:
+        model, big, small, steps = ("Llama-3.1-8B", "32768", "8192", ["--warmup", "5", "--steps", "20"])
+        bench = [sys.executable, "bench.py", "--model", model, "--random-weights", "--dtype", "bfloat16"]
+        if a.dry_run_cpu:
+            bench = [sys.executable, "bench.py", "--model", "SmolLM2-135M", "--random-weights", "--dtype", "float32",
+                     "--device", "cpu", "--kernel-reps", "2", "--bandwidth-mb", "8"]
+            big, small, steps = "512", "256", ["--warmup", "1", "--steps", "2"]
+        plans = [(f"kernels alone, {big}", bench + ["--kernels", "--contexts", big], "kernels.json"),
+                 (f"compiled steps, {big}", bench + ["--compile", "--contexts", big, "--caches", "full,kivi,specache",
+                                                     *steps], "steps-big.json"),
+                 (f"compiled steps, {small}", bench + ["--compile", "--contexts", small, "--caches", "full,kivi,specache",
+                                                       *steps], "steps-small.json")]
+        for name, cmd, fname in plans:
+            if left() < 60:
+                rows.append(dict(check=name, status="not run", seconds=0.0, note="time budget spent"))
+                continue
+            code, out, err, secs = run(cmd + ["--json", str(a.out / fname)], timeout=left(), env=env)
+            ok = code == 0 and (a.out / fname).exists()
+            rows.append(dict(check=name, status="pass" if ok else "FAIL", seconds=secs,
+                             note="" if ok else ("timed out" if code is None else (err.strip().splitlines() or [""])[-1][:120])))
+            if ok:
+                speed_md.append((a.out / fname).with_suffix(".md").read_text())
+
+    failed = [r for r in rows if r["status"] == "FAIL"]
+    width = max(len(r["check"]) for r in rows)
+    print(f"\n| {'check'.ljust(width)} | result | seconds | note |\n|{'-' * (width + 2)}|---|---|---|")
+    for r in rows:
+        print(f"| {r['check'].ljust(width)} | {r['status']} | {r['seconds']:.1f} | {r['note']} |")
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "FAIL", "skip", "not run")}
+    print(f"\n# {counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped, {counts['not run']} not run "
+          f"in {time.perf_counter() - t0:.0f} s on {device}")
+    for md in speed_md:
+        print("\n" + md)
+    (a.out / "summary.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The GPU checks (`pytest -m cuda`; `make gpu-check` runs them and the speed tables): the Triton
+kernels on CUDA against the torch references, end-to-end exactness of every fetch policy and
+transfer, CUDA vs CPU tokens, compiled (CUDA graph) == eager with one graph, and the default model
+through generate.py --compile. Skipped without a CUDA device.
+
+SPECACHE_CHECK_DEVICE=cpu runs the same checks on CPU (Triton interpreted, small sizes): a test of
+the tests for machines without a GPU.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = os.environ.get("SPECACHE_CHECK_DEVICE", "cuda")
+ON_GPU = DEVICE == "cuda"
+if ON_GPU and not torch.cuda.is_available():
+    pytest.skip("no CUDA device here", allow_module_level=True)
+if ON_GPU and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("TRITON_INTERPRET=1 is set: the GPU checks need compiled Triton (make gpu-check unsets it)",
+                allow_module_level=True)
+
+import kernels  # noqa: E402
+import prefetch  # noqa: E402
+from cache import CacheConfig  # noqa: E402
+from generate import compile_step, decode_step, generate, setup_caches  # noqa: E402
+from tests.helpers import DEFAULT_CKPT, tiny_model  # noqa: E402
+from tests.test_kernels import CASES, assert_same_topk, make_case, tol  # noqa: E402
+
+DEV = torch.device(DEVICE)
+
+
+def on(x, device=DEV):
+    """A kernels tuple / tensor / None moved to device (dtype kept)."""
+    if x is None or isinstance(x, (int, float, str)):
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: on(v, device) for k, v in x.items()}
+    if type(x) in (tuple, list):
+        return type(x)(on(v, device) for v in x)
+    return type(x)(*(on(v, device) for v in x))  # a NamedTuple
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_attention_kernel_matches_the_reference(case):
+    c = make_case(**CASES[case])
+    want = kernels.attention_lowbit_ref(*c.args())  # on CPU: the reference path
+    got = kernels.attention_lowbit(on(c.q), on(c.store), on(c.residual), on(c.fetched), c.sm_scale) if ON_GPU else \
+        kernels.attention_lowbit_triton(*c.args())
+    torch.testing.assert_close(got[0].cpu(), want[0], **tol(want[0].dtype, 1e-5))
+    torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-5 if c.q.dtype == torch.float32 else 2e-2,
+                               rtol=1e-5 if c.q.dtype == torch.float32 else 2e-2)
+
+
+def llama_case(bits, S):
+    """Llama-3.1-8B attention shapes: 8 kv heads of 4 query heads, head_dim 128, bf16, 64 fetched rows."""
+    return make_case(B=1, Hkv=8, G=4, T=2, D=128, S=S, n_quant=S - 128, R=66, res_len=40, bits=bits, gk=64, gv=64,
+                     fetch=64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_attention_kernel_at_llama8b_shapes(bits):
+    S = 32768 if ON_GPU else 1024
+    c = llama_case(bits, S)
+    dc = on(c)
+    want = kernels.attention_lowbit_ref(*dc.args())  # the reference, on the same device
+    got = kernels.attention_lowbit(*dc.args()) if ON_GPU else kernels.attention_lowbit_triton(*dc.args())
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("bits,S,dtype", [(2, 256, torch.float32), (1, 256, torch.float32), (1, None, torch.bfloat16)])
+def test_topk_kernel_matches_the_reference(bits, S, dtype):
+    S = S or (32768 if ON_GPU else 1024)
+    c = make_case(B=1, Hkv=8 if S > 256 else 2, G=4, T=1, D=128, S=S, n_quant=S - 64, R=66, res_len=40, bits=bits,
+                  gk=64, gv=64, fetch=64, dtype=dtype)
+    dc = on(c)
+    _, lse = kernels.attention_lowbit_ref(*dc.args())
+    q_row = dc.q[:, :, 0]
+    want = kernels.topk_lowbit_ref(q_row, lse[:, :, 0], dc.store, 64, dc.sm_scale, dc.fetched)
+    got = (kernels.topk_lowbit if ON_GPU else kernels.topk_lowbit_triton)(q_row, lse[:, :, 0], dc.store, 64,
+                                                                         dc.sm_scale, dc.fetched)
+    assert_same_topk([x.cpu() for x in got], [x.cpu() for x in want])
+
+
+@pytest.mark.parametrize("with_new", [True, False])
+def test_transfer_from_pinned_host_memory_is_exact(with_new):
+    g = torch.Generator().manual_seed(0)
+    host = [torch.randn(2, 8, 4096, 128, generator=g).to(torch.bfloat16) for _ in range(2)]
+    if ON_GPU:
+        host = [h.pin_memory() for h in host]
+    idx = torch.randint(0, 4096, (2, 8, 64), generator=g)
+    idx[0, 0, 0] = 77
+    new = [torch.randn(2, 8, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2)] if with_new else [None, None]
+    pos = torch.tensor(77) if with_new else None
+    want_host = [h.clone() for h in host]
+    want_ring = [torch.zeros(2, 8, 64, 128, dtype=torch.bfloat16) for _ in range(2)]
+    prefetch.transfer_rows_ref(*want_host, *want_ring, idx, *new, pos)
+    ring = [torch.zeros(2, 8, 64, 128, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    (prefetch.transfer_rows if ON_GPU else prefetch.transfer_rows_triton)(*host, *ring, on(idx), *on(tuple(new)), on(pos))
+    if ON_GPU:
+        torch.cuda.synchronize()
+    for a, b in zip(ring + host, want_ring + want_host):
+        assert torch.equal(a.cpu(), b)
+
+
+# ---- end to end: tiny random model ---------------------------------------------------------------
+def run_tiny(cache: str, device, dtype=torch.float32, new=24, step_fn=decode_step, seed=3, logits=None):
+    model = tiny_model().to(device=device, dtype=dtype)
+    prompt = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(seed)).to(device)
+    cfg = CacheConfig.from_name(cache)
+    setup_caches(model, cfg, 1, 150 + new + 2)
+
+    def keep(step, lg, token, fed):
+        if logits is not None:
+            logits.append(lg.float().cpu())
+    out, _ = generate(model, prompt, new, speculative=cfg.two_tokens, step_fn=step_fn, on_step=keep)
+    return out.cpu()
+
+
+EVERY_ROW = "-1bit-g16-r32-k512"
+
+
+@pytest.mark.parametrize("policy", ["speculative", "sequential", "oracle"])
+@pytest.mark.parametrize("impl", ["uva", "staged"])
+def test_every_row_fetched_equals_the_full_cache_fp32(policy, impl):
+    cfg = CacheConfig.from_name("specache" + EVERY_ROW, fetch=policy, fetch_impl=impl)
+    assert torch.equal(run_tiny_cfg(cfg), run_tiny("full", DEV))
+
+
+def run_tiny_cfg(cfg, device=DEV, dtype=torch.float32, new=24):
+    model = tiny_model().to(device=device, dtype=dtype)
+    prompt = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(3)).to(device)
+    setup_caches(model, cfg, 1, 150 + new + 2)
+    return generate(model, prompt, new, speculative=cfg.two_tokens)[0].cpu()
+
+
+def test_every_row_fetched_matches_the_full_cache_bf16_logits():
+    """bf16 token sequences are chaotic (near-ties flip): compare the logits of the same fed tokens."""
+    full, spec = [], []
+    ref = run_tiny("full", DEV, torch.bfloat16, logits=full)
+    run_tiny_teacher("specache" + EVERY_ROW, ref, spec)
+    for a, b in zip(full, spec):
+        torch.testing.assert_close(b, a, atol=0.15, rtol=0.05)
+
+
+def run_tiny_teacher(cache, tokens, logits, dtype=torch.bfloat16):
+    """The cache fed the given tokens (teacher forcing) -> logits of each real row."""
+    model = tiny_model().to(device=DEV, dtype=dtype)
+    prompt = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(3)).to(DEV)
+    cfg = CacheConfig.from_name(cache)
+    setup_caches(model, cfg, 1, 150 + tokens.shape[1] + 2)
+
+    def force(step, lg, token, fed):
+        logits.append(lg.float().cpu())
+        return tokens[:, step].to(DEV) if step < tokens.shape[1] else None
+    generate(model, prompt, tokens.shape[1], speculative=cfg.two_tokens, on_step=force)
+
+
+def test_cuda_fp32_tokens_equal_the_cpu_reference_path():
+    """1-bit SpeCache with 8 fetched rows (real misses, real selections): same tokens on both paths."""
+    name = "specache-1bit-g16-r32-k8"
+    assert torch.equal(run_tiny(name, DEV), run_tiny(name, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("cache", ["full", "kivi-1bit-g16-r32", "specache-1bit-g16-r32-k8"])
+def test_compiled_step_equals_eager_with_one_graph(cache):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    eager = run_tiny(cache, DEV)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = run_tiny(cache, DEV, step_fn=compile_step(DEV))
+    assert torch.equal(compiled, eager)
+    assert counters["stats"]["unique_graphs"] == 1
+    if ON_GPU:  # a CUDA graph really was captured: nothing made inductor skip it
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+# ---- the default model through the CLI -------------------------------------------------------------
+@pytest.mark.parametrize("cache", ["full", "kivi", "specache"])
+def test_default_model_generate_compile(cache, capsys):
+    if not (DEFAULT_CKPT / "config.json").exists():
+        pytest.skip(f"default model not converted at {DEFAULT_CKPT} (python convert_hf.py smollm2 --out ...)")
+    if not ON_GPU:
+        pytest.skip("the compiled 30-layer model is a GPU check (on CPU: tests/test_default_model.py, slow)")
+    import torch._dynamo
+    from generate import main
+    torch._dynamo.reset()
+    main(["--checkpoint", str(DEFAULT_CKPT), "--prompt", "What is the capital of France?", "--chat", "--compile",
+          "--cache", cache, "--max-new-tokens", "24", "--json", "--quiet"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["tokens"] and "Paris" in r["text"], r["text"]
