@@ -190,12 +190,16 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     args = model.args
     device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     Hkv, G, D = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.head_dim
-    wrap = (lambda f: torch.compile(f, fullgraph=True)) if (a.compile and device.type == "cpu") else (lambda f: f)
+    def wrap(f):  # a fresh compile per kernel: the closures differ, so dynamo would pile up recompiles
+        if not (a.compile and device.type == "cpu"):
+            return f
+        torch._dynamo.reset()
+        return torch.compile(f, fullgraph=True)
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
 
     def add(name, fn, nbytes, note=""):
-        t = measure.time_fn(fn, device, warmup=3, reps=a.kernel_reps)
+        t = measure.time_fn(fn, device, warmup=3, reps=a.kernel_reps)  # (the first warmup call compiles)
         rows.append(dict(kernel=name, context=context, bytes=nbytes, us=1e6 * t["median_s"], us_min=1e6 * t["min_s"],
                          achieved_gbs=nbytes / t["median_s"] / 1e9, floor_us_here=1e6 * nbytes / (bw["copy_gbs"] * 1e9),
                          floor_us_h100=1e6 * nbytes / (H100_GBS * 1e9), note=note))

@@ -30,7 +30,8 @@ from kernels import Fetched, LowBitKV, Residual
 
 KINDS = ("full", "kivi", "specache")
 SCHEMES = ("kivi", "zipcache", "quantspec")
-POLICIES = ("speculative", "sequential", "oracle")
+# which rows the fetch holds for the real token of a step (SpeCache's methods of the same names)
+POLICIES = ("speculative", "sequential", "oracle", "lag", "union", "resync")
 FETCH_IMPLS = ("uva", "staged")
 
 
@@ -49,6 +50,7 @@ class CacheConfig:
     scheme: str = "kivi"     # quantizer of the low-bit copy: quant.py's KIVI, ZipCache or QuantSpec
     one_bit: str = "improved"  # 1-bit zero/scale: eq. 3 ("improved") or eq. 2 ("kivi", Table 5)
     fetch_impl: str = "uva"  # CUDA transfer: Triton gather over UVA, or "staged" (eager only)
+    sinks: int = 0           # SpeCache: the first tokens (attention sinks) kept in fp16 on the device
 
     @property
     def residual_len(self) -> int:
@@ -57,7 +59,7 @@ class CacheConfig:
     @property
     def two_tokens(self) -> bool:
         """Does a decode step feed [real, speculative] tokens?"""
-        return self.kind == "specache" and self.fetch == "speculative"
+        return self.kind == "specache" and self.fetch in ("speculative", "union", "resync")
 
     @property
     def name(self) -> str:
@@ -71,6 +73,7 @@ class CacheConfig:
             parts += [f"k{self.k}"] if self.k != 64 else []
         parts += [f"g{self.group}"] if self.group != 64 else []
         parts += [f"r{self.residual}"] if self.residual is not None and self.residual != self.residual_len_default else []
+        parts += [f"sink{self.sinks}"] if self.sinks else []
         return "-".join(parts)
 
     @property
@@ -89,7 +92,7 @@ class CacheConfig:
                              f"(e.g. kivi-2bit, specache-1bit-oracle)")
         kw = dict(kind=parts[0])
         patterns = [(r"(\d+)bit", "bits", int), (r"k(\d+)", "k", int), (r"g(\d+)", "group", int),
-                    (r"r(\d+)", "residual", int)]
+                    (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int)]
         for p in parts[1:]:
             if kw["kind"] == "full":
                 raise ValueError(f"cache {name!r}: the full cache takes no options")
@@ -108,7 +111,7 @@ class CacheConfig:
                     raise ValueError(f"cache {name!r}: {p!r} is a SpeCache fetch policy; use specache-...-{p}")
                 else:
                     raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
-                                     f"orig, {'/'.join(POLICIES)} for specache, kN, gN, rN)")
+                                     f"orig, {'/'.join(POLICIES)} for specache, kN, gN, rN, sinkN)")
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw).validated()
 
@@ -144,6 +147,12 @@ class CacheConfig:
                 bad(f"unknown fetch policy {self.fetch!r} ({', '.join(POLICIES)})")
             if self.fetch_impl not in FETCH_IMPLS:
                 bad(f"unknown fetch implementation {self.fetch_impl!r} ({', '.join(FETCH_IMPLS)})")
+            if self.sinks < 0:
+                bad(f"--sinks must be >= 0, got {self.sinks}")
+            if self.sinks > self.group:
+                bad(f"--sinks ({self.sinks}) must fit in the first quantized group ({self.group} tokens)")
+        elif self.sinks:
+            bad("attention sinks (sinkN) are a SpeCache option")
         return self
 
     def with_(self, **kw) -> "CacheConfig":
@@ -193,6 +202,12 @@ class FullCache(nn.Module):
         self.length.copy_(torch.maximum(self.length, input_pos[-1] + 1))
         mask = causal_mask(input_pos, self.key_pos, self.sliding_window)
         return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+
+    def append_prefill(self, k, v, input_pos):
+        """Store a prefill chunk's K/V [B,Hkv,T,D] at positions input_pos (eval.py's replay)."""
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        self.length.copy_(torch.maximum(self.length, input_pos[-1] + 1))
 
     def device_bytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
@@ -391,9 +406,17 @@ class LowBitCache(nn.Module):
 class SpeCache(LowBitCache):
     """LowBitCache + host fp16 store + `n_fetch` fetched rows (speculative prefetch, specache.txt §3.3).
 
-    Fetch policies (config.fetch), one method each:
-      speculative  Algorithm 3: the step's last token is the speculative one; its attention picks
-                   the next step's rows and their transfer overlaps the rest of the step.
+    The ring [B, Hkv, sinks + n_fetch, D] holds the fp16 rows the real token attends to in place of
+    their quantized copies: the first `sinks` positions (kept on the device once quantized) and the
+    fetched rows. Fetch policies (config.fetch), one method each:
+      speculative  Algorithm 3: the step feeds [real, speculative]; the speculative token's attention
+                   picks the next step's rows and their transfer overlaps the rest of the step.
+      union        the same step; the rows that matter most to either token (max of the two
+                   probabilities), so a wrong speculative token still leaves the real token's rows.
+      resync       the speculative step, and generate() re-runs pre-decoding (Algorithm 2) with the
+                   real token whenever the speculative token was wrong, so the chain cannot drift.
+      lag          one token per step: the real token's own attention picks the rows for the next
+                   step (the top-k one step late: no extra token, the same overlap).
       sequential   paper Table 4: the real token's own low-bit attention picks rows; they are
                    fetched synchronously and attention is recomputed.
       oracle       like sequential, with the exact top-k from the fp16 keys: an accuracy upper bound.
@@ -403,14 +426,15 @@ class SpeCache(LowBitCache):
                  config: CacheConfig, **kw):
         super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, **kw)
         self.layer_idx, self.prefetcher, self.fetch = layer_idx, prefetcher, config.fetch
-        self.n_fetch = n_fetch = prefetcher.k
-        B, H, dev = batch, n_kv_heads, self.k_codes.device
-        # The fetched fp rows of this layer: module buffers, so a compiled step keeps their addresses.
-        self.register_buffer("ring_k", torch.zeros(B, H, n_fetch, head_dim, dtype=dtype, device=dev), persistent=False)
-        self.register_buffer("ring_v", torch.zeros(B, H, n_fetch, head_dim, dtype=dtype, device=dev), persistent=False)
-        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v)
-        self.register_buffer("fetch_idx", torch.zeros(B, H, n_fetch, dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("fetch_valid", torch.zeros(B, H, n_fetch, dtype=torch.bool, device=dev), persistent=False)
+        self.n_fetch, self.sinks = prefetcher.k, config.sinks
+        B, H, dev, n = batch, n_kv_heads, self.k_codes.device, self.sinks + prefetcher.k
+        # The fp rows of this layer: module buffers, so a compiled step keeps their addresses.
+        self.register_buffer("ring_k", torch.zeros(B, H, n, head_dim, dtype=dtype, device=dev), persistent=False)
+        self.register_buffer("ring_v", torch.zeros(B, H, n, head_dim, dtype=dtype, device=dev), persistent=False)
+        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v, off=self.sinks)
+        idx = torch.arange(n, device=dev).clamp(max=self.sinks).expand(B, H, n).contiguous()  # sinks: 0..sinks-1
+        self.register_buffer("fetch_idx", idx, persistent=False)
+        self.register_buffer("fetch_valid", torch.zeros(B, H, n, dtype=torch.bool, device=dev), persistent=False)
 
     # The host store holds every real token's fp16 k/v, by absolute position.
     def prefix_kv(self, p0):
@@ -420,44 +444,62 @@ class SpeCache(LowBitCache):
         super().append_prefill(k, v, input_pos)
         self.prefetcher.offload(self.layer_idx, k, v, input_pos)
 
+    def _quantize_into(self, k, v, row0):
+        super()._quantize_into(k, v, row0)
+        if self.sinks:  # the first block quantized: its first tokens stay in fp16 on the device
+            first = row0 == 0
+            for ring, x in ((self.ring_k, k), (self.ring_v, v)):
+                ring[:, :, :self.sinks] = torch.where(first, x[:, :, :self.sinks].to(ring.dtype), ring[:, :, :self.sinks])
+            self.fetch_valid[:, :, :self.sinks] |= first
+
     def fetched(self) -> Fetched:
         """The rows in the ring and the quantized positions they replace in attention (eq. 1)."""
         return Fetched(self.ring_k, self.ring_v, self.fetch_idx, self.fetch_valid)
 
-    def select(self, q_row, lse_row, fetched: Optional[Fetched] = None):
-        """Top-k quantized positions for one query token [B,H,D] -> (idx, valid) per kv head.
-        `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A)."""
+    def select(self, q_rows, lse_rows, fetched: Optional[Fetched] = None):
+        """Top-k quantized positions (sinks aside) for the query token(s) q_rows [B,H,D] or [B,H,R,D]
+        -> (idx, valid) [B,Hkv,n_fetch] per kv head. `fetched`: the rows this step attended in fp,
+        which score exactly (Algorithm 3's A)."""
         if self.fetch == "oracle":
-            score, idx = kernels.topk_exact(q_row, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
-                                            self.n_fetch, self.sm_scale)
+            score, idx = kernels.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
+                                            self.n_fetch, self.sm_scale, first=self.sinks)
         else:
-            score, idx = kernels.topk_lowbit(q_row, lse_row, self.stored(), self.n_fetch, self.sm_scale, fetched)
+            score, idx = kernels.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_fetch, self.sm_scale, fetched,
+                                             first=self.sinks)
         return idx, score >= 0
 
     def start_fetch(self, idx, valid, new=(None, None, None)):
         """Remember which rows the ring will hold and start their transfer (plus, with `new`, the
         real token's K/V to the host store, in the same transfer)."""
-        self.fetch_idx.copy_(idx)
-        self.fetch_valid.copy_(valid)
+        self.fetch_idx[:, :, self.sinks:] = idx
+        self.fetch_valid[:, :, self.sinks:] = valid
         self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx, *new)
 
     # ---- the policies --------------------------------------------------------------------------
-    def speculative(self, q, new, keep):
-        """Algorithm 3 (Algorithm 2 when not keep): q [B,H,2,D] = [real, speculative] tokens."""
+    def speculative(self, q, new, keep, rows=slice(-1, None)):
+        """Algorithm 3 (Algorithm 2 when not keep): q [B,H,T,D], the step's last token is the
+        speculative one (T=1: the real token itself, which is `lag`)."""
         self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v)  # this layer's fetch only
         fetched = self.fetched()
         out, lse = self.attend(q, fetched)
         if keep:
             self.commit_step(keep=1)  # only the real token's KV stays
-        # The speculative (last) token's row picks the next step's rows among the quantized
-        # positions as they are after the flush; the transfer overlaps the remaining layers.
-        self.start_fetch(*self.select(q[:, :, -1], lse[:, :, -1], fetched), new)
+        # The selecting token's row picks the next step's rows among the quantized positions as they
+        # are after the flush; the transfer overlaps the remaining layers of the step.
+        self.start_fetch(*self.select(q[:, :, rows], lse[:, :, rows], fetched), new)
         return out
+
+    lag = resync = speculative
+
+    def union(self, q, new, keep):
+        """The speculative step, selecting for both tokens: a position scores the larger of the real
+        and the speculative token's probabilities."""
+        return self.speculative(q, new, keep, rows=slice(None))
 
     def sequential(self, q, new, keep):
         """Table 4: pick rows with the real token itself, fetch and wait, then attend."""
-        _, lse = self.attend(q)
-        self.start_fetch(*self.select(q[:, :, 0], lse[:, :, 0]))
+        _, lse = self.attend(q, self.fetched() if self.sinks else None)
+        self.start_fetch(*self.select(q[:, :, :1], lse[:, :, :1]))
         self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v, now=True)
         out, _ = self.attend(q, self.fetched())
         if keep:
@@ -482,8 +524,8 @@ class SpeCache(LowBitCache):
         return self.prefetcher.host_bytes_per_layer()
 
     def read_bytes(self, step_tokens: int = 1) -> int:
-        """LowBitCache's, plus the fetched rows, plus the top-k pass of the speculative token over
-        the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them)."""
+        """LowBitCache's, plus the fp rows (sinks and fetched), plus the top-k pass of the selecting
+        token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them)."""
         s = self.stored()
         keys_again = kernels.lowbit_read_bytes(s._replace(v_codes=None, v_scale=None, v_zero=None, v_codes_lo=None,
                                                           v_chan=None), int(self.n_quant))

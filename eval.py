@@ -135,8 +135,45 @@ def labels_of(recs) -> list[str]:
 
 
 # ==== the model side ============================================================================================
+class PrefillReplay:
+    """Algorithm 1 once per prompt, replayed into every cache configuration: the prompt is prefilled
+    in one chunk with exact attention (what LowBitCache/SpeCache.prefill compute for a single chunk,
+    so nothing changes for them), every layer's K/V is kept, and each new set of caches stores them
+    as its own prefill would (quantize, offload; the full cache copies). Evaluations run many caches
+    on the same prompt: this turns N prefills into one."""
+
+    def __init__(self):
+        self.key, self.kv, self.logits = None, None, None
+
+    def __call__(self, model, prompt):
+        import torch
+        key = (tuple(prompt.shape), hash(tuple(prompt[0].tolist())), str(prompt.device))
+        pos = torch.arange(prompt.shape[1], device=prompt.device)
+        if key != self.key:
+            caches = [layer.attention.kv_cache for layer in model.layers]
+            recorders = model.setup_caches(lambda i: _Recorder())
+            self.logits = model(prompt, pos, mode="prefill")[:, -1]
+            self.kv, self.key = [(r.k, r.v) for r in recorders], key
+            for layer, cache in zip(model.layers, caches):
+                layer.attention.kv_cache = cache
+        for layer, (k, v) in zip(model.layers, self.kv):
+            layer.attention.kv_cache.append_prefill(k, v, pos)
+        return self.logits
+
+
+class _Recorder(__import__("torch").nn.Module):
+    """A prefill-only cache: exact causal attention over the chunk; keeps the chunk's K/V."""
+
+    def forward(self, q, k, v, input_pos, mode="prefill"):
+        import torch.nn.functional as F
+        from cache import causal_mask
+        self.k, self.v = k, v
+        mask = causal_mask(input_pos, input_pos, None)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 class Runner:
-    """One model + tokenizer; fresh caches for every prompt."""
+    """One model + tokenizer; fresh caches for every prompt (each prompt prefilled once)."""
 
     def __init__(self, a):
         import torch
@@ -154,6 +191,7 @@ class Runner:
         self.model = load_model(a.checkpoint, device=self.device, dtype=dtype)
         self.tok = load_tokenizer(a.checkpoint)
         self.chunk = a.prefill_chunk
+        self.replay = PrefillReplay()
         # Compiled steps need one cache shape for the whole run, or every prompt recompiles.
         self.fixed_len = a.cache_len if a.compile else None
         self.step_fn = generate.compile_step(self.device) if a.compile else generate.decode_step
@@ -174,7 +212,8 @@ class Runner:
         prompt = self.torch.tensor([ids], device=self.device)
         out, stats = self.gen.generate(self.model, prompt, max_new, speculative=m.two_tokens,
                                        eos_ids=self.tok.eos_ids if eos else (), step_fn=self.step_fn,
-                                       chunk=self.chunk, on_step=on_step)
+                                       chunk=self.chunk, on_step=on_step, prefill_fn=getattr(self, "replay", None),
+                                       resync=m.kind == "specache" and m.fetch == "resync")
         row = [int(t) for t in out[0]]
         ends = [i for i, t in enumerate(row) if t in self.tok.eos_ids]
         return self.tok.decode(row[:ends[0]] if ends else row), stats
@@ -199,28 +238,29 @@ class Runner:
 
     def hit_trace(self, m: CacheConfig, ids: list[int], steps: int) -> dict:
         """Greedy decode (up to `steps` decode steps, stopped at EOS) with a probe.FetchProbe on every
-        layer. Per decode step (mean over layers; None while nothing is quantized): "topk" the
-        share of the real token's exact fp16 top-k the fetched rows hold, "topk_lowbit" the share
-        of its own low-bit top-k, "mass" the share of its exact attention they carry; and "exact"
-        whether the speculative token fed at the step equalled the real token it produced. The
-        probe's per-layer records stay in self.last_probe."""
-        from probe import FetchProbe
+        layer. Per decode step: each probe measure (probe.KEYS: hit rates, attention mass, output
+        errors; the mean over layers, None while nothing is quantized) and "exact", whether the
+        speculative token fed at the step equalled the real token it produced (None without one).
+        Per layer: each measure's mean over the steps ("layer_<key>")."""
+        from probe import KEYS, FetchProbe
 
-        trace = dict(topk=[], topk_lowbit=[], mass=[], exact=[])
+        trace = {key: [] for key in KEYS}
+        trace["exact"] = []
         probes, seen = [], [0]
 
         def on_step(step, logits, token, fed):
             if step == 0:
                 return
             n = min((len(r) for r in probes[0].records), default=0)
-            for key, src in (("topk", "hit"), ("topk_lowbit", "hit_own"), ("mass", "mass")):
-                trace[key].append(probes[0].per_step(src)[-1] if n > seen[0] else None)
+            for key in KEYS:
+                trace[key].append(probes[0].per_step(key)[-1] if n > seen[0] else None)
             seen[0] = n
-            trace["exact"].append(bool(fed.shape[1] == 2 and int(fed[0, 1]) == int(token[0])))
+            trace["exact"].append(bool(int(fed[0, 1]) == int(token[0])) if fed.shape[1] == 2 else None)
 
         self.generate(m, ids, steps + 1, on_step=on_step, before=lambda caches: probes.append(FetchProbe(caches)))
         probes[0].remove()
         self.last_probe = probes[0]
+        trace.update({f"layer_{key}": probes[0].per_layer(key) for key in KEYS})
         return trace
 
 
@@ -252,7 +292,7 @@ def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
 
 def cmd_niah(a, runner, methods, results):
     cells = [(dict(base_fields("niah", a, m), length=L, depth=d, max_new=a.max_new_tokens), m)
-             for m in methods for L in a.lengths for d in a.depths]
+             for L in a.lengths for d in a.depths for m in methods]  # prompt-major: one prefill per prompt
     sample = lru_cache(None)(lambda L, d: niah(runner.tok, L, d))
 
     def run(f, m):
@@ -380,19 +420,26 @@ def write_ppl_report(results: Results):
 
 
 HIT_INTERVALS = [(1, 10), (11, 50), (51, 100), (101, 200), (201, None)]  # decode steps, as in rebuttal Q2
-HIT_SERIES = {"topk": "top-k hit % (vs fp16 top-k)", "topk_lowbit": "top-k hit % (vs low-bit top-k)",
-              "mass": "attention mass held %", "exact": "exact token hit %"}
+HIT_SERIES = {"hit": "top-k hit % (vs exact top-k)", "hit_own": "hit % (vs own low-bit top-k)",
+              "mass": "attention mass held %", "mass_topk": "mass of exact top-k %", "err": "output error %",
+              "err_topk": "error with exact top-k %", "err_own": "error with own low-bit top-k %",
+              "err_none": "error with no fp16 rows %", "exact": "exact token hit %"}
+OLD_SERIES = {"topk": "hit", "topk_lowbit": "hit_own"}  # results written before the probe's names
 
 
 def cmd_hitrate(a, runner, methods, results):
     bad = [m.name for m in methods if m.kind != "specache"]
     if bad:
         raise SystemExit(f"error: hitrate measures SpeCache fetches (specache-...), not {', '.join(bad)}")
-    cells = [(dict(base_fields("hitrate", a, m), length=L, sample=i, steps=a.steps), m)
-             for L in a.lengths for i in range(a.samples) for m in methods]
+    cells = [(dict(base_fields("hitrate", a, m), prompt=kind, length=L, sample=i, steps=a.steps), m)
+             for kind in a.prompts.split(",") for L in a.lengths for i in range(a.samples) for m in methods]
 
     def run(f, m):
-        ids = runner.encode_prompt(summary_prompt(runner.tok, f["length"], f["sample"]))
+        if f["prompt"] == "needle":  # the needle at depths spread over the samples
+            text = render(runner.tok, niah(runner.tok, f["length"], (f["sample"] + 0.5) / a.samples))
+        else:
+            text = summary_prompt(runner.tok, f["length"], f["sample"])
+        ids = runner.encode_prompt(text)
         return dict(label=label(m, methods), **runner.hit_trace(m, ids, f["steps"]), prompt_tokens=len(ids))
 
     run_cells(cells, results, run, "hitrate")
@@ -407,21 +454,60 @@ def step_mean(recs, key, lo=1, hi=None):
 
 def write_hitrate_report(results: Results):
     recs = results.of("hitrate")
+    for r in recs:
+        for old, new in OLD_SERIES.items():
+            if old in r and new not in r:
+                r[new] = r[old]
+    kinds = sorted({r.get("prompt", "essay") for r in recs})
     used = [iv for iv in HIT_INTERVALS if any(len(r["exact"]) >= iv[0] for r in recs)]
     names = [f"[{lo}, {hi if hi else ''}]" for lo, hi in used]
     totals, by_step = [], []
+    for kind in kinds:
+        for lb in labels_of(recs):
+            mine = where(recs, label=lb, **({"prompt": kind} if any("prompt" in r for r in recs) else {}))
+            if not mine:
+                continue
+            totals.append([lb, kind, sum(len(r["exact"]) for r in mine)] + [pct(step_mean(mine, key)) for key in HIT_SERIES])
+            if kind == kinds[0]:
+                by_step += [[lb, name] + [pct(step_mean(mine, key, lo, hi)) for lo, hi in used]
+                            for key, name in HIT_SERIES.items() if key in ("hit", "mass", "err", "exact")]
+    results.write_md("SpeCache fetches: hit rates, attention mass and output error",
+                     "Per layer and decode step, against the real token's exact attention (fp16 keys and values "
+                     "from the host store), mean over layers (probe.py): the share of its exact top-k the fp16 rows "
+                     "hold (rebuttal Q6) and of its own low-bit top-k, the share of its attention mass they carry "
+                     "(and the exact top-k's), and the relative error of its attention output with the rows it "
+                     "attended in fp16, with the exact top-k's, with its own low-bit top-k's, and with none. "
+                     "Exact token: the speculative token fed at a step equals the real token it produces. Greedy "
+                     "decoding of essay summaries or needle prompts, stopped at EOS; steps with nothing quantized are "
+                     "not counted.", md_table(["method", "prompts", "steps"] + list(HIT_SERIES.values()), totals),
+                     "By decode step (rebuttal Q2), first prompt kind:", md_table(["method", "measure"] + names, by_step),
+                     "![per layer](layers.png)")
+    plot_layers(recs, results.dir / "layers.png")
+
+
+def plot_layers(recs, path):
+    """Per-layer means of the output error and the hit rate, one line per method."""
+    recs = [r for r in recs if r.get("layer_err")]
+    if not recs:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     for lb in labels_of(recs):
         mine = where(recs, label=lb)
-        totals.append([lb, sum(len(r["exact"]) for r in mine)] + [pct(step_mean(mine, key)) for key in HIT_SERIES])
-        by_step += [[lb, name] + [pct(step_mean(mine, key, lo, hi)) for lo, hi in used] for key, name in HIT_SERIES.items()]
-    results.write_md("SpeCache hit rates",
-                     "Top-k: share of the real token's top-k rows (per layer and kv head, mean over layers) that the "
-                     "speculative token's fetch already holds (rebuttal Q6), against the exact fp16 top-k and against "
-                     "the real token's own low-bit top-k (what a sequential, non-speculative fetch would bring). Exact: "
-                     "the speculative token fed at a step equals the real token it produces. Greedy summaries of essay "
-                     "windows, stopped at EOS; steps while nothing is quantized are not counted in top-k.",
-                     md_table(["method", "steps"] + list(HIT_SERIES.values()), totals),
-                     "By decode step (rebuttal Q2):", md_table(["method", "measure"] + names, by_step))
+        for ax, key in zip(axes, ("layer_err", "layer_hit")):
+            per = [mean([r[key][i] for r in mine if r[key][i] is not None]) for i in range(len(mine[0][key]))]
+            ax.plot(range(len(per)), [None if x is None else 100 * x for x in per], label=lb, lw=1.2)
+    axes[0].set_title("attention output error % (vs exact)", fontsize=9)
+    axes[1].set_title("top-k hit % (vs exact top-k)", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def cmd_prompt(a):
@@ -460,9 +546,10 @@ SUBCOMMANDS = {  # name: (help, its own options)
         ("--n-eval", dict(type=int, default=None, help="scored tokens at the end of each window")),
         ("--windows", dict(type=int, default=None, help="windows per length")),
         ("--stride", dict(type=int, default=None, help="tokens between window starts (default: the length)"))]),
-    "hitrate": ("SpeCache hit rates by decode step", [
+    "hitrate": ("SpeCache fetch quality (hit rates, attention mass, output error) by step and layer", [
         ("--samples", dict(type=int, default=None)),
-        ("--steps", dict(type=int, default=None, help="decode steps (stops earlier at EOS)"))]),
+        ("--steps", dict(type=int, default=None, help="decode steps (stops earlier at EOS)")),
+        ("--prompts", dict(default="essay", help="essay (summaries), needle (NIAH prompts), or both: essay,needle"))]),
 }
 
 

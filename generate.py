@@ -87,11 +87,12 @@ def prefill(model, prompt: torch.Tensor, chunk: int = 2048, progress=None) -> to
     return logits[:, -1]
 
 
-@torch.no_grad()
-def pre_decode(model, t1: torch.Tensor, pos: int) -> torch.Tensor:
-    """Algorithm 2. t1 [B] at position pos: records the top-k per layer and starts the fetch.
-    Nothing is kept in the cache: T1 is fed again, as the real token, in the first decode step."""
-    return model(t1[:, None], torch.tensor([pos], device=t1.device), mode="predecode")[:, 0]
+def pre_decode(model, t1: torch.Tensor, pos) -> torch.Tensor:
+    """Algorithm 2. t1 [B] at position pos (an int or a [1] tensor): records the top-k per layer and
+    starts the fetch; returns the logits [B, V] of the next (speculative) token. Nothing is kept in
+    the cache: T1 is fed again, as the real token, in the next decode step."""
+    pos = pos if isinstance(pos, torch.Tensor) else torch.tensor([pos], device=t1.device)
+    return model(t1[:, None], pos, mode="predecode")[:, 0]
 
 
 def decode_step(model, tokens: torch.Tensor, input_pos: torch.Tensor, temperature: float = 0.0,
@@ -107,9 +108,14 @@ def decode_step(model, tokens: torch.Tensor, input_pos: torch.Tensor, temperatur
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: bool, step_fn=decode_step,
              temperature=0.0, top_k=None, eos_ids=(), chunk=2048, on_token=None, on_step=None, progress=None,
-             sync=lambda: None, prefill_model=None):
+             sync=lambda: None, prefill_model=None, prefill_fn=None, resync=False, predecode_fn=pre_decode):
     """prompt [B, P] -> (generated ids [B, N], stats). `speculative` selects the two-token loop;
-    `prefill_model` is e.g. a torch.compile'd view of `model` used for prefill only.
+    `prefill_model` is e.g. a torch.compile'd view of `model` used for prefill only, and `prefill_fn`
+    (model, prompt) -> last logits replaces prefill() altogether (eval.py replays a recorded one).
+    `resync` (fetch policy "resync"): whenever the speculative token turns out wrong, pre-decoding
+    (Algorithm 2) runs again with the real token, so the next speculative token and the next fetch
+    come from it, not from the wrong guess (one extra one-token forward per miss; one host sync per
+    step to know).
 
     on_step(step, logits, token, fed) is called after prefill (step 0, logits of the last prompt
     position, fed None) and after each decode step (logits [B, V] of the real token's row, fed
@@ -121,7 +127,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: b
     stats = {"spec_steps": 0}
     spec_hits = torch.zeros((), dtype=torch.int64, device=device)  # on the device: no sync per step
     t0 = time.perf_counter()
-    last_logits = prefill(prefill_model or model, prompt, chunk, progress)
+    last_logits = prefill_fn(model, prompt) if prefill_fn else prefill(prefill_model or model, prompt, chunk, progress)
     token = sample(last_logits, temperature, top_k)  # T1
     if on_step and (forced := on_step(0, last_logits, token, None)) is not None:
         token = forced
@@ -131,22 +137,26 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: b
     if on_token:
         on_token(token)
     t1 = time.perf_counter()
-    if speculative:
-        spec = sample(pre_decode(model, token, P), temperature, top_k)  # T'2
     pos = torch.tensor([P, P + 1] if speculative else [P], device=device)
+    if speculative or primes_fetch(model):
+        spec = sample(predecode_fn(model, token, pos[:1]), temperature, top_k)  # T'2 (lag: only the fetch)
+    stats["resyncs"] = 0
     for step in range(1, max_new_tokens):
         if eos_ids and all(int(t) in eos_ids for t in token):  # stop once every row ended
             break
         fed = torch.stack([token, spec], 1) if speculative else token[:, None]
         nxt, logits = step_fn(model, fed, pos, temperature, top_k)
-        token = nxt[:, 0].clone()
+        token = nxt[:, 0].clone(memory_format=torch.contiguous_format)  # (same strides every step: one graph)
         if speculative:
             spec_hits += (spec == token).sum()  # was T'_{t+1} == T_{t+1}?
             stats["spec_steps"] += B
-            spec = nxt[:, 1].clone()
+            spec = nxt[:, 1].clone(memory_format=torch.contiguous_format)
         if on_step and (forced := on_step(step, logits[:, 0], token, fed)) is not None:
             token = forced
         pos = pos + 1
+        if speculative and resync and bool((fed[:, 1] != token).any()):  # a wrong guess: restart from the real token
+            spec = sample(predecode_fn(model, token, pos[:1]), temperature, top_k)
+            stats["resyncs"] += 1
         out.append(token)
         if on_token:
             on_token(token)
@@ -159,9 +169,17 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: b
     return torch.stack(out, 1), stats
 
 
-def compile_step(device):
-    mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graph of the whole step
-    return torch.compile(decode_step, fullgraph=True, mode=mode)
+def primes_fetch(model) -> bool:
+    """Does the cache want Algorithm 2's pre-decoding before the first step even without a speculative
+    token? (SpeCache's lag policy: T1's own rows for the first step, then one step late.)"""
+    cache = model.layers[0].attention.kv_cache
+    return getattr(cache, "fetch", None) == "lag"
+
+
+def compile_step(device, fn=decode_step):
+    """The decode step (or `fn`, e.g. pre_decode for resync) as one fullgraph graph; a CUDA graph on CUDA."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    return torch.compile(fn, fullgraph=True, mode=mode)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
@@ -173,7 +191,9 @@ def cache_flags(p):
     p.add_argument("--group", type=int, default=None, help="quantization group (default 64)")
     p.add_argument("--residual", type=int, default=None, help="fp residual window (default 128 kivi, 64 specache)")
     p.add_argument("--k", type=int, default=None, help="SpeCache: fp16 KV pairs fetched per layer and kv head (64)")
-    p.add_argument("--fetch", default=None, help="SpeCache fetch policy: speculative (Algorithm 3), sequential, oracle")
+    p.add_argument("--fetch", default=None, help="SpeCache fetch policy: speculative (Algorithm 3, the default), union, "
+                   "resync, lag, sequential, oracle (see cache.SpeCache)")
+    p.add_argument("--sinks", type=int, default=None, help="SpeCache: first tokens kept in fp16 on the device (0)")
     p.add_argument("--one-bit", default=None, choices=["improved", "kivi"], help="1-bit zero/scale: eq. 3 or eq. 2")
     p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"],
                    help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")
@@ -182,7 +202,7 @@ def cache_flags(p):
 
 def config_from_flags(a) -> CacheConfig:
     return CacheConfig.from_name(a.cache, bits=a.bits, group=a.group, residual=a.residual, k=a.k, fetch=a.fetch,
-                                 one_bit=a.one_bit, scheme=a.quant, fetch_impl=a.fetch_impl)
+                                 one_bit=a.one_bit, scheme=a.quant, fetch_impl=a.fetch_impl, sinks=a.sinks)
 
 
 def parse_args(argv=None):
@@ -299,10 +319,12 @@ def main(argv=None):
             print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    resync = config.kind == "specache" and config.fetch == "resync"
     out, stats = generate(model, prompt, a.max_new_tokens, speculative=config.two_tokens, step_fn=step_fn,
                           temperature=a.temperature, top_k=a.sample_top_k, eos_ids=tok.eos_ids,
                           chunk=a.prefill_chunk, on_token=on_token, progress=progress, sync=sync,
-                          prefill_model=prefill_model)
+                          prefill_model=prefill_model, resync=resync,
+                          predecode_fn=compile_step(device, pre_decode) if a.compile and resync else pre_decode)
     rows = [[int(x) for x in row] for row in out]
     for row in rows:  # cut at the first eos
         for i, t in enumerate(row):
@@ -323,7 +345,7 @@ def main(argv=None):
         "kv_fp16_bytes": kv_fp16_bytes(model, a.batch_size, seq_len),
         "kv_peak_prefill_device_bytes": meter.peak,
         "cache": config.name, "config": config.as_dict(),
-        "spec_exact_hit_rate": stats["spec_exact_hit_rate"],
+        "spec_exact_hit_rate": stats["spec_exact_hit_rate"], "resyncs": stats["resyncs"],
         "bytes_fetched_per_step": prefetcher.bytes_per_step() if prefetcher else 0,
     }
     mib = 2 ** 20

@@ -21,6 +21,7 @@ also run on CPU tensors under TRITON_INTERPRET=1, which is how the tests check t
 references.
 """
 import math
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -94,195 +95,303 @@ def replaced_mask(fetched: Fetched, S: int) -> Tensor:
     return torch.zeros(*fetched.idx.shape[:2], S, dtype=torch.bool, device=fetched.idx.device).scatter(2, safe, fetched.valid)
 
 
+def _codes(codes, codes_lo, bits) -> Tensor:
+    """Integer codes as fp32 [B,Hkv,S,D]: KIVI's c, or QuantSpec's INT8 view 16*U + L - 8."""
+    c = quant.unpack_bits(codes, bits, torch.int32)
+    if codes_lo is not None:
+        c = 16 * c + quant.unpack_bits(codes_lo, 4, torch.int32) - 8
+    return c.float()
+
+
+def key_logits(qg, s: LowBitKV) -> Tensor:
+    """qg [B,Hkv,M,D] (fp32, pre-scaled) -> q.k' [B,Hkv,M,S] over every slot (garbage past n_quant).
+    The keys' per-channel scale and zero of each token group fold into the query, as in the Triton
+    kernel: q.k' = (q*s_g).c + q.z_g, so only the integer codes are expanded to [S, D]."""
+    B, Hkv, M, D = qg.shape
+    S, g = s.k_codes.shape[2], s.group_k
+    c = _codes(s.k_codes, s.k_codes_lo, s.bits).view(B, Hkv, S // g, g, D)
+    scale = s.k_scale.float() / (16 if s.k_codes_lo is not None else 1)  # [B,Hkv,S/g,D]
+    qs = qg[:, :, None] * scale[:, :, :, None, :]  # [B,Hkv,S/g,M,D]
+    logits = qs @ c.transpose(-1, -2) + (qg @ s.k_zero.float().transpose(-1, -2)).transpose(-1, -2)[..., None]
+    return logits.permute(0, 1, 3, 2, 4).reshape(B, Hkv, M, S)
+
+
+def value_sum(p, s: LowBitKV, keep) -> Tensor:
+    """sum_n p[.., n] v'_n for p [B,Hkv,M,S] (zero where not keep [B,Hkv,S]) -> [B,Hkv,M,D]. The
+    values' per-token scale and zero of each channel group fold into the probabilities, as in the
+    Triton kernel: sum_n p_n (c_n s_n + z_n) = (p*s).c + sum_n p_n z_n."""
+    D = s.v_codes.shape[-1] * 8 // s.bits
+    c = _codes(s.v_codes, s.v_codes_lo, s.bits)
+    gv = min(s.group_v, D)
+    div = 16 if s.v_codes_lo is not None else 1
+    zero = torch.zeros((), device=p.device)
+    scale = torch.where(keep[..., None], s.v_scale.float() / div, zero)  # garbage rows (NaN/inf) -> 0
+    zeros = torch.where(keep[..., None], s.v_zero.float(), zero)
+    out = torch.cat([(p * scale[:, :, None, :, j]) @ c[..., j * gv:(j + 1) * gv] + p @ zeros[..., j:j + 1]
+                     for j in range(D // gv)], -1)
+    if s.v_chan is not None:  # ZipCache eq. 6: x' = dequant * c
+        out = out * s.v_chan.float()[:, :, None, :]
+    return out
+
+
 def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale):
+    """Softmax attention of the T query tokens over three parts: the quantized slots [0, n_quant)
+    without the fetched positions, the fetched fp rows, and the residual rows (causal)."""
     B, H, T, D = q.shape
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
-    G, dev = H // Hkv, q.device
-    M = G * T
+    M, dev = (H // Hkv) * T, q.device
     qg = q.float().reshape(B, Hkv, M, D) * sm_scale
 
     keep_q = (torch.arange(S, device=dev) < store.n_quant).expand(B, Hkv, S)
     if fetched is not None:  # eq. 1: a fetched fp row replaces its quantized copy
         keep_q = keep_q & ~replaced_mask(fetched, S)
     t = torch.arange(M, device=dev) % T  # query row m = g*T + t sees residual rows < length - T + t + 1
-    res_len = residual.length
-    keep_res = torch.arange(R, device=dev) < res_len - T + 1 + t[:, None]  # [M, R]
-    # (keys, values, keep per key row, keep per (query row, key row)) of each part
-    parts = [(dequant_keys(store), dequant_values(store), keep_q, keep_q[:, :, None, :]),
-             (residual.k, residual.v, (torch.arange(R, device=dev) < res_len).expand(B, Hkv, R), keep_res)]
+    keep_res = torch.arange(R, device=dev) < residual.length - T + 1 + t[:, None]  # [M, R]
+    fp_parts = [(residual.k, residual.v, keep_res)]
     if fetched is not None:
-        parts.append((fetched.k, fetched.v, fetched.valid, fetched.valid[:, :, None, :]))
-
-    scores = torch.cat([torch.where(keep, qg @ k.float().transpose(-1, -2), -math.inf)
-                        for k, _, _, keep in parts], -1)  # [B, Hkv, M, S + R (+ K)]
-    m = scores.amax(-1, keepdim=True)
+        fp_parts.append((fetched.k, fetched.v, fetched.valid[:, :, None, :]))
+    # scores of each part, masked; one softmax over all of them
+    scores = [torch.where(keep_q[:, :, None, :], key_logits(qg, store), -math.inf)]
+    scores += [torch.where(keep, qg @ k.float().transpose(-1, -2), -math.inf) for k, _, keep in fp_parts]
+    m = torch.stack([x.amax(-1) for x in scores], -1).amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, 0.0)
-    p = torch.exp(scores - m)
-    l = p.sum(-1, keepdim=True)
-    out, col = 0.0, 0
-    for _, v, keep_rows, _ in parts:  # garbage rows are zeroed: NaN would leak through p = 0
-        n = v.shape[2]
-        out = out + p[..., col:col + n] @ torch.where(keep_rows[..., None], v.float(), 0.0)
-        col += n
+    p = [torch.exp(x - m) for x in scores]
+    l = sum(x.sum(-1, keepdim=True) for x in p)
+    out = value_sum(p[0], store, keep_q)
+    for pi, (_, v, keep) in zip(p[1:], fp_parts):  # garbage rows are zeroed: NaN would leak through p = 0
+        rows_ok = keep.any(-2) if keep.shape[-2] > 1 else keep[..., 0, :]
+        out = out + pi @ torch.where(rows_ok.expand(B, Hkv, -1)[..., None], v.float(), 0.0)
     out = out / torch.where(l > 0, l, 1.0)
     lse = (m + torch.log(l)).squeeze(-1)
     return out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
 
 
-def _exact_fetched_scores(prob, q_row, lse_row, sm_scale, fetched: Fetched):
+def _row_scores(logits, lse_rows, G, R):
+    """logits [B,Hkv,G*R,N] of query rows m = g*R + r -> score [B,Hkv,N]: the attention probability
+    summed over the kv head's G query heads, the best of the R query tokens."""
+    B, Hkv, _, N = logits.shape
+    p = torch.exp(logits - lse_rows.float().reshape(B, Hkv, G * R, 1))
+    return p.view(B, Hkv, G, R, N).sum(2).amax(2)
+
+
+def _as_rows(q_row, lse_row):
+    """[B,H,D] / [B,H] (one query token) or [B,H,R,D] / [B,H,R] (R tokens) -> the 4-d / 3-d form."""
+    return (q_row[:, :, None], lse_row[:, :, None]) if q_row.dim() == 3 else (q_row, lse_row)
+
+
+def _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched: Fetched):
     """Algorithm 3 takes ArgTopK of the attention that already used the fetched fp rows: their
     positions get exact scores, so a row that matters keeps its place whatever its low-bit copy
     scores. Invalid fetch slots write back the scratch slot's own value (position S-1 >= n_quant)."""
-    B, H, D = q_row.shape
+    B, H, R, D = q_rows.shape
     Hkv, S = prob.shape[1], prob.shape[2]
-    qg = q_row.float().reshape(B, Hkv, H // Hkv, D) * sm_scale
-    exact = torch.exp(qg @ fetched.k.float().transpose(-1, -2) - lse_row.float().reshape(B, Hkv, -1, 1)).sum(2)
+    qg = q_rows.float().reshape(B, Hkv, (H // Hkv) * R, D) * sm_scale
+    exact = _row_scores(qg @ fetched.k.float().transpose(-1, -2), lse_rows, H // Hkv, R)
     safe = torch.where(fetched.valid, fetched.idx, S - 1)
     return prob.scatter(-1, safe, torch.where(fetched.valid, exact, prob.gather(-1, safe)))
 
 
-def topk_lowbit_ref(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None):
+def topk_lowbit_ref(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
+                    first: int = 0):
     """score[p] = sum over the G query heads of kv head j of exp(sm_scale * q_g . k'_p - lse_g): the
     attention probability kv row p would get, summed over the heads that share it (one fetch per
-    kv head serves all G heads); with `fetched`, fetched positions score with their fp rows.
-    Positions p >= n_quant score -1 with index 0. Sorted descending."""
-    B, H, D = q_row.shape
+    kv head serves all G heads); with several query tokens ([B,H,R,D]) the best of them. With
+    `fetched`, fetched positions score with their fp rows. Positions below `first` (rows kept in fp
+    anyway) or >= n_quant score -1 with index 0. Sorted descending."""
+    q_rows, lse_rows = _as_rows(q_row, lse_row)
+    B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     G = H // Hkv
-    keys = dequant_keys(store)  # [B,Hkv,S,D]
-    logits = (q_row.float().reshape(B, Hkv, G, D) * sm_scale) @ keys.transpose(-1, -2)  # [B,Hkv,G,S]
-    prob = torch.exp(logits - lse_row.float().reshape(B, Hkv, G, 1)).sum(2)
+    prob = _row_scores(key_logits(q_rows.float().reshape(B, Hkv, G * R, D) * sm_scale, store), lse_rows, G, R)
     if fetched is not None:
-        prob = _exact_fetched_scores(prob, q_row, lse_row, sm_scale, fetched)
-    valid = torch.arange(S, device=q_row.device) < store.n_quant
+        prob = _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched)
+    pos = torch.arange(S, device=q_row.device)
+    valid = (pos >= first) & (pos < store.n_quant)
     score, idx = torch.where(valid, prob, -1.0).topk(k, dim=-1)
     return score, torch.where(score >= 0, idx, 0)
 
 
-def topk_exact(q_row, keys, n_quant, k, sm_scale):
-    """Top-k of quantized positions [0, n_quant) by exact fp attention of q_row [B,H,D] against
-    full-precision keys [B,Hkv,S,D], probabilities summed over each kv head's query heads (the
-    reduction of topk_lowbit). The oracle fetch and the hit-rate measurement use it."""
-    B, H, D = q_row.shape
+def topk_exact(q_row, keys, n_quant, k, sm_scale, first: int = 0):
+    """Top-k of quantized positions [first, n_quant) by exact fp attention of q_row [B,H,D] (or
+    [B,H,R,D]: the best of R tokens) against full-precision keys [B,Hkv,S,D]: each query head's
+    softmax over the quantized positions, summed over the kv head's query heads (the reduction of
+    topk_lowbit). The oracle fetch and the fetch probe use it."""
+    q_rows = q_row[:, :, None] if q_row.dim() == 3 else q_row
+    B, H, R, D = q_rows.shape
     Hkv, S = keys.shape[1], keys.shape[2]
-    qg = q_row.float().view(B, Hkv, H // Hkv, D)
-    scores = torch.einsum("bhgd,bhsd->bhgs", qg, keys.float()) * sm_scale
-    valid = torch.arange(S, device=q_row.device) < n_quant
+    G = H // Hkv
+    qg = q_rows.float().reshape(B, Hkv, G * R, D)
+    scores = (qg @ keys.float().transpose(-1, -2)) * sm_scale
+    pos = torch.arange(S, device=q_row.device)
+    valid = (pos >= first) & (pos < n_quant)
     scores = scores.masked_fill(~valid, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(2)  # [B,Hkv,S]
-    return torch.where(valid, probs, -1.0).topk(k, dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).view(B, Hkv, G, R, S).sum(2).amax(2)  # [B,Hkv,S]
+    score, idx = torch.where(valid, probs, -1.0).topk(k, dim=-1)
+    return score, torch.where(score >= 0, idx, 0)
 
 
 # =============================================================================================
-# Triton kernels
+# Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
 # =============================================================================================
-@triton.jit
-def _dequant_tile(codes, codes_lo, scale, zero, rows, offs_d, mask, D,
-                  BITS: tl.constexpr, GROUP_T: tl.constexpr, GROUP_D: tl.constexpr, HIER: tl.constexpr):
-    """x' = code * s + z of a [BLOCK_N, BLOCK_D] tile, in registers. `rows` are flat row indices
-    (bh * S + n) of a contiguous [B, Hkv, S, D*BITS//8] code tensor; the meta tensor has one
-    entry per GROUP_T rows and GROUP_D channels (keys: GROUP_T = g_k, values: GROUP_D = g_v)."""
-    PER_BYTE: tl.constexpr = 8 // BITS
-    byte = rows[:, None] * (D // PER_BYTE) + offs_d[None, :] // PER_BYTE
-    shift = ((offs_d % PER_BYTE) * BITS)[None, :]
-    code = (tl.load(codes + byte, mask=mask, other=0).to(tl.int32) >> shift) & (2**BITS - 1)
-    meta = (rows[:, None] // GROUP_T) * (D // GROUP_D) + offs_d[None, :] // GROUP_D
-    s = tl.load(scale + meta, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(zero + meta, mask=mask, other=0.0).to(tl.float32)
-    if HIER:  # QuantSpec 8-bit view: (16 U + L - 8) * s4/16 + z
-        lower = (tl.load(codes_lo + byte, mask=mask, other=0).to(tl.int32) >> shift) & 15
-        code = 16 * code + lower - 8
-        s = s / 16
-    return code.to(tl.float32) * s + z
+# How the low-bit tiles are read (designed from byte counts, see the README's kernel section):
+#  - codes are loaded as 32-bit words, one row of D*bits/32 words per token (16 bytes at 1 bit, D=128:
+#    one 128-bit load), and unpacked in registers by shifts;
+#  - a block is one key group (GROUP_K tokens), so the keys' per-channel scale and zero are two
+#    [D] vectors per block, folded into the query: q.k' = (q*s_k).c + q.z_k (no per-element
+#    dequantization, and the dot runs on exact integer codes);
+#  - values' per-token scale and zero fold into the probabilities: sum_n p_n (c_n s_n + z_n) =
+#    (p*s).c + sum_n p_n z_n, per channel group;
+#  - fetched positions are dropped from the quantized part by comparing positions with the <= k
+#    fetched indices held in registers (no [S] mask in memory);
+#  - the sequence is split over enough programs to fill the GPU; the last program of each kv head
+#    takes the fetched and residual fp rows; a small kernel combines the partials (flash-decoding).
+# Head dims that are not a power of two, or whose codes are not whole 32-bit words per row, take
+# a byte-wise path (WORDS=False) with the same arithmetic.
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _softmax_step(scores, v, m_i, l_i, acc, DOT: tl.constexpr):
-    """One online-softmax update (flash attention); masked scores are -inf, masked v rows 0."""
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+def _load_codes(codes, lo, rows, n_ok, offs_d, D, BITS: tl.constexpr, HIER: tl.constexpr, WORDS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Integer codes of a [BLOCK_N, BLOCK_D] tile of rows `rows` (flat bh*S + n): KIVI's c, or
+    QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16). `codes`/`lo` point at int32 words
+    (WORDS) or bytes."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if WORDS:
+        PER: tl.constexpr = 32 // BITS
+        N_WORDS: tl.constexpr = BLOCK_D // PER
+        w_ptr = rows[:, None] * N_WORDS + tl.arange(0, N_WORDS)[None, :]
+        shifts = (tl.arange(0, PER) * BITS)[None, None, :]
+        w = tl.load(codes + w_ptr, mask=n_ok[:, None], other=0)
+        c = tl.reshape((w[:, :, None] >> shifts) & MASK, (BLOCK_N, BLOCK_D))
+        if HIER:
+            wl = tl.load(lo + w_ptr, mask=n_ok[:, None], other=0)
+            c = 16 * c + tl.reshape((wl[:, :, None] >> shifts) & 15, (BLOCK_N, BLOCK_D)) - 8
+    else:
+        PER_BYTE: tl.constexpr = 8 // BITS
+        byte = rows[:, None] * (D // PER_BYTE) + offs_d[None, :] // PER_BYTE
+        shift = ((offs_d % PER_BYTE) * BITS)[None, :]
+        ok = n_ok[:, None] & (offs_d < D)[None, :]
+        c = (tl.load(codes + byte, mask=ok, other=0).to(tl.int32) >> shift) & MASK
+        if HIER:
+            c = 16 * c + ((tl.load(lo + byte, mask=ok, other=0).to(tl.int32) >> shift) & 15) - 8
+    return c
+
+
+@triton.jit
+def _fetched_hits(offs_n, fidx):
+    """[BLOCK_N] int32, 1 where position offs_n is held as a fetched fp row (fidx: positions, -1 = unused)."""
+    return tl.max((offs_n[:, None] == fidx[None, :]).to(tl.int32), 1)
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i, acc):
+    """Flash-attention update with scores in log2 units: -> (m, l, rescaled acc, p)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(scores - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None], p
 
 
 @triton.jit
-def _attn_split_kernel(q, k_codes, k_codes_lo, k_scale, k_zero, v_codes, v_codes_lo, v_scale, v_zero, v_chan,
-                       n_quant_ptr, replaced, k_res, v_res, res_len_ptr, k_fetch, v_fetch, fetch_valid,
-                       out_part, lse_part, sm_scale, S, R, K_FETCH, D, T, M, SPLIT_LEN,
-                       BITS_K: tl.constexpr, BITS_V: tl.constexpr, GROUP_K: tl.constexpr, GROUP_V: tl.constexpr,
-                       K_HIER: tl.constexpr, V_HIER: tl.constexpr, HAS_FETCH: tl.constexpr,
-                       HAS_REPLACED: tl.constexpr, HAS_CHAN: tl.constexpr, DOT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, n_splits + 1). Programs 0..n_splits-1 each take SPLIT_LEN quantized slots
-    (flash-decoding); the last program takes the fetched rows and the residual window. Each
-    writes a partial (out, lse) for its G*T query rows; _attn_combine_kernel merges them."""
+def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale, v_zero, v_chan, n_quant_ptr,
+                       f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part,
+                       qk_scale, S, R, K, D, T, M, SPLIT_LEN,
+                       BITS: tl.constexpr, HIER: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
+                       NGV: tl.constexpr, HAS_FETCH: tl.constexpr, HAS_CHAN: tl.constexpr, DOT: tl.constexpr,
+                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Grid (B*Hkv, n_splits + 1). Program `split` < n_splits attends to quantized slots
+    [split*SPLIT_LEN, +SPLIT_LEN) below n_quant; the last one to the fetched and residual fp rows.
+    Each writes (out, lse) partials for the kv head's G*T query rows m = g*T + t."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    n_programs = tl.num_programs(1)
+    n_splits = tl.num_programs(1) - 1
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_b = tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     d_ok = offs_d < D
-    md_ok = m_ok[:, None] & d_ok[None, :]
-    qt = tl.load(q + (bh * M + offs_m[:, None]) * D + offs_d[None, :], mask=md_ok, other=0.0).to(tl.float32)
-    qt = qt * sm_scale
+    qt = tl.load(q + (bh * M + offs_m[:, None]) * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    qt = qt.to(tl.float32) * qk_scale  # scores in log2 units: exp2 below
+    dt = q.dtype.element_ty  # the dots' input type: the model's (fp32 with IEEE dots)
+    if UPCAST:
+        dt = tl.float32
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    is_fp = split == n_programs - 1
-
-    # quantized slots [lo, hi) of this split; blocks at or past n_quant are never visited
-    lo = split * SPLIT_LEN
-    hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
-    hi = tl.where(is_fp, lo, hi)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + offs_b
-        n_ok = offs_n < hi
-        if HAS_REPLACED:
-            n_ok = n_ok & (tl.load(replaced + bh * S + offs_n, mask=n_ok, other=1) == 0)
-        nd_ok = n_ok[:, None] & d_ok[None, :]
-        rows = bh * S + offs_n
-        kt = _dequant_tile(k_codes, k_codes_lo, k_scale, k_zero, rows, offs_d, nd_ok, D, BITS_K, GROUP_K, 1, K_HIER)
-        vt = _dequant_tile(v_codes, v_codes_lo, v_scale, v_zero, rows, offs_d, nd_ok, D, BITS_V, 1, GROUP_V, V_HIER)
-        if HAS_CHAN:
-            vt = vt * tl.load(v_chan + bh * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        scores = tl.where(n_ok[None, :], tl.dot(qt, tl.trans(kt), input_precision=DOT), -float("inf"))
-        m_i, l_i, acc = _softmax_step(scores, vt, m_i, l_i, acc, DOT)
-
-    if HAS_FETCH:  # fetched fp rows (only the last program)
-        f_hi = tl.where(is_fp, K_FETCH, 0)
-        for f0 in range(0, f_hi, BLOCK_N):
-            offs_f = f0 + offs_b
-            f_ok = offs_f < K_FETCH
-            f_ok = f_ok & (tl.load(fetch_valid + bh * K_FETCH + offs_f, mask=f_ok, other=0) != 0)
-            fd_ok = f_ok[:, None] & d_ok[None, :]
-            ptr = (bh * K_FETCH + offs_f[:, None]) * D + offs_d[None, :]
-            kt = tl.load(k_fetch + ptr, mask=fd_ok, other=0.0).to(tl.float32)
-            vt = tl.load(v_fetch + ptr, mask=fd_ok, other=0.0).to(tl.float32)
-            scores = tl.where(f_ok[None, :], tl.dot(qt, tl.trans(kt), input_precision=DOT), -float("inf"))
-            m_i, l_i, acc = _softmax_step(scores, vt, m_i, l_i, acc, DOT)
-
-    # fp residual rows [0, res_len); query row m (token t = m % T) sees rows < res_len - T + t + 1
-    res_len = tl.load(res_len_ptr)
-    r_hi = tl.where(is_fp, tl.minimum(res_len, R), 0)
-    limit = res_len - T + 1 + offs_m % T
-    for r0 in range(0, r_hi, BLOCK_N):
-        offs_r = r0 + offs_b
-        r_ok = offs_r < r_hi
-        rd_ok = r_ok[:, None] & d_ok[None, :]
-        ptr = (bh * R + offs_r[:, None]) * D + offs_d[None, :]
-        kt = tl.load(k_res + ptr, mask=rd_ok, other=0.0).to(tl.float32)
-        vt = tl.load(v_res + ptr, mask=rd_ok, other=0.0).to(tl.float32)
-        causal = r_ok[None, :] & (offs_r[None, :] < limit[:, None])
-        scores = tl.where(causal, tl.dot(qt, tl.trans(kt), input_precision=DOT), -float("inf"))
-        m_i, l_i, acc = _softmax_step(scores, vt, m_i, l_i, acc, DOT)
-
+    offs_k = tl.arange(0, BLOCK_K)
+    if HAS_FETCH:
+        k_ok = offs_k < K
+        fidx = tl.load(f_idx + bh * K + offs_k, mask=k_ok, other=-1)
+        fidx = tl.where(tl.load(f_valid + bh * K + offs_k, mask=k_ok, other=0) != 0, fidx, -1)
+    if split < n_splits:
+        lo = split * SPLIT_LEN
+        hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
+        for n0 in range(lo, hi, GROUP_K):
+            offs_n = n0 + tl.arange(0, GROUP_K)
+            n_ok = offs_n < hi
+            rows = bh * S + offs_n
+            # keys: this block is one key group; its scale/zero fold into the query
+            grp = (bh * (S // GROUP_K) + n0 // GROUP_K) * D
+            sk = tl.load(k_scale + grp + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            zk = tl.load(k_zero + grp + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            if HIER:
+                sk = sk / 16
+            ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, BITS, HIER, WORDS, GROUP_K, BLOCK_D)
+            s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
+            s = s + tl.sum(qt * zk[None, :], 1)[:, None]
+            keep = n_ok
+            if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
+                keep = keep & (_fetched_hits(offs_n, fidx) == 0)
+            s = tl.where(keep[None, :], s, -float("inf"))
+            m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
+            # values: per-token scale/zero of each channel group fold into p
+            cv = _load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, BITS, HIER, WORDS, GROUP_K, BLOCK_D).to(dt)
+            for j in tl.static_range(NGV):
+                sv = tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
+                zv = tl.load(v_zero + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
+                if HIER:
+                    sv = sv / 16
+                part = tl.dot((p * sv[None, :]).to(dt), cv, input_precision=DOT) + tl.sum(p * zv[None, :], 1)[:, None]
+                if NGV == 1:
+                    acc += part
+                else:
+                    acc += tl.where((offs_d // (D // NGV) == j)[None, :], part, 0.0)
+        if HAS_CHAN:  # ZipCache eq. 6: every dequantized value row is multiplied by c
+            acc = acc * tl.load(v_chan + bh * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        offs_f = tl.arange(0, BLOCK_F)
+        qd = qt.to(dt)
+        if HAS_FETCH:
+            for f0 in range(0, K, BLOCK_F):
+                f = f0 + offs_f
+                f_ok = (f < K) & (tl.load(f_valid + bh * K + f, mask=f < K, other=0) != 0)
+                ptr = (bh * K + f[:, None]) * D + offs_d[None, :]
+                kt = tl.load(f_k + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+                vt = tl.load(f_v + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+                s = tl.where(f_ok[None, :], tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
+                m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
+                acc += tl.dot(p.to(dt), vt, input_precision=DOT)
+        # residual rows [0, res_len); query row m (token t = m % T) sees rows < res_len - T + t + 1
+        res_len = tl.minimum(tl.load(res_len_ptr), R)
+        limit = res_len - T + 1 + offs_m % T
+        for r0 in range(0, res_len, BLOCK_F):
+            r = r0 + offs_f
+            r_ok = r < res_len
+            ptr = (bh * R + r[:, None]) * D + offs_d[None, :]
+            kt = tl.load(r_k + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+            vt = tl.load(r_v + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+            causal = r_ok[None, :] & (r[None, :] < limit[:, None])
+            s = tl.where(causal, tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
+            m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
+            acc += tl.dot(p.to(dt), vt, input_precision=DOT)
     has = l_i > 0
-    part = (bh * n_programs + split) * M + offs_m
-    tl.store(out_part + part[:, None] * D + offs_d[None, :], acc / tl.where(has, l_i, 1.0)[:, None], mask=md_ok)
-    tl.store(lse_part + part, tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), -float("inf")), mask=m_ok)
+    part = (bh * tl.num_programs(1) + split) * M + offs_m
+    tl.store(out_part + part[:, None] * D + offs_d[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
+             mask=m_ok[:, None] & d_ok[None, :])
+    # natural-log lse (scores were in log2 units)
+    tl.store(lse_part + part, tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                                       -float("inf")), mask=m_ok)
 
 
 @triton.jit
@@ -309,149 +418,192 @@ def _attn_combine_kernel(out_part, lse_part, out, lse, NS, M, D, BLOCK_S: tl.con
 
 
 @triton.jit
-def _topk_score_kernel(q, k_codes, k_codes_lo, k_scale, k_zero, n_quant_ptr, lse, score, sm_scale, S, D, G,
-                       BITS_K: tl.constexpr, GROUP_K: tl.constexpr, K_HIER: tl.constexpr, DOT: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, cdiv(S, BLOCK_N)): score[bh, p] = sum_g exp(sm_scale q_g.k'_p - lse_g), -1 past n_quant."""
+def _topk_chunk_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_idx, f_valid, f_k, scratch, cand,
+                       qk_scale, S, S_PAD, K, D, G, FIRST, R: tl.constexpr,
+                       BITS: tl.constexpr, HIER: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
+                       HAS_FETCH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK_G: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Grid (B*Hkv, n_chunks). Scores one chunk of CHUNK quantized positions for the selecting query
+    tokens (R of them, rows m = g*R + r): score[p] = max_r sum_g 2^(q_gr.k'_p - lse_gr) (the
+    attention probability summed over the kv head's query heads, the best token's; fetched positions
+    use their fp rows), and keeps the chunk's BLOCK_K best as int64 keys (score bits << 32 |
+    position) for _topk_merge_kernel. Positions below FIRST are never candidates."""
     bh = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g_ok = offs_g < G
+    g_ok = offs_g < G * R
     d_ok = offs_d < D
-    n_ok = offs_n < tl.minimum(tl.load(n_quant_ptr), S)
-    qt = tl.load(q + (bh * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    qt = qt.to(tl.float32) * sm_scale
-    lse_g = tl.load(lse + bh * G + offs_g, mask=g_ok, other=0.0).to(tl.float32)
-    kt = _dequant_tile(k_codes, k_codes_lo, k_scale, k_zero, bh * S + offs_n, offs_d, n_ok[:, None] & d_ok[None, :],
-                       D, BITS_K, GROUP_K, 1, K_HIER)
-    p = tl.exp(tl.dot(qt, tl.trans(kt), input_precision=DOT) - lse_g[:, None])
-    prob = tl.sum(tl.where(g_ok[:, None], p, 0.0), 0)
-    tl.store(score + bh * S + offs_n, tl.where(n_ok, prob, -1.0), mask=offs_n < S)
+    dt = q.dtype.element_ty
+    if UPCAST:
+        dt = tl.float32
+    qt = tl.load(q + (bh * G * R + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                 other=0.0)
+    qt = qt.to(tl.float32) * qk_scale
+    lse_g = tl.load(lse + bh * G * R + offs_g, mask=g_ok, other=float("inf")).to(tl.float32) * 1.4426950408889634
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_f = tl.arange(0, BLOCK_F)
+    if HAS_FETCH:  # exact probabilities of the fetched rows (Algorithm 3's A)
+        f_ok = offs_f < K
+        valid = tl.load(f_valid + bh * K + offs_f, mask=f_ok, other=0) != 0
+        fidx = tl.where(valid, tl.load(f_idx + bh * K + offs_f, mask=f_ok, other=-1), -1)
+        fk = tl.load(f_k + (bh * K + offs_f[:, None]) * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
+                     other=0.0).to(dt)
+        fs = tl.exp2(tl.dot(qt.to(dt), tl.trans(fk), input_precision=DOT) - lse_g[:, None])
+        f_exact = _best_row(fs, offs_g, g_ok, R)  # [BLOCK_F]
+    lo = chunk * CHUNK
+    hi = tl.minimum(tl.load(n_quant_ptr), S)
+    for n0 in range(0, CHUNK, GROUP_K):
+        offs_n = lo + n0 + tl.arange(0, GROUP_K)
+        n_ok = (offs_n < hi) & (offs_n >= FIRST)
+        rows = bh * S + offs_n
+        grp = (bh * (S // GROUP_K) + (lo + n0) // GROUP_K) * D
+        grp_ok = offs_d < tl.where(lo + n0 < hi, D, 0)  # (block & scalar-bool masks break the interpreter)
+        sk = tl.load(k_scale + grp + offs_d, mask=grp_ok, other=0.0).to(tl.float32)
+        zk = tl.load(k_zero + grp + offs_d, mask=grp_ok, other=0.0).to(tl.float32)
+        if HIER:
+            sk = sk / 16
+        ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, BITS, HIER, WORDS, GROUP_K, BLOCK_D)
+        s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
+        s = s + tl.sum(qt * zk[None, :], 1)[:, None]
+        prob = _best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R)
+        if HAS_FETCH:
+            hit = offs_n[:, None] == fidx[None, :]
+            exact = tl.sum(tl.where(hit, f_exact[None, :], 0.0), 1)
+            prob = tl.where(tl.max(hit.to(tl.int32), 1) > 0, exact, prob)
+        tl.store(scratch + bh * S_PAD + offs_n, tl.where(n_ok, prob, -1.0))
+    tl.debug_barrier()  # the chunk's scores, written by all threads, are read back by all threads
+    offs_c = tl.arange(0, CHUNK)
+    x = tl.load(scratch + bh * S_PAD + lo + offs_c)
+    key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (lo + offs_c).to(tl.int64)
+    top = tl.topk(key, BLOCK_K)
+    tl.store(cand + (bh * tl.num_programs(1) + chunk) * BLOCK_K + offs_k, top)
 
 
 @triton.jit
-def _score_keys(score, row, offs, S):
-    """Scores as int32 keys ordered like the scores: a non-negative fp32 orders like its bit
-    pattern; invalid (-1 or NaN) -> -1; padding past S -> -2 (never selected)."""
-    x = tl.load(score + row * S + offs, mask=offs < S, other=-1.0)
-    key = tl.where(x >= 0, tl.minimum(x.to(tl.int32, bitcast=True), 0x7F800000), -1)
-    return x, tl.where(offs < S, key, -2)
+def _best_row(p, offs_g, g_ok, R: tl.constexpr):
+    """p [BLOCK_G, N] probabilities of query rows m = g*R + r -> max_r sum_g p: [N]."""
+    best = tl.sum(tl.where((g_ok & (offs_g % R == 0))[:, None], p, 0.0), 0)
+    for r in tl.static_range(1, R):
+        best = tl.maximum(best, tl.sum(tl.where((g_ok & (offs_g % R == r))[:, None], p, 0.0), 0))
+    return best
 
 
 @triton.jit
-def _topk_select_kernel(score, top_score, top_idx, S, K, BLOCK: tl.constexpr):
-    """Grid (rows,): threshold selection. Binary search for the largest key thr with
-    #(key >= thr) >= K, then write every key > thr and the first (K - #(key > thr)) keys == thr.
-    Output order: the > thr entries by position, then the ties. Needs K <= S."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    lo = tl.full([], -1, tl.int32)
-    hi = tl.full([], 0x7F800000, tl.int32)
-    for _step in range(32):  # (not `_`: it is reassigned below, which the compiler rejects)
-        mid = lo + (hi - lo + 1) // 2
-        count = tl.zeros([], tl.int32)
-        for s0 in range(0, S, BLOCK):
-            _x, key = _score_keys(score, row, s0 + offs, S)
-            count += tl.sum((key >= mid).to(tl.int32), 0)
-        lo = tl.where(count >= K, mid, lo)
-        hi = tl.where(count >= K, hi, mid - 1)
-    n_above = tl.zeros([], tl.int32)
-    for s0 in range(0, S, BLOCK):
-        _x, key = _score_keys(score, row, s0 + offs, S)
-        n_above += tl.sum((key > lo).to(tl.int32), 0)
-    seen_above = tl.zeros([], tl.int32)
-    seen_tie = tl.zeros([], tl.int32)
-    for s0 in range(0, S, BLOCK):
-        x, key = _score_keys(score, row, s0 + offs, S)
-        above = key > lo
-        tie = key == lo
-        slot = tl.where(above, seen_above + tl.cumsum(above.to(tl.int32), 0),
-                        n_above + seen_tie + tl.cumsum(tie.to(tl.int32), 0)) - 1
-        take = (above | tie) & (slot < K)
-        valid = key >= 0
-        tl.store(top_score + row * K + slot, tl.where(valid, x, -1.0), mask=take)
-        tl.store(top_idx + row * K + slot, tl.where(valid, s0 + offs, 0).to(tl.int64), mask=take)
-        seen_above += tl.sum(above.to(tl.int32), 0)
-        seen_tie += tl.sum(tie.to(tl.int32), 0)
+def _topk_merge_kernel(cand, top_score, top_idx, N_CAND, K, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Grid (B*Hkv,): the best K of a kv head's chunk candidates -> (score, position); slots without
+    a valid position (fewer than K quantized) get score -1 and position 0."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    keys = tl.load(cand + bh * N_CAND + offs, mask=offs < N_CAND, other=-(2**62))
+    top = tl.topk(keys, BLOCK_K)
+    score = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    valid = score >= 0
+    offs_k = tl.arange(0, BLOCK_K)
+    tl.store(top_score + bh * K + offs_k, tl.where(valid, score, -1.0), mask=offs_k < K)
+    tl.store(top_idx + bh * K + offs_k, tl.where(valid, top & 0xFFFFFFFF, 0), mask=offs_k < K)
 
 
 # =============================================================================================
 # Triton launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)
 # =============================================================================================
-def _block_n(group_k):
-    if group_k & (group_k - 1):
-        raise ValueError(f"Triton kernels need a power-of-two key group, got {group_k}")
-    return max(64, group_k)  # a multiple of the key group
-
-
 def _dot_precision(dtype):
     """fp32 is the reference precision: IEEE dots (Triton's default for fp32 is TF32, ~1e-3 off).
     16-bit models keep tensor-core dots."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _u8(mask):  # bool -> uint8 view (same bytes), the pointer type every Triton version loads
-    return mask.contiguous().view(torch.uint8)
+def _upcast(dtype) -> bool:
+    """The interpreter computes bf16 dots wrongly (silently): there, bf16 operands go up to fp32.
+    Compiled kernels always take the model's dtype (the compile gate and the GPU checks cover them)."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _code_layout(store: LowBitKV, D: int):
+    """(WORDS, block_d, k_codes, v_codes, k_lo, v_lo): 32-bit word views of the codes when every row
+    is whole words and D a power of two (the fast path), else the bytes."""
+    if store.group_k & (store.group_k - 1) or store.group_k < 16:
+        raise ValueError(f"Triton kernels need a power-of-two key group >= 16, got {store.group_k}")
+    words = D & (D - 1) == 0 and (D * store.bits) % 32 == 0
+    view = (lambda t: None if t is None else t.contiguous().view(torch.int32)) if words else \
+        (lambda t: None if t is None else t.contiguous())
+    return (words, triton.next_power_of_2(D), view(store.k_codes), view(store.v_codes), view(store.k_codes_lo),
+            view(store.v_codes_lo))
+
+
+def _n_programs_target(device) -> int:
+    """About four programs per SM on a GPU; a handful under the interpreter."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
 
 
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
                             n_splits=None):
     B, H, T, D = q.shape
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
-    M, BH = (H // Hkv) * T, B * Hkv
+    M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
     group_v = min(store.group_v, D)
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
-    BLOCK_N = _block_n(store.group_k)
-    n_blocks = triton.cdiv(S, BLOCK_N)
-    if n_splits is None:  # enough programs to fill a GPU (~128), never more splits than blocks
-        n_splits = min(n_blocks, max(1, 128 // BH))
-    split_len = triton.cdiv(n_blocks, max(1, n_splits)) * BLOCK_N
+    words, BLOCK_D, k_codes, v_codes, k_lo, v_lo = _code_layout(store, D)
+    n_blocks = triton.cdiv(S, store.group_k)
+    if n_splits is None:
+        n_splits = min(n_blocks, max(1, _n_programs_target(q.device) // BH))
+    split_len = triton.cdiv(n_blocks, max(1, n_splits)) * store.group_k
     n_splits = max(1, triton.cdiv(S, split_len))
     NS = n_splits + 1  # + the program for fetched and residual rows
-
-    c = lambda x: x.contiguous() if x is not None else q  # noqa: E731 (absent inputs: any valid pointer)
-    fetch = fetched is not None
-    replaced = replaced_mask(fetched, S) if fetch else None
     q = q.contiguous()
+    c = lambda x: x.contiguous() if x is not None else q  # noqa: E731 (absent inputs: any valid pointer)
+    f = fetched
+    K = f.k.shape[2] if f is not None else 0
     out_part = torch.empty(BH, NS, M, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(BH, NS, M, dtype=torch.float32, device=q.device)
     _attn_split_kernel[(BH, NS)](
-        q, c(store.k_codes), c(store.k_codes_lo), c(store.k_scale), c(store.k_zero), c(store.v_codes),
-        c(store.v_codes_lo), c(store.v_scale), c(store.v_zero), c(store.v_chan), c(store.n_quant),
-        _u8(replaced) if fetch else q, c(residual.k), c(residual.v), c(residual.length),
-        c(fetched.k) if fetch else q, c(fetched.v) if fetch else q, _u8(fetched.valid) if fetch else q, out_part, lse_part,
-        float(sm_scale), S, R, fetched.k.shape[2] if fetch else 0, D, T, M, split_len,
-        BITS_K=store.bits, BITS_V=store.bits, GROUP_K=store.group_k, GROUP_V=group_v,
-        K_HIER=store.k_codes_lo is not None, V_HIER=store.v_codes_lo is not None, HAS_FETCH=fetch,
-        HAS_REPLACED=fetch, HAS_CHAN=store.v_chan is not None, DOT=_dot_precision(q.dtype),
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)))
+        q, k_codes, c(k_lo), c(store.k_scale), c(store.k_zero), v_codes, c(v_lo), c(store.v_scale), c(store.v_zero),
+        c(store.v_chan), c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q,
+        c(f.k) if f else q, c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length), out_part, lse_part,
+        float(sm_scale) * LOG2E, S, R, K, D, T, M, split_len,
+        BITS=store.bits, HIER=store.k_codes_lo is not None, WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
+        HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=_dot_precision(q.dtype),
+        UPCAST=_upcast(q.dtype), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
+        BLOCK_F=64)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,
-                                  BLOCK_S=triton.next_power_of_2(NS), BLOCK_D=triton.next_power_of_2(D))
+                                  BLOCK_S=triton.next_power_of_2(NS), BLOCK_D=BLOCK_D)
     return out, lse
 
 
-def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None):
-    B, H, D = q_row.shape
+def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
+                       first: int = 0):
+    q_rows, lse_rows = _as_rows(q_row, lse_row)
+    B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
-    BLOCK_N = _block_n(store.group_k)
-    score = torch.empty(B, Hkv, S, dtype=torch.float32, device=q_row.device)
-    lo = store.k_codes_lo
-    _topk_score_kernel[(B * Hkv, triton.cdiv(S, BLOCK_N))](
-        q_row.contiguous(), store.k_codes.contiguous(), (lo if lo is not None else store.k_codes).contiguous(),
-        store.k_scale.contiguous(), store.k_zero.contiguous(), store.n_quant.contiguous(), lse_row.contiguous(), score,
-        float(sm_scale), S, D, H // Hkv, BITS_K=store.bits, GROUP_K=store.group_k, K_HIER=lo is not None,
-        DOT=_dot_precision(q_row.dtype), BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), BLOCK_N=BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(D)))
-    if fetched is not None:  # k rows per kv head: a few small torch ops between the two kernels
-        score = _exact_fetched_scores(score, q_row, lse_row, sm_scale, fetched)
-    top_score = torch.empty(B, Hkv, k, dtype=torch.float32, device=q_row.device)
-    top_idx = torch.empty(B, Hkv, k, dtype=torch.int64, device=q_row.device)
-    _topk_select_kernel[(B * Hkv,)](score, top_score, top_idx, S, k, BLOCK=min(1024, triton.next_power_of_2(S)))
+    words, BLOCK_D, k_codes, _, k_lo, _ = _code_layout(store, D)
+    BLOCK_K = max(16, triton.next_power_of_2(k))
+    chunk = max(min(1024, triton.next_power_of_2(S)), BLOCK_K, store.group_k)
+    n_chunks = triton.cdiv(S, chunk)
+    BH, G, dev = B * Hkv, H // Hkv, q_row.device
+    f = fetched
+    K = f.k.shape[2] if f is not None else 0
+    scratch = torch.empty(BH, n_chunks * chunk, dtype=torch.float32, device=dev)
+    cand = torch.empty(BH, n_chunks * BLOCK_K, dtype=torch.int64, device=dev)
+    c = lambda x: x.contiguous() if x is not None else q_row  # noqa: E731
+    _topk_chunk_kernel[(BH, n_chunks)](
+        q_rows.contiguous(), lse_rows.contiguous(), k_codes, c(k_lo), c(store.k_scale), c(store.k_zero),
+        c(store.n_quant), c(f.idx) if f else q_row, f.valid.contiguous().view(torch.uint8) if f else q_row,
+        c(f.k) if f else q_row, scratch, cand, float(sm_scale) * LOG2E, S, n_chunks * chunk, K, D, G, first, R,
+        BITS=store.bits, HIER=store.k_codes_lo is not None, WORDS=words, GROUP_K=store.group_k, HAS_FETCH=f is not None,
+        DOT=_dot_precision(q_row.dtype), UPCAST=_upcast(q_row.dtype), CHUNK=chunk,
+        BLOCK_G=max(16, triton.next_power_of_2(G * R)), BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
+        BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))))
+    top_score = torch.empty(B, Hkv, k, dtype=torch.float32, device=dev)
+    top_idx = torch.empty(B, Hkv, k, dtype=torch.int64, device=dev)
+    _topk_merge_kernel[(BH,)](cand, top_score, top_idx, n_chunks * BLOCK_K, k, BLOCK_K=BLOCK_K,
+                              BLOCK_C=triton.next_power_of_2(n_chunks * BLOCK_K))
     return top_score, top_idx
 
 
@@ -488,13 +640,13 @@ def _(q, tensors, ints, optional, sm_scale):
 
 @torch.library.custom_op("specache::topk_lowbit", mutates_args=())
 def _topk_lowbit_op(q_row: Tensor, lse_row: Tensor, tensors: list[Tensor], ints: list[int],
-                    optional: list[Optional[Tensor]], k: int, sm_scale: float) -> tuple[Tensor, Tensor]:
+                    optional: list[Optional[Tensor]], k: int, sm_scale: float, first: int = 0) -> tuple[Tensor, Tensor]:
     store, _, fetched = _unflat(tensors, ints, optional)
-    return topk_lowbit_triton(q_row, lse_row, store, k, sm_scale, fetched)
+    return topk_lowbit_triton(q_row, lse_row, store, k, sm_scale, fetched, first)
 
 
 @_topk_lowbit_op.register_fake
-def _(q_row, lse_row, tensors, ints, optional, k, sm_scale):
+def _(q_row, lse_row, tensors, ints, optional, k, sm_scale, first=0):
     shape = (q_row.shape[0], tensors[0].shape[1], k)
     return q_row.new_empty(shape, dtype=torch.float32), q_row.new_empty(shape, dtype=torch.int64)
 
@@ -523,14 +675,14 @@ def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[F
     return attention_lowbit_ref(q, store, residual, fetched, sm_scale)
 
 
-def topk_lowbit(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None):
-    """-> (score [B,Hkv,k] fp32, idx [B,Hkv,k] int64); see topk_lowbit_ref for the GQA reduction.
-    Slots with score < 0 are invalid (fewer than k quantized positions). The CPU path returns them
-    sorted by score, the Triton path in position order."""
+def topk_lowbit(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None, first: int = 0):
+    """-> (score [B,Hkv,k] fp32, idx [B,Hkv,k] int64), sorted by score; see topk_lowbit_ref for the
+    GQA reduction, several selecting tokens and `first`. Slots with score < 0 are invalid (fewer
+    than k candidate positions)."""
     if q_row.is_cuda or _ops_on_cpu:
         tensors, ints, optional = _flat(store, Residual(None, None, None), fetched)
-        return _topk_lowbit_op(q_row, lse_row, list(tensors[:7]), list(ints), list(optional), k, float(sm_scale))
-    return topk_lowbit_ref(q_row, lse_row, store, k, sm_scale, fetched)
+        return _topk_lowbit_op(q_row, lse_row, list(tensors[:7]), list(ints), list(optional), k, float(sm_scale), first)
+    return topk_lowbit_ref(q_row, lse_row, store, k, sm_scale, fetched, first)
 
 
 def lowbit_read_bytes(store: LowBitKV, n_quant: int) -> int:

@@ -49,9 +49,10 @@ _ids = itertools.count()
 # =============================================================================================
 # the transfer: torch reference (CPU) and Triton kernel (CUDA), one launch for K and V
 # =============================================================================================
-def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos):
-    """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,k,D], idx [B,Hkv,k] or None, new_* [B,Hkv,1,D]
-    or None, new_pos 0-d. In place: host[.., new_pos] = new; ring = host[.., idx]."""
+def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
+    """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], idx [B,Hkv,k] or None, new_*
+    [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., idx]
+    (ring slots before ring_off hold rows kept on the device: attention sinks)."""
     if new_k is not None:
         pos = new_pos.reshape(1).to(host_k.device)
         host_k.index_copy_(2, pos, new_k.to(host_k.device, host_k.dtype))
@@ -59,15 +60,19 @@ def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos
     if idx is not None:
         B, Hkv, S, D = host_k.shape
         flat = (idx.to(host_k.device) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
-        torch.index_select(host_k.reshape(-1, D), 0, flat, out=ring_k.view(-1, D))
-        torch.index_select(host_v.reshape(-1, D), 0, flat, out=ring_v.view(-1, D))
+        for host, ring in ((host_k, ring_k), (host_v, ring_v)):
+            rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D)
+            if ring_off:
+                ring[:, :, ring_off:].copy_(rows)
+            else:
+                ring.copy_(rows)
 
 
 @triton.jit
-def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D,
+def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF,
                           HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K and V into ring slot j;
-    program K writes the new token's row to the host. Host pointers are UVA on CUDA."""
+    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K and V into ring slot OFF + j
+    (of RING); program K writes the new token's row to the host. Host pointers are UVA on CUDA."""
     bh = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -89,7 +94,7 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
                 take = offs < tl.where(from_new, D, 0)
                 kx = tl.where(take, tl.load(new_k + bh * D + offs, mask=take, other=0.0).to(ring_k.dtype.element_ty), kx)
                 vx = tl.where(take, tl.load(new_v + bh * D + offs, mask=take, other=0.0).to(ring_v.dtype.element_ty), vx)
-            dst = (bh * K + j) * D + offs
+            dst = (bh * RING + OFF + j) * D + offs
             tl.store(ring_k + dst, kx, mask=ok)
             tl.store(ring_v + dst, vx, mask=ok)
     else:
@@ -102,7 +107,7 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
             tl.store(host_v + dst, vn.to(host_v.dtype.element_ty), mask=ok)
 
 
-def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos):
+def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
     B, Hkv, S, D = host_k.shape
     K = idx.shape[2] if idx is not None else 0
     for t in (host_k, host_v, ring_k, ring_v):
@@ -111,16 +116,58 @@ def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_
     _transfer_rows_kernel[(B * Hkv, K + 1)](
         host_k, host_v, ring_k, ring_v, idx.contiguous() if idx is not None else any_t,
         new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
-        new_pos if new_pos is not None else any_t, S, K, D,
+        new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off,
         HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_D=triton.next_power_of_2(D))
 
 
-def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None):
+def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0):
     """The transfer on the current stream: the Triton kernel when the ring is on CUDA, else the reference."""
     if ring_k.is_cuda:
-        transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos)
+        transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
     else:
-        transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos)
+        transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
+
+
+@triton.jit
+def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, HAS_IDX: tl.constexpr,
+                  HAS_NEW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv,): copy one layer's transfer inputs into the prefetcher's staging buffers, one
+    launch on the main stream instead of four copies."""
+    bh = tl.program_id(0).to(tl.int64)
+    if HAS_IDX:
+        offs_k = tl.arange(0, BLOCK_K)
+        tl.store(s_idx + bh * K + offs_k, tl.load(idx + bh * K + offs_k, mask=offs_k < K), mask=offs_k < K)
+    if HAS_NEW:
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        tl.store(s_k + bh * D + offs_d, tl.load(new_k + bh * D + offs_d, mask=d_ok), mask=d_ok)
+        tl.store(s_v + bh * D + offs_d, tl.load(new_v + bh * D + offs_d, mask=d_ok), mask=d_ok)
+        if bh == 0:
+            tl.store(s_pos, tl.load(new_pos))
+
+
+def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos):
+    B, H, K = s_idx.shape
+    D = s_k.shape[-1]
+    any_t = s_idx
+    _stage_kernel[(B * H,)](idx.contiguous() if idx is not None else any_t,
+                            new_k.contiguous() if new_k is not None else any_t,
+                            new_v.contiguous() if new_v is not None else any_t,
+                            new_pos if new_pos is not None else any_t, s_idx, s_k, s_v, s_pos, K, D,
+                            HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
+                            BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D))
+
+
+def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos):
+    """s_* = the transfer's inputs (staging buffers of one layer), on the current stream."""
+    if s_idx.is_cuda:
+        return stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos)
+    if idx is not None:
+        s_idx.copy_(idx)
+    if new_k is not None:
+        s_k.copy_(new_k)
+        s_v.copy_(new_v)
+        s_pos.copy_(new_pos.reshape(()))
 
 
 # =============================================================================================
@@ -176,6 +223,7 @@ class Prefetcher:
         host = dict(dtype=dtype, device="cpu", pin_memory=True) if self.on_cuda else dict(dtype=dtype, device=device)
         self.host_k, self.host_v = torch.zeros(shape, **host), torch.zeros(shape, **host)
         self.rings = [None] * n_layers  # (ring_k, ring_v) of each layer, registered by its cache
+        self.ring_off = 0
         self.pid = next(_ids)
         _PREFETCHERS[self.pid] = self
         if self.async_ops:
@@ -197,8 +245,11 @@ class Prefetcher:
             self.staging_k = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
             self.staging_v = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
 
-    def register_ring(self, layer, ring_k, ring_v):
+    def register_ring(self, layer, ring_k, ring_v, off=0):
+        """The layer's ring: slots [off, off + k) receive the fetched rows (before off: rows the
+        cache keeps on the device itself, attention sinks)."""
         self.rings[layer] = (ring_k, ring_v)
+        self.ring_off = off
 
     # ---- accounting ----------------------------------------------------------------------------
     def host_bytes_per_layer(self) -> int:
@@ -206,7 +257,7 @@ class Prefetcher:
 
     def bytes_per_step(self) -> int:
         """Bytes moved host -> device by one decode step: k rows of K and V, every layer and kv head."""
-        return sum(rk.nbytes + rv.nbytes for rk, rv in self.rings if rk is not None)
+        return sum(2 * rk[:, :, :self.k].nbytes for rk, _ in self.rings if rk is not None)
 
     # ---- prefill: Algorithm 1's offload (eager) --------------------------------------------------
     def offload(self, layer, k, v, input_pos):
@@ -221,8 +272,11 @@ class Prefetcher:
                 self.host_v[layer, :, :, :p0].to(self.device, non_blocking=True))
 
     def host_keys(self, layer):
-        """All host keys of a layer on the device (oracle fetch and hit-rate measurement only)."""
+        """All host keys of a layer on the device (oracle fetch and the fetch probe only)."""
         return self.host_k[layer].to(self.device, non_blocking=True)
+
+    def host_values(self, layer):
+        return self.host_v[layer].to(self.device, non_blocking=True)
 
     # ---- decode ----------------------------------------------------------------------------------
     def start(self, layer, ring_k, ring_v, idx=None, new_k=None, new_v=None, new_pos=None):
@@ -259,9 +313,11 @@ class Prefetcher:
             if new_k is not None:
                 self._append_host(layer, new_k, new_v, new_pos)
             if idx is not None:
-                transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, None, None, None)
+                transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, None, None, None,
+                                  self.ring_off)
         elif self.impl == "uva":
-            transfer_rows(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, new_k, new_v, new_pos)
+            transfer_rows(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, new_k, new_v, new_pos,
+                          self.ring_off)
         else:  # staged: indices to the host (one sync: eager only), gather, one non_blocking copy
             if new_k is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, None, new_k, new_v, new_pos)
@@ -269,7 +325,7 @@ class Prefetcher:
                 idx_host = idx.to("cpu")
                 for host, staging, ring in ((self.host_k, self.staging_k, ring_k), (self.host_v, self.staging_v, ring_v)):
                     torch.gather(host[layer], 2, idx_host[..., None].expand_as(staging), out=staging)
-                    ring.copy_(staging, non_blocking=True)
+                    ring[:, :, self.ring_off:].copy_(staging, non_blocking=True)
 
     # ---- the async path (run by the custom ops) ----------------------------------------------------
     def _check_ring(self, layer, ring_k, ring_v):
@@ -283,15 +339,11 @@ class Prefetcher:
         self._check_ring(layer, ring_k, ring_v)
         main = self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
         # Stage the inputs on the main stream: they may be temporaries the graph reuses right after.
-        s_idx = s_k = s_v = s_pos = None
-        if idx is not None:
-            s_idx = self.stage_idx[layer]
-            s_idx.copy_(idx)
-        if new_k is not None:
-            s_k, s_v, s_pos = self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]
-            s_k.copy_(new_k)
-            s_v.copy_(new_v)
-            s_pos.copy_(new_pos.reshape(()))
+        stage(idx, new_k, new_v, new_pos, self.stage_idx[layer], self.stage_k[layer], self.stage_v[layer],
+              self.stage_pos[layer])
+        s_idx = self.stage_idx[layer] if idx is not None else None
+        s_k, s_v, s_pos = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None \
+            else (None, None, None)
         self.consumed[layer].record(main)
         self.side.wait_event(self.consumed[layer])  # ring[layer] is free, staging is written
         with self.dm.stream(self.side):

@@ -1,22 +1,28 @@
-"""Where do SpeCache's fetches miss? Measurements of the fetched rows against exact attention,
-taken from outside the decode path (forward hooks on the SpeCache layers; eager runs only).
+"""Where do SpeCache's fetches miss, and which misses matter? Measurements of the fetched rows
+against exact attention, taken from outside the decode path (forward hooks on the SpeCache layers;
+eager runs only).
 
 For each layer and decode step, with p the real token's exact attention probabilities (fp16 keys
 from the host store, over every position it sees, softmax per query head) and H the rows held in
-fp16 while it attends (the ring):
-  hit      |H ∩ top-k(p)| / |top-k(p)|, top-k over the quantized positions by p summed over the
-           kv head's query heads (rebuttal Q6's "top-k hit rate" against the exact fp16 top-k)
-  hit_own  the same against the real token's own low-bit top-k (what a sequential fetch brings)
-  mass     sum of p over H, mean over query heads: the share of the real token's attention
-           that the fetched rows carry exactly (1.0 when every row it cares about was fetched)
-  mass_topk  the same for the exact top-k: the best any k rows could do
+fp16 while it attends (the ring: fetched rows and attention sinks):
+  hit       |H ∩ top-k| / |top-k|, top-k = the exact top-k over the quantized positions
+            (kernels.topk_exact, the oracle's choice): rebuttal Q6's "top-k hit rate"
+  hit_own   the same against the real token's own low-bit top-k (what a sequential fetch brings)
+  mass      sum of p over H, mean over query heads: the share of the real token's attention
+            that its fp16 rows carry exactly; mass_topk: the same for the exact top-k
+  err       relative L2 error of the real token's attention output with H in fp16 and the rest
+            low-bit, against exact attention (mean over query heads); err_topk / err_own / err_none:
+            the same with the exact top-k rows, with its own low-bit top-k rows, with no fp16 rows.
+            The error is what the next layer sees; hit and mass only say how the choice overlaps.
 Steps with nothing quantized yet are not recorded.
 """
 import torch
 
 import kernels
 from cache import SpeCache
-from kernels import Residual
+from kernels import Fetched, Residual
+
+KEYS = ("hit", "hit_own", "mass", "mass_topk", "err", "err_topk", "err_own", "err_none")
 
 
 class FetchProbe:
@@ -41,8 +47,7 @@ class FetchProbe:
 
     @staticmethod
     def _args(args, kwargs):
-        names = ("q", "k", "v", "input_pos", "mode")
-        got = dict(zip(names, args), **kwargs)
+        got = dict(zip(("q", "k", "v", "input_pos", "mode"), args), **kwargs)
         got.setdefault("mode", "decode")
         return got
 
@@ -53,28 +58,42 @@ class FetchProbe:
             if a["mode"] != "decode" or int(cache.n_quant) == 0:
                 self._pending.pop(i, None)
                 return
-            q, k = a["q"][:, :, 0].float(), a["k"][:, :, :1]
-            pos = int(a["input_pos"][0])
-            n_quant = int(cache.n_quant)
-            B, H, D = q.shape
-            Hkv = k.shape[1]
+            pos, n_quant = int(a["input_pos"][0]), int(cache.n_quant)
+            q = a["q"][:, :, :1]  # the real token
+            k_own, v_own = a["k"][:, :, :1], a["v"][:, :, :1]
+            host_k = cache.prefetcher.host_keys(cache.layer_idx)
+            host_v = cache.prefetcher.host_values(cache.layer_idx)
+            keys = torch.cat([host_k[:, :, :pos].float(), k_own.float()], 2)
+            vals = torch.cat([host_v[:, :, :pos].float(), v_own.float()], 2)
+            B, H, _, D = q.shape
+            Hkv = keys.shape[1]
             G = H // Hkv
-            # exact probabilities of the real token: host keys [0, pos) and its own key
-            keys = torch.cat([cache.prefetcher.host_keys(cache.layer_idx)[:, :, :pos].float(), k.float()], 2)
-            logits = torch.einsum("bhgd,bhsd->bhgs", q.view(B, Hkv, G, D), keys) * cache.sm_scale
+            logits = (q.float().reshape(B, Hkv, G, D) @ keys.transpose(-1, -2)) * cache.sm_scale
             p = torch.softmax(logits, -1)  # [B,Hkv,G,pos+1]
-            score = p[..., :n_quant].sum(2)  # per kv head, over the quantized positions
-            n = min(cache.n_fetch, n_quant)
-            top = score.topk(n, -1).indices
-            # the real token's own low-bit top-k: its low-bit attention without fetched rows
-            res_k = torch.cat([cache.k_res[:, :, :int(cache.res_len)], k.to(cache.k_res.dtype)], 2)
-            res_v = torch.cat([cache.v_res[:, :, :int(cache.res_len)], a["v"][:, :, :1].to(cache.v_res.dtype)], 2)
-            _, lse = kernels.attention_lowbit_ref(a["q"][:, :, :1], cache.stored(),
-                                                  Residual(res_k, res_v, torch.tensor(res_k.shape[2])), None,
-                                                  cache.sm_scale)
-            own_score, own = kernels.topk_lowbit_ref(q, lse[:, :, 0], cache.stored(), n, cache.sm_scale)
-            self._pending[i] = dict(step_pos=pos, n_quant=n_quant, p=p, top=top, own=own,
-                                    held=_held(cache), mass_topk=_mass(p, top))
+            exact_out = p @ vals  # [B,Hkv,G,D]
+            n = min(cache.n_fetch, n_quant - cache.sinks)
+            _, top = kernels.topk_exact(q[:, :, 0], host_k, cache.n_quant, n, cache.sm_scale, first=cache.sinks)
+            # the real token's own low-bit attention (its kept rows, no fetched rows) and top-k
+            res = Residual(torch.cat([cache.k_res[:, :, :int(cache.res_len)], k_own.to(cache.k_res.dtype)], 2),
+                           torch.cat([cache.v_res[:, :, :int(cache.res_len)], v_own.to(cache.v_res.dtype)], 2),
+                           torch.tensor(int(cache.res_len) + 1))
+            none_out, lse = kernels.attention_lowbit_ref(q, cache.stored(), res, None, cache.sm_scale)
+            _, own = kernels.topk_lowbit_ref(q[:, :, 0], lse[:, :, 0], cache.stored(), n, cache.sm_scale,
+                                             first=cache.sinks)
+            sinks = torch.where(cache.fetch_valid[:, :, :cache.sinks], cache.fetch_idx[:, :, :cache.sinks], -1)
+
+            def err_with(rows):  # rows [B,Hkv,n] quantized positions held in fp16 (-1: none)
+                rows = torch.cat([sinks, rows], 2)
+                valid = rows >= 0
+                safe = rows.clamp(min=0)
+                gather = lambda x: torch.gather(x, 2, safe[..., None].expand(-1, -1, -1, D))  # noqa: E731
+                f = Fetched(gather(host_k).to(cache.k_res.dtype), gather(host_v).to(cache.v_res.dtype), safe, valid)
+                out, _ = kernels.attention_lowbit_ref(q, cache.stored(), res, f, cache.sm_scale)
+                return _rel_err(out, exact_out)
+
+            self._pending[i] = dict(step_pos=pos, n_quant=n_quant, p=p, top=top, own=own, err_with=err_with,
+                                    held=_held(cache), mass_topk=_mass(p, top), err_topk=err_with(top),
+                                    err_own=err_with(own), err_none=_rel_err(none_out, exact_out))
         return hook
 
     def _after(self, i):
@@ -85,8 +104,9 @@ class FetchProbe:
                 return
             # Sequential/oracle fetch inside the step: the real token used what the ring holds now.
             held = _held(cache) if cache.fetch in ("sequential", "oracle") else rec["held"]
-            p, top, own = rec.pop("p"), rec.pop("top"), rec.pop("own")
-            rec.update(hit=_overlap(held, top), hit_own=_overlap(held, own), mass=_mass(p, held))
+            held = held[:, :, cache.sinks:]
+            p, top, own, err_with = rec.pop("p"), rec.pop("top"), rec.pop("own"), rec.pop("err_with")
+            rec.update(hit=_overlap(held, top), hit_own=_overlap(held, own), mass=_mass(p, held), err=err_with(held))
             del rec["held"]
             self.records[i].append(rec)
         return hook
@@ -102,7 +122,7 @@ class FetchProbe:
 
 
 def _held(cache) -> torch.Tensor:
-    """[B,Hkv,K] positions held in fp16 by the ring, -1 for unused slots."""
+    """[B,Hkv,sinks + K] positions held in fp16 by the ring, -1 for unused slots."""
     return torch.where(cache.fetch_valid, cache.fetch_idx, -1).clone()
 
 
@@ -117,3 +137,10 @@ def _mass(p, rows) -> float:
     safe = rows.clamp(min=0)[:, :, None, :].expand(-1, -1, p.shape[2], -1)
     taken = torch.gather(p, 3, safe) * (rows >= 0)[:, :, None, :]
     return float(taken.sum(-1).mean())
+
+
+def _rel_err(out, exact) -> float:
+    """out [B,H,1,D] vs exact [B,Hkv,G,D]: mean over query heads of ||out - exact|| / ||exact||."""
+    B, Hkv, G, D = exact.shape
+    out = out.float().reshape(B, Hkv, G, D)
+    return float(((out - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-12)).mean())

@@ -40,12 +40,20 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (c << _shifts(bits, codes.device)).sum(-1).to(torch.uint8)
 
 
-def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of pack_bits: uint8 [..., M] -> uint8 [..., M*8//bits]."""
+def unpack_bits(packed: torch.Tensor, bits: int, dtype=torch.uint8) -> torch.Tensor:
+    """Inverse of pack_bits: uint8 [..., M] -> codes [..., M*8//bits] (uint8, or `dtype`). The bytes
+    are little-endian 32-bit words of codes (code j of a word at bit j*bits), which is how rows of
+    whole words are read: through a float32 view, because inductor's CPU code loads float32 vectors
+    several times faster than int32 or uint8 ones (same bits, then a free bitcast); and the codes
+    stay int32 on their way to float (uint8 vector conversions are slow there too)."""
     assert bits in BITS, bits
+    if packed.shape[-1] % 4 == 0 and packed.stride(-1) == 1:
+        words = packed.view(torch.float32).view(torch.int32)
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+        return ((words[..., None] >> shifts) & (2**bits - 1)).flatten(-2).to(dtype)
     if bits == 8:
-        return packed
-    return ((packed[..., None] >> _shifts(bits, packed.device, torch.uint8)) & (2**bits - 1)).flatten(-2)
+        return packed.to(dtype)
+    return ((packed[..., None] >> _shifts(bits, packed.device, torch.uint8)) & (2**bits - 1)).flatten(-2).to(dtype)
 
 
 # ---- the one quantizer core -----------------------------------------------------------------------
@@ -122,7 +130,7 @@ def quantize_keys(k, bits, group, one_bit="improved", meta_dtype=torch.float16):
 
 
 def dequantize_keys(codes, scale, zero, bits, group, dtype=torch.float32):
-    return _dequantize(unpack_bits(codes, bits), scale, zero, group, "tokens", dtype)
+    return _dequantize(unpack_bits(codes, bits, torch.int32), scale, zero, group, "tokens", dtype)
 
 
 def quantize_values(v, bits, group, one_bit="improved", meta_dtype=torch.float16):
@@ -133,7 +141,7 @@ def quantize_values(v, bits, group, one_bit="improved", meta_dtype=torch.float16
 
 
 def dequantize_values(codes, scale, zero, bits, group, dtype=torch.float32):
-    codes = unpack_bits(codes, bits)
+    codes = unpack_bits(codes, bits, torch.int32)
     return _dequantize(codes, scale, zero, _value_group(group, codes.shape[-1]), "channels", dtype)
 
 
@@ -166,11 +174,11 @@ def _quantize_hier(x, group, along, meta_dtype):
 
 
 def _dequantize_hier(codes_hi, codes_lo, scale, zero, group, along, view_bits, dtype):
-    upper = unpack_bits(codes_hi, 4)
+    upper = unpack_bits(codes_hi, 4, torch.int32)
     if view_bits == 4:
         return _dequantize(upper, scale, zero, group, along, dtype)
     assert view_bits == 8, view_bits
-    int8 = 16 * upper.float() + unpack_bits(codes_lo, 4).float() - 8
+    int8 = 16 * upper.float() + unpack_bits(codes_lo, 4, torch.int32).float() - 8
     return _dequantize(int8, scale.float() / 16, zero, group, along, dtype)
 
 

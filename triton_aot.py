@@ -157,7 +157,9 @@ def sass(cubin: bytes) -> str:
 
 def loop_loads(sass_text: str) -> dict:
     """Global loads inside loops (between a label and a later backward branch to it), by width:
-    {"128": n, "64": n, "32": n, "16": n, "8": n}. 128-bit loads in the hot loop = vectorized."""
+    {"128": n, "64": n, "32": n, "16": n, "8": n}; "cp64" etc. are asynchronous global->shared copies
+    (LDGSTS: Triton's software pipelining of tiles that feed a dot). Wide loads in the hot loop =
+    vectorized."""
     lines = [ln for ln in sass_text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
     addr = lambda ln: int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16)  # noqa: E731
     spans = []
@@ -168,9 +170,10 @@ def loop_loads(sass_text: str) -> dict:
     counts = {}
     for ln in lines:
         if any(lo <= addr(ln) <= hi for lo, hi in spans):
-            m = re.search(r"\bLDG\.E(?:\.([A-Z0-9]+))?(?:\.[A-Z0-9]+)*", ln)
+            m = re.search(r"\bLDG(STS)?\.E(?:\.([A-Z0-9]+))?(?:\.[A-Z0-9]+)*", ln)
             if m:
-                w = {"128": "128", "64": "64", "U8": "8", "S8": "8", "U16": "16", "S16": "16"}.get(m.group(1) or "", "32")
+                w = {"128": "128", "64": "64", "U8": "8", "S8": "8", "U16": "16", "S16": "16"}.get(m.group(2) or "", "32")
+                w = ("cp" + w) if m.group(1) else w
                 counts[w] = counts.get(w, 0) + 1
     return counts
 
@@ -209,6 +212,11 @@ def cases(quick=False):
             prefetch.transfer_rows_triton(*host, *ring, idx, new, new, pos)
             prefetch.transfer_rows_triton(*host, *ring, idx, None, None, None)
             prefetch.transfer_rows_triton(*host, *ring, None, new, new, pos)
+            staging = [torch.zeros(1, 2, 64, dtype=torch.long), torch.zeros(1, 2, 1, D, dtype=dtype),
+                       torch.zeros(1, 2, 1, D, dtype=dtype), torch.zeros((), dtype=torch.long)]
+            prefetch.stage_triton(idx, new, new, pos, *staging)
+            prefetch.stage_triton(idx, None, None, None, *staging)
+            prefetch.stage_triton(None, new, new, pos, *staging)
         return run
 
     out = []
@@ -269,7 +277,8 @@ def main(argv=None):
         if not row["ok"]:
             print(f"FAILED {row['kernel']} [{row['variant']}] sm_{row['arch']} ({row['case']}): {row['error']}")
         elif not a.no_report:
-            loads = ", ".join(f"{w}b: {n}" for w, n in sorted(row["loop_loads"].items(), key=lambda x: -int(x[0]))) or "-"
+            order = lambda w: (w.startswith("cp"), -int(w.lstrip("cp")))  # noqa: E731
+            loads = ", ".join(f"{w}b: {n}" for w, n in sorted(row["loop_loads"].items(), key=lambda x: order(x[0]))) or "-"
             print(f"| {row['kernel']} | {row['variant']} | {row['arch']} | {row['registers']} | "
                   f"{row['local_bytes']} | {row['shared']} | {loads} | {'yes' if row['tf32'] else 'no'} |")
     if a.json:

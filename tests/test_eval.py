@@ -162,23 +162,27 @@ def test_reports_and_heatmap(tmp_path):
         r.add(ev.Results.key(f), dict(f, label="full", score=score))
     ev.write_ruler_report(r)
     assert "| full | 1000 | 1 | 100.0 | 50.0 | 75.0 |" in (tmp_path / "results.md").read_text()
-    f = dict(cmd="hitrate", method="specache-1bit", length=1000, sample=0)
-    r.add(ev.Results.key(f), dict(f, label="specache-1bit", topk=[None] + [1.0] * 9 + [0.5] * 10,
-                                  topk_lowbit=[None] + [0.5] * 19, mass=[None] + [0.25] * 19, exact=[True, False] * 10))
+    f = dict(cmd="hitrate", method="specache-1bit", prompt="essay", length=1000, sample=0)
+    series = dict(hit=[None] + [1.0] * 9 + [0.5] * 10, hit_own=[None] + [0.5] * 19, mass=[None] + [0.25] * 19,
+                  mass_topk=[None] + [0.5] * 19, err=[None] + [0.2] * 19, err_topk=[None] + [0.1] * 19,
+                  err_own=[None] + [0.05] * 19, err_none=[None] + [0.4] * 19, exact=[True, False] * 10,
+                  layer_err=[0.1, 0.3], layer_hit=[0.5, 1.0])
+    r.add(ev.Results.key(f), dict(f, label="specache-1bit", **series))
     ev.write_hitrate_report(r)
     md = (tmp_path / "results.md").read_text()
-    # totals: steps, then top-k vs fp16 (None skipped: (9 + 5) / 19), top-k vs low-bit, mass, exact token
-    assert f"| specache-1bit | 20 | {100 * 14 / 19:.1f} | 50.0 | 25.0 | 50.0 |" in md
+    # totals: steps, then hit vs exact top-k (None skipped: (9 + 5) / 19), vs own, mass, ..., exact token
+    assert f"| specache-1bit | essay | 20 | {100 * 14 / 19:.1f} | 50.0 | 25.0 | 50.0 | 20.0 | 10.0 | 5.0 | 40.0 | 50.0 |" in md
     # by decode-step interval, one row per measure; intervals past the last step are left out
     assert "| method | measure | [1, 10] | [11, 50] |" in md and "[51, 100]" not in md
-    assert "| specache-1bit | top-k hit % (vs fp16 top-k) | 100.0 | 50.0 |" in md
-    assert "| specache-1bit | top-k hit % (vs low-bit top-k) | 50.0 | 50.0 |" in md
+    assert "| specache-1bit | top-k hit % (vs exact top-k) | 100.0 | 50.0 |" in md
     assert "| specache-1bit | exact token hit % | 50.0 | 50.0 |" in md
+    assert (tmp_path / "layers.png").stat().st_size > 1000
     f = dict(f, sample=1)
-    r.add(ev.Results.key(f), dict(f, label="specache-1bit", topk=[1.0] * 250, topk_lowbit=[1.0] * 250, exact=[True] * 250))
+    r.add(ev.Results.key(f), dict(f, label="specache-1bit", **{k: [1.0] * 250 for k in series if not k.startswith("layer")},
+                                  layer_err=[0.0, 0.0], layer_hit=[1.0, 1.0]))
     ev.write_hitrate_report(r)
     assert "| [101, 200] | [201, ] |" in (tmp_path / "results.md").read_text()
-    assert ev.step_mean(r.of("hitrate"), "topk", 201) == 1.0 and ev.step_mean(r.of("hitrate")[:1], "exact", 11, 20) == 0.5
+    assert ev.step_mean(r.of("hitrate"), "hit", 201) == 1.0 and ev.step_mean(r.of("hitrate")[:1], "exact", 11, 20) == 0.5
 
 
 def test_ppl_report_and_summary_prompt(tmp_path):
@@ -223,13 +227,31 @@ def test_hit_trace_per_step_agrees_with_the_probe():
     m = CacheConfig.from_name("specache-1bit-k8-g16-r16")
     text, stats = r.generate(m, ids, 41)
     trace = r.hit_trace(m, ids, 40)
-    assert all(len(v) == 40 for v in trace.values())
+    assert all(len(v) == 40 for k, v in trace.items() if not k.startswith("layer_"))
     assert r.generate(m, ids, 41)[0] == text  # the probe does not change the tokens
     assert ev.mean(trace["exact"]) == pytest.approx(stats["spec_exact_hit_rate"])
     probe = r.last_probe
-    for key, src in (("topk", "hit"), ("topk_lowbit", "hit_own"), ("mass", "mass")):
-        assert all(v is None or 0 <= v <= 1 + 1e-6 for v in trace[key])
-        assert [v for v in trace[key] if v is not None] == pytest.approx(probe.per_step(src))
+    for key in ("hit", "hit_own", "mass", "mass_topk", "err", "err_topk", "err_own", "err_none"):
+        assert all(v is None or 0 <= v <= 1 + 1e-6 or key.startswith("err") for v in trace[key])
+        assert [v for v in trace[key] if v is not None] == pytest.approx(probe.per_step(key))
+        assert trace[f"layer_{key}"] == pytest.approx(probe.per_layer(key)) and len(trace[f"layer_{key}"]) == 2
+
+
+def test_prefill_replay_equals_prefilling_each_cache():
+    """eval.py prefills a prompt once (one chunk, exact) and replays its K/V into each cache: the
+    tokens equal those of each cache's own one-chunk prefill."""
+    import random
+    from cache import CacheConfig
+
+    r = tiny_runner()
+    ids = [random.Random(2).randrange(256) for _ in range(100)]
+    for name in ("full", "kivi-2bit-g16-r32", "specache-1bit-k8-g16-r16", "specache-1bit-k8-g16-r16-lag"):
+        m = CacheConfig.from_name(name)
+        r.replay = None
+        own, _ = r.generate(m, ids, 20)
+        r.replay = ev.PrefillReplay()
+        assert r.generate(m, ids, 20)[0] == own, name
+        assert r.generate(m, ids, 20)[0] == own, name  # the second prompt use replays the recording
 
 
 # ---- method names ---------------------------------------------------------------------------------------

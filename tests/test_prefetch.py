@@ -158,6 +158,18 @@ def test_triton_transfer_matches_reference(with_idx, with_new):
         assert torch.equal(a, b)
 
 
+@needs_interpreter
+def test_triton_staging_copies_the_transfer_inputs():
+    g = torch.Generator().manual_seed(0)
+    idx, new_k, new_v = torch.randint(0, 99, (2, 3, 8), generator=g), torch.randn(2, 3, 1, 40), torch.randn(2, 3, 1, 40)
+    pos = torch.tensor(41)
+    staged = [torch.zeros(2, 3, 8, dtype=torch.long), torch.zeros(2, 3, 1, 40), torch.zeros(2, 3, 1, 40),
+              torch.zeros((), dtype=torch.long)]
+    prefetch.stage_triton(idx, new_k, new_v, pos, *staged)
+    for a, b in zip(staged, (idx, new_k, new_v, pos)):
+        assert torch.equal(a, b)
+
+
 def test_wait_blocks_until_the_delayed_copy_landed():
     p = make_prefetcher()
     log = fake_async(p, delay=0.05)

@@ -57,11 +57,86 @@ def test_lowbit_counters_and_contents(model, full_tokens):
         torch.testing.assert_close(c.k_res[:, :, : n - nq], f.k_cache[:, :, nq:n])
 
 
-@pytest.mark.parametrize("fetch", ["speculative", "sequential", "oracle"])
-def test_every_row_fetched_equals_full_cache(model, full_tokens, fetch):
-    """k >= context: every quantized row is replaced by its fp copy, so 1-bit SpeCache is exact."""
-    out, _, caches, _ = run(model, "specache", bits=1, group=16, residual=32, k=256, fetch=fetch)
+POLICIES = ["speculative", "sequential", "oracle", "lag", "union", "resync"]
+
+
+def run_policy(model, fetch, new=NEW, step_fn=decode_step, predecode_fn=None, **kw):
+    from cache import CacheConfig
+    cfg = CacheConfig("specache", fetch=fetch, **{"bits": 1, "group": 16, "residual": 32, **kw}).validated()
+    setup_caches(model, cfg, 1, PROMPT_LEN + new + 2)
+    from generate import pre_decode
+    return generate(model, prompt(), new, speculative=cfg.two_tokens, step_fn=step_fn, resync=fetch == "resync",
+                    predecode_fn=predecode_fn or pre_decode)
+
+
+@pytest.mark.parametrize("fetch", POLICIES)
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_every_row_fetched_equals_full_cache(model, full_tokens, fetch, sinks):
+    """k >= context: every quantized row is replaced by its fp copy, so 1-bit SpeCache is exact,
+    whatever the policy (and with attention sinks held on the device)."""
+    out, _ = run_policy(model, fetch, k=256, sinks=sinks)
     assert torch.equal(out, full_tokens)
+
+
+@pytest.mark.parametrize("fetch", POLICIES)
+def test_policies_run_one_static_graph(model, fetch):
+    """Every policy shares the static-shape step: one fullgraph graph across all steps (flushes
+    included); resync's pre-decoding is a second graph of its own."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from generate import pre_decode
+    eager, _ = run_policy(model, fetch, new=40, k=8)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(decode_step, fullgraph=True, backend="eager")
+    pre = torch.compile(pre_decode, fullgraph=True, backend="eager")
+    out, _ = run_policy(model, fetch, new=40, k=8, step_fn=step, predecode_fn=pre)
+    assert torch.equal(out, eager)
+    assert counters["stats"]["unique_graphs"] == (2 if fetch in ("speculative", "union", "resync", "lag") else 1)
+
+
+def test_resync_never_keeps_a_speculative_token_known_wrong(model):
+    """After a step whose speculative token differs from the real output, the next step is fed the
+    guess of a fresh pre-decoding of the real token, never the chained guess made from the wrong one;
+    after a right guess the chain goes on."""
+    from generate import pre_decode
+    fed, chained, fresh = [], [], []
+
+    def step(model, tokens, pos, *a):
+        nxt, logits = decode_step(model, tokens, pos, *a)
+        fed.append(tokens[0].tolist())
+        chained.append(int(nxt[0, 1]))
+        return nxt, logits
+
+    def predecode(model, token, pos):
+        logits = pre_decode(model, token, pos)
+        fresh.append(int(logits[0].argmax()))
+        return logits
+
+    out, stats = run_policy(model, "resync", new=40, k=8, step_fn=step, predecode_fn=predecode)
+    real = out[0, 1:].tolist()  # the real output of each step
+    misses = [s for s in range(len(fed)) if fed[s][1] != real[s]]
+    assert misses and len(misses) < len(fed) and stats["resyncs"] == len(misses)
+    fresh = fresh[1:]  # the first pre-decoding is Algorithm 2's, before any step
+    for s in range(len(fed) - 1):
+        want = fresh.pop(0) if s in misses else chained[s]
+        assert fed[s + 1][1] == want, s
+    assert not fresh
+
+
+def test_sinks_stay_in_fp16_and_are_never_fetched(model):
+    """sinkN: the first N positions are attended in fp16 from the device once quantized; top-k
+    never spends a fetched row on them."""
+    from cache import CacheConfig
+    from kernels import dequant_keys
+    cfg = CacheConfig("specache", bits=1, group=16, residual=32, k=8, sinks=4)
+    caches, prefetcher, _ = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
+    generate(model, prompt(), NEW, speculative=True)
+    for c in caches:
+        assert torch.equal(c.fetch_idx[:, :, :4], torch.arange(4).expand(1, 2, 4)) and c.fetch_valid[:, :, :4].all()
+        assert torch.equal(c.ring_k[:, :, :4], prefetcher.host_k[c.layer_idx, :, :, :4])
+        assert (c.fetch_idx[:, :, 4:][c.fetch_valid[:, :, 4:]] >= 4).all()
+    assert prefetcher.bytes_per_step() == 2 * model.args.n_layers * 2 * 8 * model.args.head_dim * 4
 
 
 def test_one_bit_kivi_alone_differs(model, full_tokens):
