@@ -28,7 +28,7 @@ import kernels
 import quant
 from kernels import Fetched, LowBitKV, Residual
 
-KINDS = ("full", "kivi", "specache")
+KINDS = ("full", "kivi", "specache", "quantspec")
 SCHEMES = ("kivi", "zipcache", "quantspec")
 # which rows the fetch holds for the real token of a step (SpeCache's methods of the same names)
 POLICIES = ("speculative", "sequential", "oracle", "lag", "union", "resync")
@@ -65,6 +65,8 @@ class CacheConfig:
     def name(self) -> str:
         if self.kind == "full":
             return "full"
+        if self.kind == "quantspec":
+            return "quantspec" + (f"-g{self.group}" if self.group != 64 else "")
         parts = [self.kind, f"{self.bits}bit"]
         parts += [self.scheme] if self.scheme != "kivi" else []
         parts += ["orig"] if self.one_bit == "kivi" else []
@@ -79,7 +81,9 @@ class CacheConfig:
     @property
     def residual_len_default(self) -> int:
         """128 for KIVI, 64 for SpeCache (§4.1: it trades residual for fetched rows), rounded up to
-        a multiple of the group."""
+        a multiple of the group; QuantSpec: its double full-precision buffer, two groups (§4.3)."""
+        if self.kind == "quantspec":
+            return 2 * self.group
         base = 128 if self.kind == "kivi" else 64
         return -(-base // self.group) * self.group
 
@@ -113,6 +117,9 @@ class CacheConfig:
                     raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
                                      f"orig, {'/'.join(POLICIES)} for specache, kN, gN, rN, sinkN)")
         kw.update({k: v for k, v in overrides.items() if v is not None})
+        if kw["kind"] == "quantspec":  # the hierarchical INT4/INT8 store is what QuantSpec is
+            kw.setdefault("scheme", "quantspec")
+            kw.setdefault("bits", 8)
         return cls(**kw).validated()
 
     def validated(self, head_dim: Optional[int] = None) -> "CacheConfig":
@@ -140,6 +147,10 @@ class CacheConfig:
             bad(f"head_dim {head_dim} is not a multiple of the value group {min(self.group, head_dim)}")
         if head_dim is not None and (head_dim * self.bits) % 8:
             bad(f"head_dim {head_dim} does not pack into whole bytes at {self.bits} bits")
+        if self.kind == "quantspec" and (self.scheme != "quantspec" or self.bits != 8):
+            bad("the quantspec cache is the hierarchical INT4/INT8 store (scheme quantspec, 8 bits)")
+        if self.kind == "quantspec" and self.residual_len != 2 * self.group:
+            bad(f"the quantspec cache's full-precision buffer is two groups ({2 * self.group}), not {self.residual_len}")
         if self.kind == "specache":
             if self.k < 1:
                 bad(f"--k must be >= 1, got {self.k}")
@@ -532,7 +543,82 @@ class SpeCache(LowBitCache):
         return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again
 
 
-def build_caches(model, config: CacheConfig, batch: int, max_seq_len: int, meter: MemoryMeter):
+class QuantSpecCache(LowBitCache):
+    """QuantSpec's cache (quantspec.txt §4.2-4.3): one hierarchical store read two ways, the draft's
+    INT4 view (upper planes) and the target's INT8 view (both planes), and a double full-precision
+    buffer of two groups for the newest tokens: F1 (the older group, always full after prefill) and
+    F2 (new tokens). A round appends the draft's tokens one by one ("draft": INT4 view), then the
+    target's KV of the same tokens plus one ("verify": INT8 view, written over the draft's), and
+    `accept(n)` keeps the first n. Only verified tokens are ever quantized: when the buffer holds two
+    groups, F1 is quantized and F2 becomes F1. Rejected tokens are dropped, never quantized. All
+    counters are tensors: the draft, verify and accept steps are static-shape graphs."""
+
+    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig, gamma=4,
+                 meter=None):
+        # residual capacity: the two groups + one round's unverified tokens
+        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens=gamma + 1,
+                         meter=meter)
+        self.gamma = gamma
+        self.register_buffer("n_draft", torch.zeros((), dtype=torch.int64, device=self.k_codes.device), persistent=False)
+
+    def stored(self, view: int = 8) -> LowBitKV:
+        s = super().stored()
+        return s if view == 8 else s._replace(k_codes_lo=None, v_codes_lo=None)
+
+    def append_prefill(self, k, v, input_pos):
+        """Quantize whole groups, keeping between one and two groups of the newest tokens in fp."""
+        nq, nr, G = int(self.n_quant), int(self.res_len), self.group
+        k_all = torch.cat([self.k_res[:, :, :nr], k], 2)
+        v_all = torch.cat([self.v_res[:, :, :nr], v], 2)
+        n = k_all.shape[2]
+        n_q = max(0, (n - G) // G * G)  # leaves n - n_q in [G, 2G) once n >= G
+        if nq + n_q > self.capacity:
+            raise ValueError(f"sequence of {nq + n} tokens exceeds the cache capacity {self.capacity}")
+        if n_q:
+            self._quantize_into(k_all[:, :, :n_q], v_all[:, :, :n_q], torch.tensor(nq, device=k.device))
+        self.k_res[:, :, :n - n_q] = k_all[:, :, n_q:]
+        self.v_res[:, :, :n - n_q] = v_all[:, :, n_q:]
+        self.n_quant.fill_(nq + n_q)
+        self.res_len.fill_(n - n_q)
+
+    def forward(self, q, k, v, input_pos, mode="verify"):
+        if mode == "prefill":
+            return self.prefill(q, k, v, input_pos)
+        if mode not in ("draft", "verify"):
+            raise ValueError(f"the quantspec cache runs 'draft' and 'verify' steps, not {mode!r}")
+        T = k.shape[2]
+        draft = mode == "draft"
+        at = self.res_len + (self.n_draft if draft else 0)  # verify writes over the round's draft rows
+        rows = at + torch.arange(T, device=k.device)
+        self.k_res.index_copy_(2, rows, k)
+        self.v_res.index_copy_(2, rows, v)
+        out, _ = kernels.attention_lowbit(q, self.stored(4 if draft else 8), Residual(self.k_res, self.v_res, at + T),
+                                          None, self.sm_scale)
+        if draft:
+            self.n_draft.add_(T)
+        return out
+
+    def accept(self, n):
+        """Keep the first n (a 0-d tensor) of the round's verified tokens; quantize F1 when the
+        buffer reached two groups (static shape: otherwise into the scratch block)."""
+        G = self.group
+        self.res_len.add_(n)
+        self.n_draft.zero_()
+        full = self.res_len >= 2 * G
+        row0 = torch.where(full, self.n_quant, torch.full_like(self.n_quant, self.capacity))
+        self._quantize_into(self.k_res[:, :, :G], self.v_res[:, :, :G], row0)
+        C = self.k_res.shape[2]
+        for buf in (self.k_res, self.v_res):  # F2 becomes F1
+            buf[:, :, :C - G] = torch.where(full, buf[:, :, G:].clone(), buf[:, :, :C - G])
+        self.n_quant.add_(full.long() * G)
+        self.res_len.sub_(full.long() * G)
+
+    def read_bytes(self, step_tokens: int = 1, view: int = 8) -> int:
+        return kernels.lowbit_read_bytes(self.stored(view), int(self.n_quant)) + \
+            self.k_res[:, :, :1].nbytes * 2 * (int(self.res_len) + step_tokens)
+
+
+def build_caches(model, config: CacheConfig, batch: int, max_seq_len: int, meter: MemoryMeter, gamma: int = 4):
     """One cache per layer of `model` (on its device and dtype). Returns (caches, prefetcher or None)."""
     from prefetch import Prefetcher
 
@@ -546,6 +632,8 @@ def build_caches(model, config: CacheConfig, batch: int, max_seq_len: int, meter
         raise ValueError("low-bit caches do not implement sliding-window attention; use --cache full")
     if config.kind == "kivi":
         return model.setup_caches(lambda i: LowBitCache(*dims, config, meter=meter)), None
+    if config.kind == "quantspec":
+        return model.setup_caches(lambda i: QuantSpecCache(*dims, config, gamma=gamma, meter=meter)), None
     n_fetch = min(config.k, max_seq_len)  # k >= context fetches every row
     prefetcher = Prefetcher(args.n_layers, batch, args.n_kv_heads, max_seq_len, args.head_dim, n_fetch, dtype, device,
                             impl=config.fetch_impl)

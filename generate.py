@@ -42,14 +42,14 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch
 
 
 # ---- cache construction ------------------------------------------------------------------------------
-def setup_caches(model, config: CacheConfig | str = "specache", batch=1, max_seq_len=None):
+def setup_caches(model, config: CacheConfig | str = "specache", batch=1, max_seq_len=None, gamma=4):
     """Attach one cache per layer. `config`: a CacheConfig or its name. Returns (caches, prefetcher
     or None, meter). Raises ValueError on a configuration the model or the kernels cannot run."""
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     meter = MemoryMeter()
-    caches, prefetcher = build_caches(model, config, batch, max_seq_len or model.args.max_seq_len, meter)
+    caches, prefetcher = build_caches(model, config, batch, max_seq_len or model.args.max_seq_len, meter, gamma)
     meter.alloc(kv_device_bytes(caches))
     return caches, prefetcher, meter
 
@@ -217,6 +217,10 @@ def parse_args(argv=None):
     p.add_argument("--sample-top-k", type=int, default=None, help="sample from the k most likely tokens (not SpeCache's --k)")
     p.add_argument("--seed", type=int, default=0)
     cache_flags(p)
+    p.add_argument("--method", default="autoregressive", choices=["autoregressive", "quantspec"],
+                   help="quantspec: self-speculative decoding over the hierarchical cache (quantspec.py)")
+    p.add_argument("--gamma", type=int, default=4, help="QuantSpec: draft tokens per round")
+    p.add_argument("--draft-group", type=int, default=32, help="QuantSpec: INT4 weight group of the draft (32-256)")
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
@@ -263,6 +267,13 @@ def check_args(a):
             fail(f"{flag} must be >= {low}, got {value}")
     if a.temperature < 0:
         fail(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
+    if a.method == "quantspec":
+        if a.gamma < 0:
+            fail(f"--gamma must be >= 0, got {a.gamma}")
+        if a.batch_size != 1:
+            fail("--method quantspec decodes one sequence (--batch-size 1)")
+        if a.draft_group not in (32, 64, 128, 256):
+            fail(f"--draft-group must be 32, 64, 128 or 256, got {a.draft_group}")
     if a.sample_top_k is not None and a.temperature == 0:
         fail("--sample-top-k needs --temperature > 0 (greedy decoding ignores it)")
 
@@ -271,7 +282,11 @@ def main(argv=None):
     a = parse_args(argv)
     check_args(a)
     try:
+        if a.method == "quantspec" and a.cache in ("specache", "kivi", "full"):
+            a.cache = "quantspec"  # the method's own cache unless a quantspec name was given
         config = config_from_flags(a)
+        if a.method == "quantspec" and config.kind != "quantspec":
+            fail("--method quantspec runs on the quantspec cache (--cache quantspec[-gN])")
     except ValueError as e:
         fail(str(e))
     device = check_device(a.device)
@@ -292,12 +307,12 @@ def main(argv=None):
     if not text.strip():
         fail("the prompt is empty")
     ids = tok.encode_prompt(text, chat=a.chat)
-    seq_len = len(ids) + a.max_new_tokens + 1  # +1: the speculative token's slot
+    seq_len = len(ids) + a.max_new_tokens + 1 + (a.gamma if a.method == "quantspec" else 0)  # + lookahead slots
     if seq_len > model.args.max_seq_len:
         fail(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's max_seq_len "
              f"{model.args.max_seq_len}")
     try:
-        caches, prefetcher, meter = setup_caches(model, config, a.batch_size, seq_len)
+        caches, prefetcher, meter = setup_caches(model, config, a.batch_size, seq_len, gamma=max(a.gamma, 1))
     except ValueError as e:
         fail(str(e))
     step_fn = compile_step(device) if a.compile else decode_step
@@ -320,11 +335,22 @@ def main(argv=None):
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     resync = config.kind == "specache" and config.fetch == "resync"
-    out, stats = generate(model, prompt, a.max_new_tokens, speculative=config.two_tokens, step_fn=step_fn,
+    if a.method == "quantspec":
+        import quantspec
+        draft = quantspec.make_draft(model, a.draft_group)
+        quantspec.share_caches(draft, model)
+        out, stats = quantspec.generate_quantspec(
+            model, draft, prompt, a.max_new_tokens, a.gamma, temperature=a.temperature, eos_ids=tok.eos_ids,
+            chunk=a.prefill_chunk, on_token=on_token, sync=sync,
+            steps=quantspec.compile_steps(device, a.gamma) if a.compile else None)
+        stats.update(spec_exact_hit_rate=None, resyncs=0)
+    else:
+        out, stats = generate(model, prompt, a.max_new_tokens, speculative=config.two_tokens, step_fn=step_fn,
                           temperature=a.temperature, top_k=a.sample_top_k, eos_ids=tok.eos_ids,
                           chunk=a.prefill_chunk, on_token=on_token, progress=progress, sync=sync,
                           prefill_model=prefill_model, resync=resync,
                           predecode_fn=compile_step(device, pre_decode) if a.compile and resync else pre_decode)
+        stats.update(acceptance_rate=None)
     rows = [[int(x) for x in row] for row in out]
     for row in rows:  # cut at the first eos
         for i, t in enumerate(row):
@@ -346,6 +372,8 @@ def main(argv=None):
         "kv_peak_prefill_device_bytes": meter.peak,
         "cache": config.name, "config": config.as_dict(),
         "spec_exact_hit_rate": stats["spec_exact_hit_rate"], "resyncs": stats["resyncs"],
+        "method": a.method, "acceptance_rate": stats["acceptance_rate"],
+        "gamma": a.gamma if a.method == "quantspec" else None,
         "bytes_fetched_per_step": prefetcher.bytes_per_step() if prefetcher else 0,
     }
     mib = 2 ** 20

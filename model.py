@@ -177,15 +177,15 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, mode: str = "decode") -> torch.Tensor:
         """idx: [B, T] token ids, input_pos: [T] absolute positions. Returns logits [B, T, vocab] (fp32).
-        `mode` tells the caches what the step is: "prefill", "decode", or "predecode" (SpeCache's
-        Algorithm 2: attend and pick top-k, keep nothing)."""
+        `mode` tells the caches what the step is: "prefill", "decode", "predecode" (SpeCache's
+        Algorithm 2: attend and pick top-k, keep nothing), or QuantSpec's "draft" / "verify"."""
         rope = self.rope[input_pos]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, rope, input_pos, mode)
         x = self.norm(x)
-        w = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(x, w).float()
+        logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        return logits.float()
 
 
 def read_config(ckpt_dir) -> ModelArgs:

@@ -200,6 +200,26 @@ def dequantize_hier_values(codes_hi, codes_lo, scale, zero, group, view_bits=8, 
     return _dequantize_hier(codes_hi, codes_lo, scale, zero, group, "channels", view_bits, dtype)
 
 
+# ---- QuantSpec's draft weights: group-wise INT4, weight-only (quantspec.txt §4.1) -------------------
+def quantize_weight_int4(w: torch.Tensor, group: int):
+    """w [N, K] -> (codes uint8 [N, K] in [0, 15], scale, zero [N, K // group] fp32) with
+    w ~ code * scale + zero per group of `group` input features (eq. 2 at 4 bits, asymmetric RTN)."""
+    N, K = w.shape
+    if K % group:
+        raise ValueError(f"in_features {K} is not a multiple of the weight group {group}")
+    wg = w.float().reshape(N, K // group, group)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = (hi - lo) / 15
+    codes = _round_clamp((wg - lo) / torch.where(scale == 0, 1.0, scale), 0, 15)
+    return codes.to(torch.uint8).reshape(N, K), scale.squeeze(-1), lo.squeeze(-1)
+
+
+def dequantize_weight_int4(codes, scale, zero, group, dtype=torch.float32):
+    N, K = codes.shape
+    w = codes.float().reshape(N, K // group, group) * scale[..., None] + zero[..., None]
+    return w.reshape(N, K).to(dtype)
+
+
 # ---- memory accounting ----------------------------------------------------------------------------
 def quantized_bytes(kind, bits, group, head_dim, meta_dtype=torch.float16):
     """Bytes per token per kv head of the quantized copy: packed codes + amortized scale and zero.
