@@ -33,14 +33,23 @@ SCHEMES = ("kivi", "zipcache", "quantspec")
 # which rows the fetch holds for the real token of a step (SpeCache's methods of the same names)
 POLICIES = ("speculative", "sequential", "oracle", "lag", "union", "resync")
 FETCH_IMPLS = ("uva", "staged")
+# Presets (--preset NAME, or NAME as a part of a cache name): defaults for a SpeCache configuration;
+# the name's other parts and explicit flags win over them. "paper" is Algorithm 3 with §4.1's settings
+# (the default); "best" is every choice the measurements on the default model favour (README,
+# "Speculation quality": eval.py hitrate / ppl / niah).
+PRESETS = {
+    "paper": dict(fetch="speculative", group=64, k=64, residual=None, sinks=0),
+    "best": dict(fetch="resync", group=32, k=64, residual=None, sinks=4),
+}
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """One KV cache configuration. Name grammar (parts after the kind in any order):
-        full | (kivi|specache)[-<N>bit][-zipcache|-quantspec][-orig][-<policy>][-k<N>][-g<N>][-r<N>]
-    e.g. "kivi-2bit", "specache-1bit-oracle", "specache-2bit-k128-r64". `name` is the canonical
-    form (defaults left out), which eval.py and bench.py use as a label."""
+        full | (kivi|specache)[-<N>bit][-zipcache|-quantspec][-orig][-<policy>][-k<N>][-g<N>][-r<N>][-sink<N>]
+        specache-...-(paper|best): a preset (PRESETS) under the name's other parts
+    e.g. "kivi-2bit", "specache-1bit-oracle", "specache-2bit-k128-r64", "specache-1bit-best". `name`
+    is the canonical form (defaults left out, presets spelled out), which eval and bench use as a label."""
     kind: str = "specache"
     bits: int = 1            # bits per code (QuantSpec: 4 = upper planes, 8 = both planes)
     group: int = 64          # key group (tokens) and value group (channels, capped at head_dim)
@@ -88,13 +97,24 @@ class CacheConfig:
         return -(-base // self.group) * self.group
 
     @classmethod
-    def from_name(cls, name: str, **overrides) -> "CacheConfig":
-        """Parse a name; keyword overrides (e.g. CLI flags that were given) win. Raises ValueError."""
+    def from_name(cls, name: str, preset: Optional[str] = None, **overrides) -> "CacheConfig":
+        """Parse a name; a preset (PRESETS) sets defaults under the name's parts, and keyword
+        overrides (e.g. CLI flags that were given) win over both. Raises ValueError."""
         parts = [p for p in str(name).strip().lower().split("-") if p]
         if not parts or parts[0] not in KINDS:
             raise ValueError(f"unknown cache {name!r}: a name starts with one of {', '.join(KINDS)} "
                              f"(e.g. kivi-2bit, specache-1bit-oracle)")
         kw = dict(kind=parts[0])
+        presets = [p for p in parts[1:] if p in PRESETS] + ([preset] if preset else [])
+        if len(presets) > 1:
+            raise ValueError(f"cache {name!r}: one preset at a time, got {', '.join(presets)}")
+        for p in presets:
+            if p not in PRESETS:
+                raise ValueError(f"unknown preset {p!r} ({', '.join(PRESETS)})")
+            if kw["kind"] != "specache":
+                raise ValueError(f"cache {name!r}: the presets ({', '.join(PRESETS)}) are SpeCache configurations")
+            kw.update({k: v for k, v in PRESETS[p].items() if v is not None})
+        parts = [p for p in parts if p not in PRESETS]
         patterns = [(r"(\d+)bit", "bits", int), (r"k(\d+)", "k", int), (r"g(\d+)", "group", int),
                     (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int)]
         for p in parts[1:]:

@@ -187,6 +187,9 @@ def cache_flags(p):
     """The cache options every entry point shares: a name (cache.CacheConfig) and field overrides."""
     p.add_argument("--cache", default="specache",
                    help="full | kivi | specache, or a full name such as specache-2bit-oracle (see cache.CacheConfig)")
+    p.add_argument("--preset", default=None, choices=["paper", "best"],
+                   help="SpeCache settings: paper (Algorithm 3, §4.1; the default) or best (what the README's "
+                        "measurements favour: resync fetch, 4 sinks, key group 32); the name's parts and flags win")
     p.add_argument("--bits", type=int, default=None, help="bits per code (default: the name's, else 1)")
     p.add_argument("--group", type=int, default=None, help="quantization group (default 64)")
     p.add_argument("--residual", type=int, default=None, help="fp residual window (default 128 kivi, 64 specache)")
@@ -201,7 +204,7 @@ def cache_flags(p):
 
 
 def config_from_flags(a) -> CacheConfig:
-    return CacheConfig.from_name(a.cache, bits=a.bits, group=a.group, residual=a.residual, k=a.k, fetch=a.fetch,
+    return CacheConfig.from_name(a.cache, preset=a.preset, bits=a.bits, group=a.group, residual=a.residual, k=a.k, fetch=a.fetch,
                                  one_bit=a.one_bit, scheme=a.quant, fetch_impl=a.fetch_impl, sinks=a.sinks)
 
 

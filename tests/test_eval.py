@@ -283,3 +283,20 @@ def test_method_sweeps_and_labels():
     assert ev.expand_methods("specache-1bit", groups=[128])[0].residual_len == 128  # residual a multiple of group
     a = ev.parse_args(["ppl", "--out", "x", "--quick", "--k", "16,32"])
     assert a.lengths == [1024, 2048] and a.n_eval == 64 and {m.k for m in a.method_list} == {64, 16, 32}
+
+
+def test_presets():
+    """A preset sets SpeCache defaults; the name's own parts and explicit fields win; the canonical
+    name spells the preset out; presets are SpeCache-only and one at a time."""
+    from cache import PRESETS, CacheConfig as C
+    assert C.from_name("specache-1bit-paper") == C.from_name("specache-1bit") == C("specache", bits=1)
+    best = C.from_name("specache-2bit-best")
+    assert all(getattr(best, f) == v for f, v in PRESETS["best"].items() if v is not None) and best.bits == 2
+    assert best == C.from_name("specache-2bit", preset="best") and C.from_name(best.name) == best
+    assert C.from_name("specache-1bit-best-k128").k == 128 and C.from_name("specache-1bit-best", k=96).k == 96
+    assert C.from_name("specache-1bit-resync", preset="paper").fetch == "resync"  # the name wins
+    assert ev.expand_methods("specache-1bit-best", ks=[16])[0] == C.from_name("specache-1bit-best-k16")
+    for name, kw, msg in (("kivi-1bit-best", {}, "SpeCache configurations"), ("specache-best-paper", {}, "one preset"),
+                          ("specache", {"preset": "good"}, "unknown preset")):
+        with pytest.raises(ValueError, match=msg):
+            C.from_name(name, **kw)

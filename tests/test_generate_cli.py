@@ -36,6 +36,7 @@ def run_json(ckpt, capsys, *args):
     (["--cache", "specache-3bit"], "--bits 3 is not available"),
     (["--cache", "h2o"], "unknown cache 'h2o'"),
     (["--fetch", "magic"], "unknown fetch policy 'magic'"),
+    (["--cache", "kivi", "--preset", "best"], "are SpeCache configurations"),
 ])
 def test_bad_input_is_one_clear_line(ckpt, args, message):
     with pytest.raises(SystemExit) as e:
@@ -78,6 +79,13 @@ def test_json_contract(ckpt, capsys):
     full = run_json(ckpt, capsys, "--prompt", "What is the capital of France?", "--chat", "--cache", "full")
     assert full["kv_host_bytes"] == 0 and full["kv_fp16_bytes"] == r["kv_fp16_bytes"]
     assert full["text"] == r["text"]  # a short prompt never leaves the fp residual: identical
+
+
+def test_preset_flag_names_the_config(ckpt, capsys):
+    from cache import CacheConfig
+    r = run_json(ckpt, capsys, "--prompt", "What is the capital of France?", "--chat", "--preset", "best", "--k", "32")
+    assert r["cache"] == CacheConfig.from_name("specache-1bit-best-k32").name and r["config"]["k"] == 32
+    assert r["config"]["fetch"] == "resync" and "Paris" in r["text"]
 
 
 def test_batched_tokens_are_a_list_per_row(ckpt, capsys):
