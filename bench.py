@@ -177,6 +177,59 @@ class Runner:
         return self.rows[key]
 
 
+# ---- QuantSpec ------------------------------------------------------------------------------------------
+def draft_weight_bytes(draft) -> int:
+    """Bytes of the draft's weights one draft step reads: INT4 codes (half a byte each) and bf16
+    (scale, zero) pairs of every Int4Linear, plus the norms (the embedding is only looked up)."""
+    from quantspec import Int4Linear
+    n = 0
+    for m in draft.modules():
+        if isinstance(m, Int4Linear):
+            n += m.out_features * m.in_features // 2 + m.scales_zeros.numel() * 2
+    return n + sum(p.nbytes for name, p in draft.named_parameters() if "norm" in name)
+
+
+@torch.no_grad()
+def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
+    """Decode speed of QuantSpec against autoregressive decoding: the full cache (one token per step),
+    the target alone over the quantspec cache (gamma 0: INT8 view), and each draft length, over the
+    same prompt and a.steps generated tokens (greedy). The byte floors count what one round reads:
+    gamma draft steps (INT4 weights + upper INT4 planes) and one verify step of gamma + 1 tokens
+    (the model's weights + both planes), divided by the tokens the round yields."""
+    import quantspec
+    device = model.tok_embeddings.weight.device
+    draft = quantspec.make_draft(model, a.draft_group)
+    prompt = torch.tensor([ids[:context]], device=device)
+    n_new = a.warmup + a.steps
+    sync = lambda: measure.synchronize(device)  # noqa: E731
+    rows = []
+    full = run_config(model, "full", context, 1, ids, a, bw)
+    rows.append(dict(method="autoregressive, full cache", context=context, gamma=None, acceptance=None,
+                     tokens_per_round=1.0, tok_s=full["tok_s"], read_bytes_per_token=full["read_bytes_per_step"]))
+    for g in a.gammas:
+        if a.compile:
+            torch._dynamo.reset()
+        steps = quantspec.compile_steps(device, g) if a.compile else None
+        for n in (a.warmup + 1, n_new):  # a warm-up run (compiles), then the measured one on fresh caches
+            caches, _, _ = generate.setup_caches(model, "quantspec", 1, context + n_new + g + 2, gamma=max(g, 1))
+            quantspec.share_caches(draft, model)
+            out, st = quantspec.generate_quantspec(model, draft, prompt, n, g, steps=steps, sync=sync)
+        per_round = (st["accepted"] + st["rounds"]) / max(1, st["rounds"])
+        c = caches[0]
+        draft_read = draft_weight_bytes(draft) + sum(x.read_bytes(1, view=4) for x in caches)
+        verify_read = weight_bytes(model) + sum(x.read_bytes(g + 1, view=8) for x in caches)
+        per_token = (g * draft_read + verify_read) / per_round
+        rows.append(dict(method=f"quantspec gamma {g}" + (" (target alone, INT8 view)" if g == 0 else ""),
+                         context=context, gamma=g, acceptance=st["acceptance_rate"], tokens_per_round=per_round,
+                         tok_s=st["decode_tok_s"], draft_read_bytes=draft_read, verify_read_bytes=verify_read,
+                         read_bytes_per_token=per_token, n_quant=int(c.n_quant), tokens=out[0].tolist()))
+        print(f"#   quantspec gamma {g} context {context}: {st['decode_tok_s']:.1f} tok/s, "
+              f"acceptance {st['acceptance_rate']}", file=sys.stderr, flush=True)
+    for r in rows:
+        r["floor_ms_per_token_h100"] = 1e3 * r["read_bytes_per_token"] / (H100_GBS * 1e9)
+    return rows
+
+
 # ---- kernels alone -------------------------------------------------------------------------------------
 @torch.no_grad()
 def kernel_rows(model, context: int, a, bw) -> list[dict]:
@@ -415,6 +468,16 @@ def report(res: dict) -> str:
                              f"{r['vs_full']:.2f}x" if r["vs_full"] else "-", f"{r['vs_kivi']:.2f}x" if r["vs_kivi"] else "-",
                              mb(r["kv_device_bytes"])] for r in b.get("fixed", [])]))
         md.append("")
+    if res.get("quantspec"):
+        md += ["## QuantSpec vs autoregressive decoding (batch 1, greedy)", ""]
+        md.append(md_table(["method", "context", "acceptance", "tokens/round", "tok/s", "read MiB/token",
+                            "H100 floor ms/token"],
+                           [[r["method"], r["context"], "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%",
+                             f"{r['tokens_per_round']:.2f}", f"{r['tok_s']:.1f}", mb(r["read_bytes_per_token"]),
+                             f"{r['floor_ms_per_token_h100']:.3f}"] for r in res["quantspec"]]))
+        md += ["", "read MiB/token: (gamma x one draft step's reads + one verify step's reads) / tokens per round; "
+               "a draft step reads INT4 weights and the upper INT4 planes, the verify step the model's weights and "
+               "both planes. Acceptance with random weights says nothing about a trained model.", ""]
     if res.get("hf"):
         md += [f"## Side by side with transformers (context {res['hf_context']}, batch 1)", ""]
         md.append(md_table(["run", "prefill s", "step ms (min)", "tok/s"],
@@ -440,13 +503,13 @@ def ratio_rows(grid) -> list[dict]:
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------
-def int_list(s):
+def int_list(s, low=1):
     try:
         values = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {s!r}")
+    if not values or min(values) < low:
+        raise argparse.ArgumentTypeError(f"expected integers >= {low}, got {s!r}")
     return values
 
 
@@ -483,7 +546,10 @@ def parse_args(argv=None):
     p.add_argument("--max-run-batch", type=int, default=None, help="cap the batch actually run (default 4 on CPU)")
     p.add_argument("--hf", action="store_true", help="side by side with transformers generate() (batch 1)")
     p.add_argument("--hf-context", type=int, default=4096)
-    p.add_argument("--no-grid", action="store_true", help="only the budget / HF / kernel sections")
+    p.add_argument("--no-grid", action="store_true", help="only the budget / HF / kernel / QuantSpec sections")
+    p.add_argument("--quantspec", action="store_true", help="QuantSpec vs autoregressive decoding (and skip the grid)")
+    p.add_argument("--gammas", type=lambda s: int_list(s, 0), default=[0, 1, 2, 4, 6], help="QuantSpec draft lengths")
+    p.add_argument("--draft-group", type=int, default=32, choices=[32, 64, 128, 256], help="QuantSpec INT4 weight group")
     p.add_argument("--profile-steps", type=int, default=None, help="CUDA: profiled steps after the timed ones (default 3)")
     p.add_argument("--bandwidth-mb", type=int, default=256, help="tensor size of the bandwidth measurement")
     p.add_argument("--quick", action="store_true", help="1k context, eager unless --compile, small budget, HF at 1k")
@@ -558,7 +624,9 @@ def main(argv=None):
     runner = Runner(model, ids, a, res["bandwidth"])
     if a.kernels:
         res["kernels"] = [row for ctx in a.contexts for row in kernel_rows(model, ctx, a, res["bandwidth"])]
-    elif not a.no_grid:
+    if a.quantspec:
+        res["quantspec"] = [row for ctx in a.contexts for row in quantspec_rows(model, ids, ctx, a, res["bandwidth"])]
+    if not (a.no_grid or a.kernels or a.quantspec):
         for ctx in a.contexts:
             for b in a.batch_sizes:
                 for c in a.caches:

@@ -10,6 +10,7 @@ and scorers are in tasks.py; this file runs them through generate.py and writes 
     python eval.py ppl --methods kivi-1bit,kivi-1bit-orig,specache-1bit,specache-1bit-orig --out results/ppl
     python eval.py hitrate --methods specache-1bit,specache-2bit --out results/hitrate
     python eval.py niah --methods specache-1bit --k 16,32,64,128 --out results/k-sweep   # Figure 5-style sweep
+    python eval.py quantspec --lengths 4000,8000 --gammas 0,1,2,4,6 --out results/quantspec    # acceptance rates
 
 Every subcommand appends one JSON line per finished cell to OUT/results.jsonl (a rerun with the
 same OUT skips the cells already there, so an interrupted run resumes), rewrites OUT/results.md,
@@ -446,6 +447,61 @@ def cmd_hitrate(a, runner, methods, results):
     write_hitrate_report(results)
 
 
+def cmd_quantspec(a, runner, methods, results):
+    """QuantSpec's acceptance rate by draft length (quantspec.txt Table 3's measure): greedy summaries
+    of essay windows, gamma = 0 (the target alone over the same cache) as the reference every gamma
+    must equal token for token."""
+    import quantspec
+    bad = [m.name for m in methods if m.kind != "quantspec"]
+    if bad:
+        raise SystemExit(f"error: quantspec runs the quantspec cache (quantspec[-gN]), not {', '.join(bad)}")
+    draft = quantspec.make_draft(runner.model, a.draft_group)
+    cells = [(dict(base_fields("quantspec", a, m), length=L, sample=i, gamma=g, max_new=a.max_new_tokens,
+                   draft_group=a.draft_group), m)
+             for L in a.lengths for i in range(a.samples) for m in methods for g in a.gammas]
+
+    def run(f, m):
+        ids = runner.encode_prompt(summary_prompt(runner.tok, f["length"], f["sample"]))
+        g = f["gamma"]
+        seq_len = runner.fixed_len or len(ids) + f["max_new"] + g + 2
+        runner.gen.setup_caches(runner.model, m, 1, seq_len, gamma=max(g, 1))
+        quantspec.share_caches(draft, runner.model)
+        steps = quantspec.compile_steps(runner.device, g) if a.compile else None
+        out, st = quantspec.generate_quantspec(runner.model, draft, runner.torch.tensor([ids], device=runner.device),
+                                               f["max_new"], g, eos_ids=runner.tok.eos_ids, steps=steps,
+                                               prefill_fn=runner.replay)
+        return dict(label=label(m), tokens=[int(t) for t in out[0]], prompt_tokens=len(ids),
+                    acceptance=st["acceptance_rate"], rounds=st["rounds"], accepted=st["accepted"],
+                    drafted=st["drafted"], decode_tok_s=round(st["decode_tok_s"], 2))
+
+    run_cells(cells, results, run, "quantspec")
+    write_quantspec_report(results)
+
+
+def write_quantspec_report(results: Results):
+    recs = results.of("quantspec")
+    rows = []
+    for lb in labels_of(recs):
+        for L in sorted({r["length"] for r in where(recs, label=lb)}):
+            ref = {r["sample"]: r["tokens"] for r in where(recs, label=lb, length=L, gamma=0)}
+            for g in sorted({r["gamma"] for r in where(recs, label=lb, length=L)}):
+                rs = where(recs, label=lb, length=L, gamma=g)
+                same = [r["tokens"] == ref[r["sample"]] for r in rs if r["sample"] in ref]
+                acc = sum(r["accepted"] for r in rs) / max(1, sum(r["drafted"] for r in rs))
+                per_round = sum(r["accepted"] + r["rounds"] for r in rs) / max(1, sum(r["rounds"] for r in rs))
+                rows.append([lb, L, g, len(rs), pct(acc) if g else None, per_round,
+                             f"{sum(same)}/{len(same)}" if same else None, mean([r["decode_tok_s"] for r in rs])])
+    results.write_md("QuantSpec: acceptance by draft length",
+                     "Greedy summaries of essay windows (chat template). acceptance = accepted drafts / drafted "
+                     "(quantspec.txt's acceptance rate); tokens per round = accepted + 1 (the target's own token); "
+                     "= gamma 0: outputs equal to the target decoding alone over the same cache (INT8 view), token "
+                     "for token, which greedy QuantSpec must give; tok/s on this machine (CPU timings are not the "
+                     "GPU's: the draft's INT4 matmuls and the INT4-plane reads only pay off where decoding is bound "
+                     "by memory bandwidth).",
+                     md_table(["method", "length", "gamma", "n", "acceptance %", "tokens per round", "= gamma 0",
+                               "decode tok/s"], rows))
+
+
 def step_mean(recs, key, lo=1, hi=None):
     """Mean of a per-step series over decode steps lo..hi (1-based, inclusive) of all records."""
     return mean([float(v) for r in recs for i, v in enumerate(r.get(key) or [], 1)
@@ -526,6 +582,7 @@ QUICK = {  # a few minutes each on 1 CPU thread with SmolLM2-135M, still showing
                   tasks="niah_single_1,niah_single_2,niah_multikey_2,niah_multivalue,vt,qa_squad"),
     "ppl": dict(methods="full,kivi-1bit,specache-1bit", lengths="1024,2048", n_eval=64, windows=1),
     "hitrate": dict(methods="specache-1bit,specache-2bit", lengths="2000", samples=1, steps=120),
+    "quantspec": dict(lengths="1000", samples=1, gammas="0,2,4", max_new_tokens=32),
 }
 DEFAULTS = {
     "niah": dict(methods="full,kivi-1bit,specache-1bit", lengths="1000,2000,3000,4000", depths="0,0.25,0.5,0.75,1.0"),
@@ -533,6 +590,7 @@ DEFAULTS = {
     "ppl": dict(methods="full,kivi-1bit,kivi-1bit-orig,specache-1bit,specache-1bit-orig", lengths="2048,4096,8192",
                 n_eval=256, windows=2),
     "hitrate": dict(methods="specache-1bit,specache-2bit", lengths="4000", samples=2, steps=500),
+    "quantspec": dict(methods="quantspec", lengths="4000,8000", samples=2, gammas="0,1,2,4,6", max_new_tokens=128),
 }
 SUBCOMMANDS = {  # name: (help, its own options)
     "niah": ("needle in a haystack grid + heatmap", [
@@ -550,6 +608,11 @@ SUBCOMMANDS = {  # name: (help, its own options)
         ("--samples", dict(type=int, default=None)),
         ("--steps", dict(type=int, default=None, help="decode steps (stops earlier at EOS)")),
         ("--prompts", dict(default="essay", help="essay (summaries), needle (NIAH prompts), or both: essay,needle"))]),
+    "quantspec": ("QuantSpec acceptance rates by draft length (quantspec cache)", [
+        ("--samples", dict(type=int, default=None)),
+        ("--gammas", dict(default=None, help="draft lengths (0 = the target alone, the reference)")),
+        ("--draft-group", dict(type=int, default=32, choices=[32, 64, 128, 256], help="INT4 weight group")),
+        ("--max-new-tokens", dict(type=int, default=None))]),
 }
 
 
@@ -590,6 +653,8 @@ def parse_args(argv=None):
         a.depths = [float(x) for x in a.depths.split(",")]
         if any(not 0 <= d <= 1 for d in a.depths):
             raise SystemExit("error: --depths are fractions in [0, 1]")
+    if a.cmd == "quantspec":
+        a.gammas = parse_int_list(a.gammas, "gammas", low=0)
     for flag in ("samples", "steps", "n_eval", "windows", "max_new_tokens", "threads", "prefill_chunk", "stride"):
         value = getattr(a, flag, None)
         if value is not None and value < 1:
@@ -614,7 +679,8 @@ def main(argv=None):
     runner = Runner(a)
     results = Results(a.out)
     print(f"{a.cmd}: {', '.join(label(m, a.method_list) for m in a.method_list)} -> {a.out}", file=sys.stderr)
-    {"niah": cmd_niah, "ruler": cmd_ruler, "ppl": cmd_ppl, "hitrate": cmd_hitrate}[a.cmd](a, runner, a.method_list, results)
+    {"niah": cmd_niah, "ruler": cmd_ruler, "ppl": cmd_ppl, "hitrate": cmd_hitrate,
+     "quantspec": cmd_quantspec}[a.cmd](a, runner, a.method_list, results)
     print((results.dir / "results.md").read_text())
 
 

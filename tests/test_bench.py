@@ -216,3 +216,24 @@ def test_random_weights_of_a_known_config_and_kernel_table(tmp_path):
     assert any("top-k" in n for n in names) and any("fetch" in n for n in names)
     for r in res["kernels"]:
         assert r["bytes"] > 0 and r["us"] > 0 and r["floor_us_h100"] == pytest.approx(r["bytes"] / 3350e9 * 1e6)
+
+
+def test_quantspec_section(tmp_path, model):
+    """--quantspec: the full-cache baseline, the target alone (gamma 0) and each gamma, with the same
+    greedy tokens for every gamma, and read bytes per token from the draft's and the verify step's reads."""
+    from safetensors.torch import save_file
+    ckpt = tmp_path / "tiny"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps(asdict(model.args)))
+    res = bench.main(["--checkpoint", str(ckpt), "--contexts", "300", "--quantspec", "--gammas", "0,2,4",
+                      "--warmup", "1", "--steps", "20", "--bandwidth-mb", "8", "--threads", "1"])
+    rows = res["quantspec"]
+    assert [r["gamma"] for r in rows] == [None, 0, 2, 4] and not res["grid"]
+    assert rows[1]["tokens"] == rows[2]["tokens"] == rows[3]["tokens"] and rows[1]["n_quant"] > 0
+    for r in rows[1:]:
+        assert r["draft_read_bytes"] < r["verify_read_bytes"]
+        assert r["read_bytes_per_token"] == pytest.approx(
+            (r["gamma"] * r["draft_read_bytes"] + r["verify_read_bytes"]) / r["tokens_per_round"])
+    assert rows[1]["tokens_per_round"] == 1.0 and rows[1]["acceptance"] is None
+    assert "## QuantSpec vs autoregressive decoding" in bench.report(res)

@@ -300,3 +300,30 @@ def test_presets():
                           ("specache", {"preset": "good"}, "unknown preset")):
         with pytest.raises(ValueError, match=msg):
             C.from_name(name, **kw)
+
+
+def test_quantspec_subcommand_reports_acceptance_and_equality(tmp_path, monkeypatch):
+    """eval.py quantspec on a tiny model: every gamma's greedy output equals gamma 0's (the report
+    says n/n) and the acceptance rate is the accepted share of the drafted tokens."""
+    import random
+    from types import SimpleNamespace
+
+    r = tiny_runner()
+    r.replay = ev.PrefillReplay()
+    r.encode_prompt = lambda text: [int(t) for t in text.split()]
+    monkeypatch.setattr(ev, "summary_prompt", lambda tok, L, i: " ".join(
+        str(random.Random(L + i).randrange(256)) for _ in range(L)))
+    a = SimpleNamespace(checkpoint=tmp_path / "tiny", draft_group=32, lengths=[150], samples=2, gammas=[0, 1, 3],
+                        max_new_tokens=40, compile=False)
+    results = ev.Results(tmp_path)
+    ev.cmd_quantspec(a, r, ev.expand_methods("quantspec-g16"), results)
+    recs = results.of("quantspec")
+    assert len(recs) == 6 and all(x["drafted"] == x["gamma"] * x["rounds"] for x in recs)
+    md = (tmp_path / "results.md").read_text()
+    for g in (1, 3):
+        rs = [x for x in recs if x["gamma"] == g]
+        acc = 100 * sum(x["accepted"] for x in rs) / sum(x["drafted"] for x in rs)
+        assert f"| quantspec-g16 | 150 | {g} | 2 | {acc:.1f} |" in md
+    assert md.count(" 2/2 |") == 3  # gamma 0, 1 and 3 all give gamma 0's tokens
+    with pytest.raises(SystemExit, match="quantspec cache"):
+        ev.cmd_quantspec(a, r, ev.expand_methods("kivi-2bit"), results)
