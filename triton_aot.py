@@ -204,6 +204,17 @@ def cases(quick=False):
                 kernels.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), c.stored(), cfg.k, c.sm_scale, fetched)
         return run
 
+    def quantspec_case(dtype, D, gamma=4):
+        def run():  # the draft's one-token step over the INT4 view, the verify step over the INT8 view
+            from cache import QuantSpecCache
+            c = QuantSpecCache(1, 2, 1024, D, dtype, torch.device("cpu"), CacheConfig.from_name("quantspec"), gamma)
+            c.n_quant.fill_(512)
+            c.res_len.fill_(130)
+            for view, T in ((4, 1), (8, gamma + 1)):
+                q = torch.zeros(1, 8, T, D, dtype=dtype)
+                kernels.attention_lowbit_triton(q, c.stored(view), c.residual_rows(T), None, c.sm_scale)
+        return run
+
     def rows_case(dtype, D):
         def run():  # the three ways SpeCache calls the transfer
             host = [torch.zeros(1, 2, 256, D, dtype=dtype) for _ in range(2)]
@@ -227,6 +238,7 @@ def cases(quick=False):
             if not quick:
                 out.append((f"kivi-{bits}bit {dn} D128 T1", step_case(f"kivi-{bits}bit", dtype, 128, T=1)))
         out.append((f"specache-8bit-quantspec {dn}", step_case("specache-8bit-quantspec", dtype, 128)))
+        out.append((f"quantspec draft/verify {dn}", quantspec_case(dtype, 128)))
         out.append((f"specache-2bit-zipcache {dn}", step_case("specache-2bit-zipcache", dtype, 128)))
         out.append((f"specache-1bit {dn} D64 G3", step_case("specache-1bit", dtype, 64, G=3)))
         out.append((f"rows {dn}", rows_case(dtype, 128)))
