@@ -16,6 +16,7 @@
 Byte accounting is exact: `device_bytes()` sums the tensors that live on the compute device and
 `read_bytes(T)` is what a decode step of T tokens reads from them (the kernels' byte floor).
 """
+import math
 import re
 from dataclasses import dataclass, fields, replace
 from typing import Optional
@@ -39,7 +40,7 @@ FETCH_IMPLS = ("uva", "staged")
 # "Speculation quality": eval.py hitrate / ppl / niah).
 PRESETS = {
     "paper": dict(fetch="speculative", group=64, k=64, residual=None, sinks=0),
-    "best": dict(fetch="resync", group=32, k=64, residual=None, sinks=4),
+    "best": dict(fetch="resync", group=32, k=96, residual=32, sinks=4),
 }
 
 
@@ -60,6 +61,13 @@ class CacheConfig:
     one_bit: str = "improved"  # 1-bit zero/scale: eq. 3 ("improved") or eq. 2 ("kivi", Table 5)
     fetch_impl: str = "uva"  # CUDA transfer: Triton gather over UVA, or "staged" (eager only)
     sinks: int = 0           # SpeCache: the first tokens (attention sinks) kept in fp16 on the device
+    salient: float = 0.0     # ZipCache mixed precision: share of each key group's tokens kept at bits_salient
+    bits_salient: int = 0    # ... their bit-width (default bits + 2)
+
+    @property
+    def n_ref(self) -> int:
+        """ZipCache mixed precision: salient (refined) tokens per key group."""
+        return round(self.salient * self.group)
 
     @property
     def residual_len(self) -> int:
@@ -85,6 +93,7 @@ class CacheConfig:
         parts += [f"g{self.group}"] if self.group != 64 else []
         parts += [f"r{self.residual}"] if self.residual is not None and self.residual != self.residual_len_default else []
         parts += [f"sink{self.sinks}"] if self.sinks else []
+        parts += [f"s{round(100 * self.salient)}", f"hi{self.bits_salient}"] if self.salient else []
         return "-".join(parts)
 
     @property
@@ -116,7 +125,8 @@ class CacheConfig:
             kw.update({k: v for k, v in PRESETS[p].items() if v is not None})
         parts = [p for p in parts if p not in PRESETS]
         patterns = [(r"(\d+)bit", "bits", int), (r"k(\d+)", "k", int), (r"g(\d+)", "group", int),
-                    (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int)]
+                    (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int), (r"s(\d+)", "salient", lambda p: int(p) / 100),
+                    (r"hi(\d+)", "bits_salient", int)]
         for p in parts[1:]:
             if kw["kind"] == "full":
                 raise ValueError(f"cache {name!r}: the full cache takes no options")
@@ -135,11 +145,13 @@ class CacheConfig:
                     raise ValueError(f"cache {name!r}: {p!r} is a SpeCache fetch policy; use specache-...-{p}")
                 else:
                     raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
-                                     f"orig, {'/'.join(POLICIES)} for specache, kN, gN, rN, sinkN)")
+                                     f"orig, {'/'.join(POLICIES)} for specache, kN, gN, rN, sinkN, sN (salient %), hiN)")
         kw.update({k: v for k, v in overrides.items() if v is not None})
         if kw["kind"] == "quantspec":  # the hierarchical INT4/INT8 store is what QuantSpec is
             kw.setdefault("scheme", "quantspec")
             kw.setdefault("bits", 8)
+        if kw.get("salient") and not kw.get("bits_salient"):
+            kw["bits_salient"] = kw.get("bits", 1) + 2
         return cls(**kw).validated()
 
     def validated(self, head_dim: Optional[int] = None) -> "CacheConfig":
@@ -184,7 +196,32 @@ class CacheConfig:
                 bad(f"--sinks ({self.sinks}) must fit in the first quantized group ({self.group} tokens)")
         elif self.sinks:
             bad("attention sinks (sinkN) are a SpeCache option")
+        if self.salient or self.bits_salient:
+            if self.scheme != "zipcache":
+                bad("salient tokens at more bits (--salient-ratio, sN) are ZipCache's mixed precision: --quant zipcache")
+            if not 0 < self.salient <= 1 or abs(100 * self.salient - round(100 * self.salient)) > 1e-9:
+                bad(f"--salient-ratio must be in (0, 1] in whole percent, got {self.salient}")
+            r = self.bits_salient - self.bits
+            if r not in quant.BITS or self.bits_salient > 6:
+                bad(f"--bits-salient ({self.bits_salient}) must exceed --bits ({self.bits}) by 1, 2 or 4 and be at "
+                    f"most 6 (the kernels' 16-bit dots hold the mixed codes exactly)")
+            if not 1 <= self.n_ref <= 254:
+                bad(f"--salient-ratio {self.salient} keeps {self.n_ref} tokens of a key group of {self.group}: "
+                    f"needs 1 to 254")
+            if head_dim is not None and (head_dim * r) % 8:
+                bad(f"head_dim {head_dim} does not pack into whole bytes at {r} refinement bits")
         return self
+
+    def bits_per_value(self, head_dim: int) -> float:
+        """Device bits per stored key or value element of a quantized token: codes, scales and zeros
+        (meta), ZipCache's refinement rows and slot map. The fp residual, SpeCache's fetched rows and
+        per-head constants (ZipCache's channel scale) are left out: they do not grow with the context."""
+        if self.kind == "full":
+            return 16.0
+        per_token = sum(quant.quantized_bytes(kind, self.bits, self.group, head_dim) for kind in ("key", "value"))
+        if self.salient:
+            per_token += 2 * head_dim * (self.bits_salient - self.bits) / 8 * self.n_ref / self.group + 1
+        return 8 * per_token / (2 * head_dim)
 
     def with_(self, **kw) -> "CacheConfig":
         return replace(self, **kw).validated()
@@ -199,6 +236,33 @@ def causal_mask(input_pos: torch.Tensor, key_pos: torch.Tensor, window: Optional
     if window is not None:  # Mistral sliding window
         mask &= input_pos[:, None] - key_pos[None, :] < window
     return mask
+
+
+# ---- ZipCache's saliency (zipcache.txt §4.2-4.3) ------------------------------------------------------
+PROBE_RECENT, PROBE_RANDOM = 0.05, 0.05  # §4.3: probes are 5% recent + 5% random tokens of the prompt
+
+
+def probe_positions(L: int, seed: int = 0) -> torch.Tensor:
+    """Eq. 9's probe tokens of an L-token chunk: the last 5% and a random 5% of the rest (sorted)."""
+    n_recent = max(1, round(PROBE_RECENT * L))
+    n_rand = min(L - n_recent, round(PROBE_RANDOM * L))
+    rand = torch.randperm(L - n_recent, generator=torch.Generator().manual_seed(seed))[:n_rand]
+    return torch.cat([rand.sort().values, torch.arange(L - n_recent, L)])
+
+
+def normalized_attention(q, keys, q_pos, sm_scale):
+    """Eq. 8's sums: q [B,H,P,D] at positions q_pos [P], keys [B,Hkv,L,D] at positions 0..L-1 ->
+    (acc, cnt) [B,Hkv,L]: the causal attention each key receives, summed over the P queries and the
+    kv head's H/Hkv query heads, and how many such (query, head) rows can see it. acc / cnt is the
+    normalized attention score; acc alone is H2O's accumulated score (eq. 7)."""
+    B, H, P, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    G = H // Hkv
+    qg = q.float().reshape(B, Hkv, G * P, D)
+    pos = q_pos.to(q.device).repeat(G)  # row g*P + j
+    sees = torch.arange(L, device=q.device)[None, :] <= pos[:, None]  # [G*P, L]
+    a = torch.softmax(torch.where(sees, qg @ keys.float().transpose(-1, -2) * sm_scale, -math.inf), -1)
+    return a.sum(2), sees.sum(0).float().expand(B, Hkv, L).contiguous()
 
 
 class MemoryMeter:
@@ -234,7 +298,7 @@ class FullCache(nn.Module):
         mask = causal_mask(input_pos, self.key_pos, self.sliding_window)
         return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
 
-    def append_prefill(self, k, v, input_pos):
+    def append_prefill(self, k, v, input_pos, q=None):
         """Store a prefill chunk's K/V [B,Hkv,T,D] at positions input_pos (eval.py's replay)."""
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
@@ -261,7 +325,14 @@ class LowBitCache(nn.Module):
     `scheme` picks the quantizer of the siblings, all read by the same kernels:
       "kivi"       specache.txt eq. 2, and eq. 3 for 1 bit (one_bit="improved")
       "zipcache"   keys as KIVI; values channel-separable tokenwise (zipcache.txt eq. 6): the
-                   channel scale v_chan_scale [B,Hkv,D] is set by the first quantized block, then fixed
+                   channel scale v_chan_scale [B,Hkv,D] is set by the first quantized block, then fixed.
+                   With `salient` > 0, mixed precision (§4.2-4.3, quant.quantize_mixed): each key
+                   group's n_ref most salient tokens keep bits_salient bits, the rest `bits`:
+                     k_ref/v_ref [B,Hkv,(S+R)/group*n_ref,D*r/8]  lower r bits of the salient rows
+                     ref_map [B,Hkv,S+R] u8                      a slot's row among its group's (255: none)
+                   Saliency is the normalized attention of eq. 8 (`saliency`): at prefill from probe
+                   queries (eq. 9: 5% recent + 5% random of the chunk), while decoding from every real
+                   token's attention to the residual rows, accumulated until they are quantized.
       "quantspec"  hierarchical INT8 = upper INT4 (k_codes) + lower INT4 (k_codes_lo), quantspec.txt
                    §4.2; config bits 4 or 8 picks the view attention reads (set `view_bits` to switch)
     """
@@ -295,6 +366,16 @@ class LowBitCache(nn.Module):
             buf("v_codes_lo", (B, H, n_slots, D // 2), **u8)
         if self.scheme == "zipcache":
             buf("v_chan_scale", (B, H, D), dtype=meta, device=device)
+        self.mixed = config.salient > 0
+        if self.mixed:
+            self.bits_hi, self.ref_bits, self.n_ref = config.bits_salient, config.bits_salient - config.bits, config.n_ref
+            n_ref_rows = n_slots // self.group * self.n_ref
+            buf("k_ref", (B, H, n_ref_rows, D * self.ref_bits // 8), **u8)
+            buf("v_ref", (B, H, n_ref_rows, D * self.ref_bits // 8), **u8)
+            self.register_buffer("ref_map", torch.full((B, H, n_slots), 255, **u8), persistent=False)
+            # eq. 8's sums for the residual rows: attention received, and from how many query rows
+            buf("sal_acc", (B, H, R + max_step_tokens), dtype=torch.float32, device=device)
+            buf("sal_cnt", (B, H, R + max_step_tokens), dtype=torch.float32, device=device)
         buf("k_res", (B, H, R + max_step_tokens, D), dtype=dtype, device=device)
         buf("v_res", (B, H, R + max_step_tokens, D), dtype=dtype, device=device)
         buf("n_quant", (), dtype=torch.int64, device=device)
@@ -305,41 +386,64 @@ class LowBitCache(nn.Module):
     def stored(self) -> LowBitKV:
         """The quantized tokens as the kernels read them (QuantSpec: the view `view_bits` picks)."""
         hier8 = self.scheme == "quantspec" and self.view_bits == 8
+        mixed = dict(k_ref=self.k_ref, v_ref=self.v_ref, ref_map=self.ref_map, ref_bits=self.ref_bits,
+                     n_ref=self.n_ref) if self.mixed else {}
         return LowBitKV(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
                         self.n_quant, self.bits, self.group, self.group_v,
                         k_codes_lo=self.k_codes_lo if hier8 else None, v_codes_lo=self.v_codes_lo if hier8 else None,
-                        v_chan=self.v_chan_scale if self.scheme == "zipcache" else None)
+                        v_chan=self.v_chan_scale if self.scheme == "zipcache" else None, **mixed)
 
     def residual_rows(self, step_tokens: int) -> Residual:
         """The fp window with the step's tokens (already written after the kept ones) at its end."""
         return Residual(self.k_res, self.v_res, self.res_len + step_tokens)
 
     # ---- storage -------------------------------------------------------------------------------
-    def _quantize(self, k, v):
-        """-> {buffer name: rows} for k, v [B,H,n,D]: per-row tensors and per-key-group tensors."""
+    def _quantize(self, k, v, saliency=None):
+        """-> ({buffer: per-row tensor}, {buffer: per-key-group tensor}, {buffer: per-refinement-row
+        tensor}) for k, v [B,H,n,D]; `saliency` [B,H,n] for mixed precision."""
         meta = self.k_scale.dtype
+        if self.mixed:
+            return self._quantize_mixed(k, v, saliency, meta)
         if self.scheme == "quantspec":
             kc, kl, ks, kz = quant.quantize_hier_keys(k, self.group, meta)
             vc, vl, vs, vz = quant.quantize_hier_values(v, self.group_v, meta)
             return dict(k_codes=kc, k_codes_lo=kl, v_codes=vc, v_codes_lo=vl, v_scale=vs, v_zero=vz), \
-                dict(k_scale=ks, k_zero=kz)
+                dict(k_scale=ks, k_zero=kz), {}
         kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, one_bit=self.one_bit, meta_dtype=meta)
         if self.scheme == "zipcache":  # the first quantized block sets the channel scale
             self.v_chan_scale.copy_(torch.where(self.n_quant == 0, quant.channel_scale(v, meta), self.v_chan_scale))
             vc, vs, vz = quant.quantize_values_zip(v, self.bits, self.group_v, self.v_chan_scale, self.one_bit, meta)
         else:
             vc, vs, vz = quant.quantize_values(v, self.bits, self.group_v, one_bit=self.one_bit, meta_dtype=meta)
-        return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz), dict(k_scale=ks, k_zero=kz)
+        return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz), dict(k_scale=ks, k_zero=kz), {}
 
-    def _quantize_into(self, k, v, row0):
+    def _quantize_mixed(self, k, v, saliency, meta):
+        """ZipCache: quantize at bits_hi; keep every token's upper `bits` and the lower bits of each
+        key group's n_ref most salient tokens (static shapes: a fixed count per group)."""
+        n, G, r = k.shape[2], self.group, self.ref_bits
+        if saliency is None:  # a decode flush of the residual: eq. 8 from the accumulated sums
+            saliency = self.sal_acc[:, :, :n] / self.sal_cnt[:, :, :n].clamp(min=1)
+        kc, kl, ks, kz = quant.quantize_mixed(k, self.bits, self.bits_hi, G, "tokens", meta)
+        self.v_chan_scale.copy_(torch.where(self.n_quant == 0, quant.channel_scale(v, meta), self.v_chan_scale))
+        v_sep = quant._safe(v, meta) / self.v_chan_scale.float()[..., None, :]  # eq. 6
+        vc, vl, vs, vz = quant.quantize_mixed(v_sep, self.bits, self.bits_hi, self.group_v, "channels", meta)
+        k_ref, v_ref, ref_map = quant.compact_refinement(kl, vl, saliency, G, self.n_ref, r)
+        return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz, ref_map=ref_map), dict(k_scale=ks, k_zero=kz), \
+            dict(k_ref=k_ref, v_ref=v_ref)
+
+    def _quantize_into(self, k, v, row0, saliency=None):
         """Quantize k, v [B,H,n,D] (n a multiple of group) into slots [row0, row0+n); row0 a tensor."""
-        per_row, per_group = self._quantize(k, v)
+        per_row, per_group, per_ref = self._quantize(k, v, saliency)
         rows = row0 + torch.arange(k.shape[2], device=k.device)
         groups = row0 // self.group + torch.arange(k.shape[2] // self.group, device=k.device)
         for name, x in per_row.items():
             getattr(self, name).index_copy_(2, rows, x)
         for name, x in per_group.items():
             getattr(self, name).index_copy_(2, groups, x)
+        if per_ref:
+            ref_rows = row0 // self.group * self.n_ref + torch.arange(per_ref["k_ref"].shape[2], device=k.device)
+            for name, x in per_ref.items():
+                getattr(self, name).index_copy_(2, ref_rows, x)
 
     def dequantized(self, n: int):
         """Full-precision view of quantized tokens [0, n) (prefill only: it materializes them)."""
@@ -347,7 +451,8 @@ class LowBitCache(nn.Module):
         cut = lambda x, m=n: None if x is None else x[:, :, :m]  # noqa: E731
         part = s._replace(k_codes=cut(s.k_codes), k_scale=cut(s.k_scale, n // self.group), k_zero=cut(s.k_zero, n // self.group),
                           v_codes=cut(s.v_codes), v_scale=cut(s.v_scale), v_zero=cut(s.v_zero),
-                          k_codes_lo=cut(s.k_codes_lo), v_codes_lo=cut(s.v_codes_lo))
+                          k_codes_lo=cut(s.k_codes_lo), v_codes_lo=cut(s.v_codes_lo), ref_map=cut(s.ref_map),
+                          k_ref=cut(s.k_ref, n // self.group * s.n_ref), v_ref=cut(s.v_ref, n // self.group * s.n_ref))
         return kernels.dequant_keys(part).to(self.k_res.dtype), kernels.dequant_values(part).to(self.v_res.dtype)
 
     def prefix_kv(self, p0: int):
@@ -356,21 +461,54 @@ class LowBitCache(nn.Module):
         kq, vq = self.dequantized(nq)
         return torch.cat([kq, self.k_res[:, :, :nr]], 2), torch.cat([vq, self.v_res[:, :, :nr]], 2)
 
-    def append_prefill(self, k, v, input_pos):
-        """Eager: add a prefill chunk; quantize every full `residual` block, keep the rest fp."""
+    def append_prefill(self, k, v, input_pos, q=None):
+        """Eager: add a prefill chunk; quantize every full `residual` block, keep the rest fp.
+        Mixed precision picks salient tokens with the chunk's queries `q` (eq. 9)."""
         nq, nr, R = int(self.n_quant), int(self.res_len), self.residual
         k_all = torch.cat([self.k_res[:, :, :nr], k], 2)
         v_all = torch.cat([self.v_res[:, :, :nr], v], 2)
         n_full = k_all.shape[2] // R * R
         if nq + n_full > self.capacity:
             raise ValueError(f"sequence of {nq + k_all.shape[2]} tokens exceeds the cache capacity {self.capacity}")
+        saliency = None
+        if self.mixed:
+            if q is None:
+                raise ValueError("ZipCache mixed precision picks salient tokens with the prefill's queries: pass q")
+            acc, cnt = self.probe_saliency(q, k, input_pos)
+            acc = torch.cat([self.sal_acc[:, :, :nr], acc], 2)
+            cnt = torch.cat([self.sal_cnt[:, :, :nr], cnt], 2)
+            saliency = (acc / cnt.clamp(min=1))[:, :, :n_full]
+            rest = k_all.shape[2] - n_full
+            self.sal_acc[:, :, :rest], self.sal_cnt[:, :, :rest] = acc[:, :, n_full:], cnt[:, :, n_full:]
         if n_full:
-            self._quantize_into(k_all[:, :, :n_full], v_all[:, :, :n_full], torch.tensor(nq, device=k.device))
+            self._quantize_into(k_all[:, :, :n_full], v_all[:, :, :n_full], torch.tensor(nq, device=k.device), saliency)
         rest = k_all.shape[2] - n_full
         self.k_res[:, :, :rest] = k_all[:, :, n_full:]
         self.v_res[:, :, :rest] = v_all[:, :, n_full:]
         self.n_quant.fill_(nq + n_full)
         self.res_len.fill_(rest)
+
+    # ---- ZipCache saliency (zipcache.txt eq. 8-9) --------------------------------------------------
+    def probe_saliency(self, q, k, input_pos, probes=None):
+        """Eq. 9 then eq. 8 for a prefill chunk: the attention of probe queries (`probe_positions`,
+        or the chunk positions `probes`) over every position so far -> (acc, cnt) [B,Hkv,res_len + L]
+        for the residual rows and the chunk's tokens (normalized_attention)."""
+        L, p0, nr = q.shape[2], int(input_pos[0]), int(self.res_len)
+        probes = (probe_positions(L, seed=p0) if probes is None else probes).to(q.device)
+        keys = torch.cat([self.prefix_kv(p0)[0], k], 2)  # positions [0, p0 + L)
+        acc, cnt = normalized_attention(q[:, :, probes], keys, p0 + probes, self.sm_scale)
+        return acc[:, :, p0 - nr:], cnt[:, :, p0 - nr:]
+
+    def accumulate_saliency(self, q, lse):
+        """Eq. 8 while decoding: the real token's (q [B,H,1,D], its lse [B,H,1]) attention to the
+        residual rows it sees (its own included) joins their sums."""
+        B, H, _, D = q.shape
+        Hkv = self.k_res.shape[1]
+        logits = (q.float().reshape(B, Hkv, H // Hkv, D) @ self.k_res.float().transpose(-1, -2)) * self.sm_scale
+        p = torch.exp(logits - lse.float().reshape(B, Hkv, H // Hkv, 1))
+        sees = torch.arange(self.k_res.shape[2], device=q.device) <= self.res_len
+        self.sal_acc.add_(torch.where(sees, p.sum(2), 0.0))
+        self.sal_cnt.add_(sees.float() * (H // Hkv))
 
     def commit_step(self, keep: int = 1):
         """Static-shape end of a decode step: the first `keep` step tokens stay; a full residual is
@@ -387,12 +525,18 @@ class LowBitCache(nn.Module):
     def attend(self, q, fetched: Optional[Fetched] = None):
         """Attention of the step's T query tokens (already appended to the residual) over
         quantized + residual (+ fetched fp rows replacing their quantized copies)."""
-        return kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale)
+        out, lse = kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale)
+        if self.mixed:  # the real token is a saliency probe (a policy attending twice counts it twice: same ratio)
+            self.accumulate_saliency(q[:, :, :1], lse[:, :, :1])
+        return out, lse
 
     def write_step(self, k, v):
         rows = self.res_len + torch.arange(k.shape[2], device=k.device)
         self.k_res.index_copy_(2, rows, k)
         self.v_res.index_copy_(2, rows, v)
+        if self.mixed:  # rows (re)written: their saliency sums start again
+            for buf in (self.sal_acc, self.sal_cnt):
+                buf.index_fill_(2, rows, 0.0)
 
     def forward(self, q, k, v, input_pos, mode="decode"):
         if mode == "prefill":
@@ -416,7 +560,7 @@ class LowBitCache(nn.Module):
             self.meter.alloc(transient)
         mask = causal_mask(input_pos, torch.arange(k_all.shape[2], device=q.device), None)
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
-        self.append_prefill(k, v, input_pos)
+        self.append_prefill(k, v, input_pos, q=q)
         if self.meter is not None:
             self.meter.free(transient)
         return out
@@ -471,12 +615,12 @@ class SpeCache(LowBitCache):
     def prefix_kv(self, p0):
         return self.prefetcher.host_prefix(self.layer_idx, p0)
 
-    def append_prefill(self, k, v, input_pos):
-        super().append_prefill(k, v, input_pos)
+    def append_prefill(self, k, v, input_pos, q=None):
+        super().append_prefill(k, v, input_pos, q)
         self.prefetcher.offload(self.layer_idx, k, v, input_pos)
 
-    def _quantize_into(self, k, v, row0):
-        super()._quantize_into(k, v, row0)
+    def _quantize_into(self, k, v, row0, saliency=None):
+        super()._quantize_into(k, v, row0, saliency)
         if self.sinks:  # the first block quantized: its first tokens stay in fp16 on the device
             first = row0 == 0
             for ring, x in ((self.ring_k, k), (self.ring_v, v)):
@@ -585,7 +729,7 @@ class QuantSpecCache(LowBitCache):
         s = super().stored()
         return s if view == 8 else s._replace(k_codes_lo=None, v_codes_lo=None)
 
-    def append_prefill(self, k, v, input_pos):
+    def append_prefill(self, k, v, input_pos, q=None):
         """Quantize whole groups, keeping between one and two groups of the newest tokens in fp."""
         nq, nr, G = int(self.n_quant), int(self.res_len), self.group
         k_all = torch.cat([self.k_res[:, :, :nr], k], 2)

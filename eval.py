@@ -11,6 +11,7 @@ and scorers are in tasks.py; this file runs them through generate.py and writes 
     python eval.py hitrate --methods specache-1bit,specache-2bit --out results/hitrate
     python eval.py niah --methods specache-1bit --k 16,32,64,128 --out results/k-sweep   # Figure 5-style sweep
     python eval.py quantspec --lengths 4000,8000 --gammas 0,1,2,4,6 --out results/quantspec    # acceptance rates
+    python eval.py saliency --lengths 2000,4000 --out results/saliency     # ZipCache: probe vs exact saliency
 
 Every subcommand appends one JSON line per finished cell to OUT/results.jsonl (a rerun with the
 same OUT skips the cells already there, so an interrupted run resumes), rewrites OUT/results.md,
@@ -154,21 +155,21 @@ class PrefillReplay:
             caches = [layer.attention.kv_cache for layer in model.layers]
             recorders = model.setup_caches(lambda i: _Recorder())
             self.logits = model(prompt, pos, mode="prefill")[:, -1]
-            self.kv, self.key = [(r.k, r.v) for r in recorders], key
+            self.kv, self.key = [(r.k, r.v, r.q) for r in recorders], key
             for layer, cache in zip(model.layers, caches):
                 layer.attention.kv_cache = cache
-        for layer, (k, v) in zip(model.layers, self.kv):
-            layer.attention.kv_cache.append_prefill(k, v, pos)
+        for layer, (k, v, q) in zip(model.layers, self.kv):
+            layer.attention.kv_cache.append_prefill(k, v, pos, q=q)  # q: ZipCache's saliency probes
         return self.logits
 
 
 class _Recorder(__import__("torch").nn.Module):
-    """A prefill-only cache: exact causal attention over the chunk; keeps the chunk's K/V."""
+    """A prefill-only cache: exact causal attention over the chunk; keeps the chunk's Q/K/V."""
 
     def forward(self, q, k, v, input_pos, mode="prefill"):
         import torch.nn.functional as F
         from cache import causal_mask
-        self.k, self.v = k, v
+        self.q, self.k, self.v = q, k, v
         mask = causal_mask(input_pos, input_pos, None)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -288,7 +289,13 @@ def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
     ids = runner.encode_prompt(render(runner.tok, sample))
     text, stats = runner.generate(m, ids, max_new)
     return dict(output=text, prompt_tokens=len(ids), spec_exact_hit_rate=stats["spec_exact_hit_rate"],
-                decode_tok_s=round(stats["decode_tok_s"], 2))
+                decode_tok_s=round(stats["decode_tok_s"], 2), bits=m.bits_per_value(runner.model.args.head_dim))
+
+
+def bits_column(recs, lb):
+    """The cache's device bits per stored K/V element (CacheConfig.bits_per_value), as recorded."""
+    bits = mean([r["bits"] for r in where(recs, label=lb) if "bits" in r])
+    return None if bits is None else f"{bits:.2f}"
 
 
 def cmd_niah(a, runner, methods, results):
@@ -309,12 +316,14 @@ def cmd_niah(a, runner, methods, results):
 def write_niah_report(results: Results):
     recs = results.of("niah")
     lengths = sorted({r["length"] for r in recs})
-    rows = [[lb] + [pct(mean([r["score"] for r in where(recs, label=lb, length=L)])) for L in lengths]
+    rows = [[lb, bits_column(recs, lb)] + [pct(mean([r["score"] for r in where(recs, label=lb, length=L)])) for L in lengths]
             + [pct(mean([r["score"] for r in where(recs, label=lb)]))] for lb in labels_of(recs)]
     results.write_md("Needle in a haystack",
                      "Score: share of the needle's key phrases (" + ", ".join(KEY_PHRASES) + ") in the greedy answer, "
                      "x100, mean over depths. Deterministic string match: no GPT-4 judge offline (the paper rates 1-10 "
-                     "with GPT-4).", md_table(["method"] + [f"{L} tok" for L in lengths] + ["avg"], rows),
+                     "with GPT-4). bits: device bits per stored K/V element (codes, scales, refinement; "
+                     "cache.CacheConfig.bits_per_value).",
+                     md_table(["method", "bits"] + [f"{L} tok" for L in lengths] + ["avg"], rows),
                      "![niah](niah.png)")
     plot_niah(recs, labels_of(recs), results.dir / "niah.png")
 
@@ -398,7 +407,8 @@ def cmd_ppl(a, runner, methods, results):
 
     def run(f, m):
         nll = runner.nll_decode_path(m, essay_window(runner.tok, f["start"], f["length"]), f["n_eval"])
-        return dict(label=label(m, methods), nll=sum(nll) / len(nll), n=len(nll))
+        return dict(label=label(m, methods), nll=sum(nll) / len(nll), n=len(nll),
+                    bits=m.bits_per_value(runner.model.args.head_dim))
 
     run_cells(cells, results, run, "ppl")
     write_ppl_report(results)
@@ -410,14 +420,14 @@ def write_ppl_report(results: Results):
     rows = []
     for lb in labels_of(recs):
         nlls = [mean([r["nll"] for r in where(recs, label=lb, length=L)]) for L in lengths]
-        rows.append([lb] + [None if x is None else f"{math.exp(x):.3f}" for x in nlls]
+        rows.append([lb, bits_column(recs, lb)] + [None if x is None else f"{math.exp(x):.3f}" for x in nlls]
                     + [f"{mean(nlls):.4f}", len(where(recs, label=lb))])
     n_eval = "/".join(map(str, sorted({r["n_eval"] for r in recs})))
     results.write_md("Perplexity through the decode path",
                      f"Perplexity of the last {n_eval} tokens of essay windows, teacher-forced one decode step "
                      "at a time after a prefill of the rest (speculative SpeCache: [true token, own speculative token]). "
                      "`-orig` = original KIVI 1-bit zero/scale (paper eq. 2) instead of eq. 3 (Table 5's ablation).",
-                     md_table(["method"] + [f"ppl @{L}" for L in lengths] + ["mean NLL", "cells"], rows))
+                     md_table(["method", "bits"] + [f"ppl @{L}" for L in lengths] + ["mean NLL", "cells"], rows))
 
 
 HIT_INTERVALS = [(1, 10), (11, 50), (51, 100), (101, 200), (201, None)]  # decode steps, as in rebuttal Q2
@@ -502,6 +512,75 @@ def write_quantspec_report(results: Results):
                                "decode tok/s"], rows))
 
 
+def cmd_saliency(a, runner, methods, results):
+    """ZipCache's saliency from probe tokens (eq. 9: 5% recent + 5% random) against the exact
+    normalized attention (eq. 8, every token a probe), per layer, on essay windows: how much of the
+    exact salient set the probes select, per key group (what the cache keeps: round(ratio x group)
+    per group) and over the whole prompt (the paper's top ratio); and the same for H2O's accumulated
+    attention (eq. 7), the metric eq. 8 corrects."""
+    import torch
+    from cache import normalized_attention, probe_positions
+    cells = [(dict(cmd="saliency", model=a.checkpoint.name, length=L, sample=i, ratio=a.salient_ratio, group=g), None)
+             for L in a.lengths for i in range(a.samples) for g in a.group_list]
+
+    def overlap(score, want, n, group=None):
+        """|top-n of score ∩ top-n of want| / n, per (group of) row(s), averaged."""
+        if group:
+            score, want = score.unflatten(-1, (-1, group)), want.unflatten(-1, (-1, group))
+        a_idx, b_idx = score.topk(n, -1).indices, want.topk(n, -1).indices
+        hits = torch.zeros_like(score, dtype=torch.bool).scatter(-1, a_idx, True).gather(-1, b_idx)
+        return float(hits.float().mean())
+
+    def run(f, _):
+        L, g = f["length"], f["group"]
+        ids = essay_window(runner.tok, f["sample"] * 2 * L, L)
+        L = L // g * g  # whole key groups
+        prompt = torch.tensor([ids[:L]], device=runner.device)
+        recorders = runner.model.setup_caches(lambda i: _Recorder())
+        with torch.no_grad():
+            runner.model(prompt, torch.arange(L, device=runner.device), mode="prefill")
+        out = {key: [] for key in ("group", "global", "accumulated")}
+        sm_scale = runner.model.args.head_dim ** -0.5
+        for rec in recorders:
+            q, k = rec.q, rec.k
+            acc, cnt = torch.zeros(k.shape[:3]), torch.zeros(k.shape[:3])
+            for c0 in range(0, L, 256):  # every token a probe, in chunks of queries
+                a_c, n_c = normalized_attention(q[:, :, c0:c0 + 256], k, torch.arange(c0, min(L, c0 + 256)), sm_scale)
+                acc, cnt = acc + a_c, cnt + n_c
+            exact = acc / cnt
+            probes = probe_positions(L)
+            p_acc, p_cnt = normalized_attention(q[:, :, probes], k, probes, sm_scale)
+            approx = p_acc / p_cnt.clamp(min=1)
+            n_group, n_all = round(f["ratio"] * g), round(f["ratio"] * L)
+            out["group"].append(overlap(approx, exact, n_group, g))
+            out["global"].append(overlap(approx, exact, n_all))
+            out["accumulated"].append(overlap(acc, exact, n_all))
+        return dict(label=f"ratio {f['ratio']:g}, group {g}", prompt_tokens=L, probes=len(probe_positions(L)),
+                    **{f"layer_{key}": v for key, v in out.items()}, **{key: mean(v) for key, v in out.items()})
+
+    run_cells(cells, results, run, "saliency")
+    write_saliency_report(results)
+
+
+def write_saliency_report(results: Results):
+    recs = results.of("saliency")
+    rows = []
+    for lb in labels_of(recs):
+        for L in sorted({r["length"] for r in where(recs, label=lb)}):
+            rs = where(recs, label=lb, length=L)
+            rows.append([lb, L, len(rs), rs[0]["probes"]] + [pct(mean([r[key] for r in rs])) for key in
+                                                           ("group", "global", "accumulated")]
+                        + [f"{100 * min(min(r['layer_group']) for r in rs):.1f}"])
+    results.write_md("ZipCache saliency: probe tokens against exact normalized attention",
+                     "Share of the exact salient set (eq. 8 with every token a probe, top ratio) that a cheaper metric "
+                     "selects, mean over layers and kv heads: probes (eq. 9, 5% recent + 5% random tokens) per key group "
+                     "(the cache keeps round(ratio x group) tokens of each group) and over the whole prompt; H2O's "
+                     "accumulated attention (eq. 7, every token a probe, no normalization) over the whole prompt. "
+                     "Essay windows, one exact prefill each.",
+                     md_table(["setting", "length", "n", "probes", "probe overlap per group %", "probe overlap global %",
+                               "accumulated (eq. 7) overlap global %", "worst layer per group %"], rows))
+
+
 def step_mean(recs, key, lo=1, hi=None):
     """Mean of a per-step series over decode steps lo..hi (1-based, inclusive) of all records."""
     return mean([float(v) for r in recs for i, v in enumerate(r.get(key) or [], 1)
@@ -583,6 +662,7 @@ QUICK = {  # a few minutes each on 1 CPU thread with SmolLM2-135M, still showing
     "ppl": dict(methods="full,kivi-1bit,specache-1bit", lengths="1024,2048", n_eval=64, windows=1),
     "hitrate": dict(methods="specache-1bit,specache-2bit", lengths="2000", samples=1, steps=120),
     "quantspec": dict(lengths="1000", samples=1, gammas="0,2,4", max_new_tokens=32),
+    "saliency": dict(lengths="1000", samples=1),
 }
 DEFAULTS = {
     "niah": dict(methods="full,kivi-1bit,specache-1bit", lengths="1000,2000,3000,4000", depths="0,0.25,0.5,0.75,1.0"),
@@ -591,6 +671,7 @@ DEFAULTS = {
                 n_eval=256, windows=2),
     "hitrate": dict(methods="specache-1bit,specache-2bit", lengths="4000", samples=2, steps=500),
     "quantspec": dict(methods="quantspec", lengths="4000,8000", samples=2, gammas="0,1,2,4,6", max_new_tokens=128),
+    "saliency": dict(methods="full", lengths="2000,4000", samples=2),
 }
 SUBCOMMANDS = {  # name: (help, its own options)
     "niah": ("needle in a haystack grid + heatmap", [
@@ -613,6 +694,9 @@ SUBCOMMANDS = {  # name: (help, its own options)
         ("--gammas", dict(default=None, help="draft lengths (0 = the target alone, the reference)")),
         ("--draft-group", dict(type=int, default=32, choices=[32, 64, 128, 256], help="INT4 weight group")),
         ("--max-new-tokens", dict(type=int, default=None))]),
+    "saliency": ("ZipCache: probe-token saliency against exact normalized attention", [
+        ("--samples", dict(type=int, default=None)),
+        ("--salient-ratio", dict(type=float, default=0.4, help="share of tokens called salient"))]),
 }
 
 
@@ -655,6 +739,10 @@ def parse_args(argv=None):
             raise SystemExit("error: --depths are fractions in [0, 1]")
     if a.cmd == "quantspec":
         a.gammas = parse_int_list(a.gammas, "gammas", low=0)
+    if a.cmd == "saliency":
+        a.group_list = parse_int_list(a.group or "64", "group")
+        if not 0 < a.salient_ratio <= 1:
+            raise SystemExit(f"error: --salient-ratio must be in (0, 1], got {a.salient_ratio}")
     for flag in ("samples", "steps", "n_eval", "windows", "max_new_tokens", "threads", "prefill_chunk", "stride"):
         value = getattr(a, flag, None)
         if value is not None and value < 1:
@@ -680,7 +768,7 @@ def main(argv=None):
     results = Results(a.out)
     print(f"{a.cmd}: {', '.join(label(m, a.method_list) for m in a.method_list)} -> {a.out}", file=sys.stderr)
     {"niah": cmd_niah, "ruler": cmd_ruler, "ppl": cmd_ppl, "hitrate": cmd_hitrate,
-     "quantspec": cmd_quantspec}[a.cmd](a, runner, a.method_list, results)
+     "quantspec": cmd_quantspec, "saliency": cmd_saliency}[a.cmd](a, runner, a.method_list, results)
     print((results.dir / "results.md").read_text())
 
 

@@ -189,7 +189,8 @@ def cache_flags(p):
                    help="full | kivi | specache, or a full name such as specache-2bit-oracle (see cache.CacheConfig)")
     p.add_argument("--preset", default=None, choices=["paper", "best"],
                    help="SpeCache settings: paper (Algorithm 3, §4.1; the default) or best (what the README's "
-                        "measurements favour: resync fetch, 4 sinks, key group 32); the name's parts and flags win")
+                        "measurements favour: resync fetch, 4 sinks, group 32, 96 fetched rows for a 32-token residual); the name's "
+                        "parts and flags win")
     p.add_argument("--bits", type=int, default=None, help="bits per code (default: the name's, else 1)")
     p.add_argument("--group", type=int, default=None, help="quantization group (default 64)")
     p.add_argument("--residual", type=int, default=None, help="fp residual window (default 128 kivi, 64 specache)")
@@ -201,11 +202,15 @@ def cache_flags(p):
     p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"],
                    help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")
     p.add_argument("--fetch-impl", default=None, choices=["uva", "staged"], help="CUDA host-to-device transfer")
+    p.add_argument("--salient-ratio", type=float, default=None,
+                   help="ZipCache mixed precision (--quant zipcache): share of tokens kept at --bits-salient (e.g. 0.4)")
+    p.add_argument("--bits-salient", type=int, default=None, help="ZipCache: bits of the salient tokens (default --bits + 2)")
 
 
 def config_from_flags(a) -> CacheConfig:
     return CacheConfig.from_name(a.cache, preset=a.preset, bits=a.bits, group=a.group, residual=a.residual, k=a.k, fetch=a.fetch,
-                                 one_bit=a.one_bit, scheme=a.quant, fetch_impl=a.fetch_impl, sinks=a.sinks)
+                                 one_bit=a.one_bit, scheme=a.quant, fetch_impl=a.fetch_impl, sinks=a.sinks,
+                                 salient=a.salient_ratio, bits_salient=a.bits_salient)
 
 
 def parse_args(argv=None):

@@ -49,6 +49,13 @@ class LowBitKV(NamedTuple):
     k_codes_lo: Optional[Tensor] = None  # QuantSpec's 8-bit view: the lower 4-bit planes (bits == 4)
     v_codes_lo: Optional[Tensor] = None
     v_chan: Optional[Tensor] = None  # ZipCache: per-channel value scale [B,Hkv,D] (eq. 6)
+    # ZipCache mixed precision (quant.quantize_mixed): the lower codes of each key group's n_ref
+    # salient rows, and each slot's place among them (255: not salient, reads the midpoint)
+    k_ref: Optional[Tensor] = None  # [B,Hkv,S/group_k*n_ref,D*ref_bits/8] uint8
+    v_ref: Optional[Tensor] = None
+    ref_map: Optional[Tensor] = None  # [B,Hkv,S] uint8
+    ref_bits: int = 0
+    n_ref: int = 0
 
 
 class Residual(NamedTuple):
@@ -71,16 +78,21 @@ class Fetched(NamedTuple):
 # torch references (the CPU path)
 # =============================================================================================
 def dequant_keys(s: LowBitKV) -> Tensor:
-    """Keys in fp32 [B,Hkv,S,D] (KIVI; QuantSpec's 8-bit view when k_codes_lo is given)."""
+    """Keys in fp32 [B,Hkv,S,D] (KIVI; QuantSpec's 8-bit view when k_codes_lo is given; ZipCache mixed)."""
     if s.k_codes_lo is not None:
         return quant.dequantize_hier_keys(s.k_codes, s.k_codes_lo, s.k_scale, s.k_zero, s.group_k, view_bits=8)
+    if s.k_ref is not None:
+        return quant.dequantize_codes(_codes(s, "k"), s.k_scale.float() / 2, s.k_zero, s.group_k, "tokens")
     return quant.dequantize_keys(s.k_codes, s.k_scale, s.k_zero, s.bits, s.group_k)
 
 
 def dequant_values(s: LowBitKV) -> Tensor:
-    """Values in fp32 [B,Hkv,S,D] (KIVI; QuantSpec 8-bit view; ZipCache's channel scale)."""
+    """Values in fp32 [B,Hkv,S,D] (KIVI; QuantSpec 8-bit view; ZipCache's mixed codes and channel scale)."""
     if s.v_codes_lo is not None:
         v = quant.dequantize_hier_values(s.v_codes, s.v_codes_lo, s.v_scale, s.v_zero, s.group_v, view_bits=8)
+    elif s.v_ref is not None:
+        D = s.v_codes.shape[-1] * 8 // s.bits
+        v = quant.dequantize_codes(_codes(s, "v"), s.v_scale.float() / 2, s.v_zero, min(s.group_v, D), "channels")
     else:
         v = quant.dequantize_values(s.v_codes, s.v_scale, s.v_zero, s.bits, s.group_v)
     if s.v_chan is not None:  # ZipCache eq. 6: x' = dequant * c
@@ -95,12 +107,26 @@ def replaced_mask(fetched: Fetched, S: int) -> Tensor:
     return torch.zeros(*fetched.idx.shape[:2], S, dtype=torch.bool, device=fetched.idx.device).scatter(2, safe, fetched.valid)
 
 
-def _codes(codes, codes_lo, bits) -> Tensor:
-    """Integer codes as fp32 [B,Hkv,S,D]: KIVI's c, or QuantSpec's INT8 view 16*U + L - 8."""
-    c = quant.unpack_bits(codes, bits, torch.int32)
-    if codes_lo is not None:
-        c = 16 * c + quant.unpack_bits(codes_lo, 4, torch.int32) - 8
+def _codes(s: LowBitKV, kv: str) -> Tensor:
+    """Integer codes of the keys (kv="k") or values as fp32 [B,Hkv,S,D]: KIVI's c, QuantSpec's INT8
+    view 16*U + L - 8, or ZipCache's mixed codes (each salient row's lower codes gathered from the
+    compact refinement rows of its key group); `_code_div(s)` divides the stored scale to match."""
+    codes, lo, ref = (s.k_codes, s.k_codes_lo, s.k_ref) if kv == "k" else (s.v_codes, s.v_codes_lo, s.v_ref)
+    c = quant.unpack_bits(codes, s.bits, torch.int32)
+    if lo is not None:
+        c = 16 * c + quant.unpack_bits(lo, 4, torch.int32) - 8
+    if ref is not None:
+        B, Hkv, S, D = c.shape
+        has = s.ref_map != 255
+        row = torch.arange(S, device=c.device) // s.group_k * s.n_ref + torch.where(has, s.ref_map.long(), 0)
+        lower = quant.unpack_bits(ref, s.ref_bits, torch.int32).gather(2, row[..., None].expand(B, Hkv, S, D))
+        c = quant.mixed_codes(c, lower, has, s.ref_bits)
     return c.float()
+
+
+def _code_div(s: LowBitKV) -> int:
+    """What the stored scales are divided by for `_codes`' integers: QuantSpec's s4/16, ZipCache's s_hi/2."""
+    return 16 if s.k_codes_lo is not None else 2 if s.k_ref is not None else 1
 
 
 def key_logits(qg, s: LowBitKV) -> Tensor:
@@ -109,8 +135,8 @@ def key_logits(qg, s: LowBitKV) -> Tensor:
     kernel: q.k' = (q*s_g).c + q.z_g, so only the integer codes are expanded to [S, D]."""
     B, Hkv, M, D = qg.shape
     S, g = s.k_codes.shape[2], s.group_k
-    c = _codes(s.k_codes, s.k_codes_lo, s.bits).view(B, Hkv, S // g, g, D)
-    scale = s.k_scale.float() / (16 if s.k_codes_lo is not None else 1)  # [B,Hkv,S/g,D]
+    c = _codes(s, "k").view(B, Hkv, S // g, g, D)
+    scale = s.k_scale.float() / _code_div(s)  # [B,Hkv,S/g,D]
     qs = qg[:, :, None] * scale[:, :, :, None, :]  # [B,Hkv,S/g,M,D]
     logits = qs @ c.transpose(-1, -2) + (qg @ s.k_zero.float().transpose(-1, -2)).transpose(-1, -2)[..., None]
     return logits.permute(0, 1, 3, 2, 4).reshape(B, Hkv, M, S)
@@ -121,9 +147,9 @@ def value_sum(p, s: LowBitKV, keep) -> Tensor:
     values' per-token scale and zero of each channel group fold into the probabilities, as in the
     Triton kernel: sum_n p_n (c_n s_n + z_n) = (p*s).c + sum_n p_n z_n."""
     D = s.v_codes.shape[-1] * 8 // s.bits
-    c = _codes(s.v_codes, s.v_codes_lo, s.bits)
+    c = _codes(s, "v")
     gv = min(s.group_v, D)
-    div = 16 if s.v_codes_lo is not None else 1
+    div = _code_div(s)
     zero = torch.zeros((), device=p.device)
     scale = torch.where(keep[..., None], s.v_scale.float() / div, zero)  # garbage rows (NaN/inf) -> 0
     zeros = torch.where(keep[..., None], s.v_zero.float(), zero)
@@ -251,11 +277,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_codes(codes, lo, rows, n_ok, offs_d, D, BITS: tl.constexpr, HIER: tl.constexpr, WORDS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Integer codes of a [BLOCK_N, BLOCK_D] tile of rows `rows` (flat bh*S + n): KIVI's c, or
-    QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16). `codes`/`lo` point at int32 words
-    (WORDS) or bytes."""
+def _ref_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
+    """ZipCache mixed precision: (compact refinement row, has one) of each of a key group's rows;
+    grp_row = the group's first refinement row (flat)."""
+    if RB > 0:
+        slot = tl.load(ref_map + rows, mask=n_ok, other=255).to(tl.int32)
+        has = n_ok & (slot != 255)
+        return grp_row * N_REF + tl.where(has, slot, 0), has
+    return rows, n_ok
+
+
+@triton.jit
+def _load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
+                RB: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Integer codes of a [BLOCK_N, BLOCK_D] tile of rows `rows` (flat bh*S + n): KIVI's c,
+    QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16), or ZipCache's mixed codes
+    2^(RB+1) U + (2L where the row has refinement row `ref_rows`, else 2^RB - 1) (scale s_hi/2).
+    `codes`/`lo`/`ref` point at int32 words (WORDS) or bytes."""
     MASK: tl.constexpr = (1 << BITS) - 1
     if WORDS:
         PER: tl.constexpr = 32 // BITS
@@ -275,6 +313,19 @@ def _load_codes(codes, lo, rows, n_ok, offs_d, D, BITS: tl.constexpr, HIER: tl.c
         c = (tl.load(codes + byte, mask=ok, other=0).to(tl.int32) >> shift) & MASK
         if HIER:
             c = 16 * c + ((tl.load(lo + byte, mask=ok, other=0).to(tl.int32) >> shift) & 15) - 8
+    if RB > 0:
+        RMASK: tl.constexpr = (1 << RB) - 1
+        if WORDS:
+            PER_R: tl.constexpr = 32 // RB
+            NW_R: tl.constexpr = BLOCK_D // PER_R
+            wr = tl.load(ref + ref_rows[:, None] * NW_R + tl.arange(0, NW_R)[None, :], mask=ref_ok[:, None], other=0)
+            low = tl.reshape((wr[:, :, None] >> (tl.arange(0, PER_R) * RB)[None, None, :]) & RMASK, (BLOCK_N, BLOCK_D))
+        else:
+            PB_R: tl.constexpr = 8 // RB
+            byte_r = ref_rows[:, None] * (D // PB_R) + offs_d[None, :] // PB_R
+            ok_r = ref_ok[:, None] & (offs_d < D)[None, :]
+            low = (tl.load(ref + byte_r, mask=ok_r, other=0).to(tl.int32) >> ((offs_d % PB_R) * RB)[None, :]) & RMASK
+        c = (c << (RB + 1)) + tl.where(ref_ok[:, None], 2 * low, RMASK)
     return c
 
 
@@ -296,9 +347,9 @@ def _online_softmax(s, m_i, l_i, acc):
 
 @triton.jit
 def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale, v_zero, v_chan, n_quant_ptr,
-                       f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part,
-                       qk_scale, S, R, K, D, T, M, SPLIT_LEN,
-                       BITS: tl.constexpr, HIER: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
+                       f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part, k_ref, v_ref, ref_map,
+                       qk_scale, S, R, K, D, T, M, SPLIT_LEN, N_REF,
+                       BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
                        NGV: tl.constexpr, HAS_FETCH: tl.constexpr, HAS_CHAN: tl.constexpr, DOT: tl.constexpr,
                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
     """Grid (B*Hkv, n_splits + 1). Program `split` < n_splits attends to quantized slots
@@ -337,7 +388,11 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
             zk = tl.load(k_zero + grp + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             if HIER:
                 sk = sk / 16
-            ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, BITS, HIER, WORDS, GROUP_K, BLOCK_D)
+            if RB > 0:
+                sk = sk / 2
+            ref_rows, ref_ok = _ref_rows(ref_map, rows, n_ok, bh * (S // GROUP_K) + n0 // GROUP_K, N_REF, RB)
+            ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+                             GROUP_K, BLOCK_D)
             s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
             s = s + tl.sum(qt * zk[None, :], 1)[:, None]
             keep = n_ok
@@ -346,12 +401,15 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
             s = tl.where(keep[None, :], s, -float("inf"))
             m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
             # values: per-token scale/zero of each channel group fold into p
-            cv = _load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, BITS, HIER, WORDS, GROUP_K, BLOCK_D).to(dt)
+            cv = _load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, v_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+                             GROUP_K, BLOCK_D).to(dt)
             for j in tl.static_range(NGV):
                 sv = tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
                 zv = tl.load(v_zero + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
                 if HIER:
                     sv = sv / 16
+                if RB > 0:
+                    sv = sv / 2
                 part = tl.dot((p * sv[None, :]).to(dt), cv, input_precision=DOT) + tl.sum(p * zv[None, :], 1)[:, None]
                 if NGV == 1:
                     acc += part
@@ -419,8 +477,8 @@ def _attn_combine_kernel(out_part, lse_part, out, lse, NS, M, D, BLOCK_S: tl.con
 
 @triton.jit
 def _topk_chunk_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_idx, f_valid, f_k, scratch, cand,
-                       qk_scale, S, S_PAD, K, D, G, FIRST, R: tl.constexpr,
-                       BITS: tl.constexpr, HIER: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
+                       k_ref, ref_map, qk_scale, S, S_PAD, K, D, G, FIRST, N_REF, R: tl.constexpr,
+                       BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
                        HAS_FETCH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
                        BLOCK_G: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -464,7 +522,11 @@ def _topk_chunk_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
         zk = tl.load(k_zero + grp + offs_d, mask=grp_ok, other=0.0).to(tl.float32)
         if HIER:
             sk = sk / 16
-        ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, BITS, HIER, WORDS, GROUP_K, BLOCK_D)
+        if RB > 0:
+            sk = sk / 2
+        ref_rows, ref_ok = _ref_rows(ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K, N_REF, RB)
+        ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+                         GROUP_K, BLOCK_D)
         s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
         s = s + tl.sum(qt * zk[None, :], 1)[:, None]
         prob = _best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R)
@@ -521,15 +583,15 @@ def _upcast(dtype) -> bool:
 
 
 def _code_layout(store: LowBitKV, D: int):
-    """(WORDS, block_d, k_codes, v_codes, k_lo, v_lo): 32-bit word views of the codes when every row
-    is whole words and D a power of two (the fast path), else the bytes."""
+    """(WORDS, block_d, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref): 32-bit word views of the codes
+    when every row is whole words and D a power of two (the fast path), else the bytes."""
     if store.group_k & (store.group_k - 1) or store.group_k < 16:
         raise ValueError(f"Triton kernels need a power-of-two key group >= 16, got {store.group_k}")
-    words = D & (D - 1) == 0 and (D * store.bits) % 32 == 0
+    words = D & (D - 1) == 0 and (D * store.bits) % 32 == 0 and (D * store.ref_bits) % 32 == 0
     view = (lambda t: None if t is None else t.contiguous().view(torch.int32)) if words else \
         (lambda t: None if t is None else t.contiguous())
     return (words, triton.next_power_of_2(D), view(store.k_codes), view(store.v_codes), view(store.k_codes_lo),
-            view(store.v_codes_lo))
+            view(store.v_codes_lo), view(store.k_ref), view(store.v_ref))
 
 
 def _n_programs_target(device) -> int:
@@ -546,7 +608,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
     group_v = min(store.group_v, D)
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
-    words, BLOCK_D, k_codes, v_codes, k_lo, v_lo = _code_layout(store, D)
+    words, BLOCK_D, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref = _code_layout(store, D)
     n_blocks = triton.cdiv(S, store.group_k)
     if n_splits is None:
         n_splits = min(n_blocks, max(1, _n_programs_target(q.device) // BH))
@@ -563,8 +625,9 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
         q, k_codes, c(k_lo), c(store.k_scale), c(store.k_zero), v_codes, c(v_lo), c(store.v_scale), c(store.v_zero),
         c(store.v_chan), c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q,
         c(f.k) if f else q, c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length), out_part, lse_part,
-        float(sm_scale) * LOG2E, S, R, K, D, T, M, split_len,
-        BITS=store.bits, HIER=store.k_codes_lo is not None, WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
+        c(k_ref), c(v_ref), c(store.ref_map), float(sm_scale) * LOG2E, S, R, K, D, T, M, split_len, store.n_ref,
+        BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
+        WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
         HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
         BLOCK_F=64)
@@ -582,7 +645,7 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
-    words, BLOCK_D, k_codes, _, k_lo, _ = _code_layout(store, D)
+    words, BLOCK_D, k_codes, _, k_lo, _, k_ref, _ = _code_layout(store, D)
     BLOCK_K = max(16, triton.next_power_of_2(k))
     chunk = max(min(1024, triton.next_power_of_2(S)), BLOCK_K, store.group_k)
     n_chunks = triton.cdiv(S, chunk)
@@ -595,8 +658,10 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
     _topk_chunk_kernel[(BH, n_chunks)](
         q_rows.contiguous(), lse_rows.contiguous(), k_codes, c(k_lo), c(store.k_scale), c(store.k_zero),
         c(store.n_quant), c(f.idx) if f else q_row, f.valid.contiguous().view(torch.uint8) if f else q_row,
-        c(f.k) if f else q_row, scratch, cand, float(sm_scale) * LOG2E, S, n_chunks * chunk, K, D, G, first, R,
-        BITS=store.bits, HIER=store.k_codes_lo is not None, WORDS=words, GROUP_K=store.group_k, HAS_FETCH=f is not None,
+        c(f.k) if f else q_row, scratch, cand, c(k_ref), c(store.ref_map), float(sm_scale) * LOG2E, S,
+        n_chunks * chunk, K, D, G, first, store.n_ref, R,
+        BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
+        WORDS=words, GROUP_K=store.group_k, HAS_FETCH=f is not None,
         DOT=_dot_precision(q_row.dtype), UPCAST=_upcast(q_row.dtype), CHUNK=chunk,
         BLOCK_G=max(16, triton.next_power_of_2(G * R)), BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
         BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))))
@@ -615,13 +680,14 @@ def _flat(store: LowBitKV, residual: Residual, fetched: Optional[Fetched]):
     f = fetched or Fetched(None, None, None, None)
     tensors = (store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero, store.n_quant,
                residual.k, residual.v, residual.length)
-    optional = (store.k_codes_lo, store.v_codes_lo, store.v_chan, f.k, f.v, f.idx, f.valid)
-    return tensors, (store.bits, store.group_k, store.group_v), optional
+    optional = (store.k_codes_lo, store.v_codes_lo, store.v_chan, store.k_ref, store.v_ref, store.ref_map,
+                f.k, f.v, f.idx, f.valid)
+    return tensors, (store.bits, store.group_k, store.group_v, store.ref_bits, store.n_ref), optional
 
 
 def _unflat(tensors, ints, optional):
-    k_lo, v_lo, v_chan, f_k, f_v, f_idx, f_valid = optional
-    store = LowBitKV(*tensors[:7], *ints, k_lo, v_lo, v_chan)
+    k_lo, v_lo, v_chan, k_ref, v_ref, ref_map, f_k, f_v, f_idx, f_valid = optional
+    store = LowBitKV(*tensors[:7], *ints[:3], k_lo, v_lo, v_chan, k_ref, v_ref, ref_map, *ints[3:])
     residual = Residual(*tensors[7:10]) if len(tensors) == 10 else None  # (top-k reads no residual)
     return store, residual, (Fetched(f_k, f_v, f_idx, f_valid) if f_k is not None else None)
 
@@ -691,4 +757,7 @@ def lowbit_read_bytes(store: LowBitKV, n_quant: int) -> int:
     per_group = [store.k_scale, store.k_zero]
     total = sum(t[:, :, :n_quant].nbytes for t in per_row if t is not None)
     total += sum(t[:, :, :n_quant // store.group_k].nbytes for t in per_group if t is not None)
+    if store.ref_map is not None:  # ZipCache mixed: the slot map and the groups' refinement rows
+        total += store.ref_map[:, :, :n_quant].nbytes
+        total += sum(t[:, :, :n_quant // store.group_k * store.n_ref].nbytes for t in (store.k_ref, store.v_ref))
     return total + (store.v_chan.nbytes if store.v_chan is not None else 0)

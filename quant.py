@@ -14,6 +14,8 @@ scale/zero, so every error bound holds for what the cache actually keeps.
 
 Variants on the same core:
   ZipCache channel-separable values (zipcache.txt §4.1, eq. 6): v / c per channel, then tokenwise.
+  ZipCache mixed precision (§4.2-4.3): one quantizer at the salient bit-width; every token keeps the
+    upper `bits` of its code, salient tokens also the lower bits.
   QuantSpec hierarchical INT8 = upper INT4 + lower INT4 (quantspec.txt §4.2).
 """
 import torch
@@ -96,7 +98,7 @@ def _safe(x, meta_dtype):
 
 def _quantize(x, bits, group, along, one_bit="improved", meta_dtype=torch.float16):
     """The core: x [B,H,T,D] -> (unpacked codes uint8 [B,H,T,D], scale, zero [meta shape])."""
-    assert bits in BITS, bits
+    assert 1 <= bits <= 8, bits  # any width: packed widths are BITS, mixed precision splits its codes
     xg, axis = _grouped(_safe(x, meta_dtype), group, along)
     scale, zero = _group_params(xg, axis, bits, one_bit, meta_dtype)
     s, z = scale.float(), zero.float()
@@ -116,6 +118,9 @@ def _expand(meta, group, along):
 def _dequantize(codes, scale, zero, group, along, dtype=torch.float32):
     """x' = code * s + z for unpacked codes [B,H,T,D] (any numeric dtype)."""
     return (codes.float() * _expand(scale, group, along) + _expand(zero, group, along)).to(dtype)
+
+
+dequantize_codes = _dequantize  # integer codes of any of the variants below, with their scale and zero
 
 
 def _value_group(group, head_dim):
@@ -160,6 +165,50 @@ def quantize_values_zip(v, bits, group, chan_scale, one_bit="improved", meta_dty
 def dequantize_values_zip(codes, scale, zero, bits, group, chan_scale, dtype=torch.float32):
     v = dequantize_values(codes, scale, zero, bits, group) * chan_scale.float()[..., None, :]
     return v.to(dtype)
+
+
+# ---- ZipCache mixed precision (zipcache.txt §4.2-4.3) -------------------------------------------
+# A block is quantized once at the salient bit-width b_hi (eq. 2). Its code c = 2^r U + L (r = b_hi - bits)
+# splits into the upper `bits` U, kept for every token, and the lower r bits L, kept only for the
+# salient tokens. A salient token reads c; any other reads U with L at the middle of its range,
+# (2^r - 1) / 2: the midpoints of 2^bits equal bins over the same range, a `bits`-bit quantizer whose
+# error, at most 2^(r-1) s_hi = 2^(r-1) range / (2^b_hi - 1), is below eq. 2's range / (2 (2^bits - 1)).
+# As integers: C = 2^(r+1) U + (2L or 2^r - 1), value = C * s_hi / 2 + z (both exact in 16-bit floats).
+def quantize_mixed(x, bits, bits_hi, group, along, meta_dtype=torch.float16):
+    """x [B,H,T,D] -> (upper codes packed at `bits` [B,H,T,D*bits/8], lower codes uint8 [B,H,T,D]
+    (unpacked: the caller keeps the salient rows), scale (s_hi), zero). Keys: along="tokens"."""
+    if along == "channels":
+        group = _value_group(group, x.shape[-1])
+    c, scale, zero = _quantize(x, bits_hi, group, along, meta_dtype=meta_dtype)
+    r = bits_hi - bits
+    return pack_bits(c >> r, bits), c & (2**r - 1), scale, zero
+
+
+def mixed_codes(upper, lower, has, r: int):
+    """Integer codes C (int32 [B,H,T,D]) from upper codes U and lower codes L (unpacked) where `has`
+    [B,H,T] marks the rows that kept L; value = C * s_hi / 2 + z."""
+    return (upper.to(torch.int32) << (r + 1)) + torch.where(has[..., None], 2 * lower.to(torch.int32), 2**r - 1)
+
+
+def dequantize_mixed(upper_packed, lower, has, scale, zero, bits, bits_hi, group, along, dtype=torch.float32):
+    """Inverse of quantize_mixed with the lower codes of the rows `has` marks (others: the midpoint)."""
+    upper = unpack_bits(upper_packed, bits, torch.int32)
+    if along == "channels":
+        group = _value_group(group, upper.shape[-1])
+    return _dequantize(mixed_codes(upper, lower, has, bits_hi - bits), scale.float() / 2, zero, group, along, dtype)
+
+
+def compact_refinement(lower_k, lower_v, saliency, group: int, n_ref: int, r: int):
+    """Keep the lower codes (unpacked [B,H,T,D]) of the n_ref most salient tokens (`saliency`
+    [B,H,T]) of each key group of `group` tokens, in position order -> (k_ref, v_ref packed at r bits
+    [B,H,T/group*n_ref,D*r/8], ref_map uint8 [B,H,T]: a token's row among its group's, 255 = none)."""
+    B, H, T, D = lower_k.shape
+    top = saliency.float().reshape(B, H, T // group, group).topk(n_ref, dim=-1).indices.sort(-1).values
+    rows = (top + group * torch.arange(T // group, device=top.device)[:, None]).reshape(B, H, -1)
+    pick = lambda low: pack_bits(low.gather(2, rows[..., None].expand(-1, -1, -1, D)), r)  # noqa: E731
+    slot = torch.arange(n_ref, device=top.device, dtype=torch.uint8).repeat(T // group).expand(B, H, -1)
+    ref_map = torch.full((B, H, T), 255, dtype=torch.uint8, device=top.device).scatter(2, rows, slot)
+    return pick(lower_k), pick(lower_v), ref_map
 
 
 # ---- QuantSpec hierarchical INT8 = upper INT4 + lower INT4 (quantspec.txt §4.2) ------------------

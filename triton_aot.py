@@ -240,6 +240,9 @@ def cases(quick=False):
         out.append((f"specache-8bit-quantspec {dn}", step_case("specache-8bit-quantspec", dtype, 128)))
         out.append((f"quantspec draft/verify {dn}", quantspec_case(dtype, 128)))
         out.append((f"specache-2bit-zipcache {dn}", step_case("specache-2bit-zipcache", dtype, 128)))
+        out.append((f"specache-2bit-zipcache-s40-hi4 {dn}", step_case("specache-2bit-zipcache-s40-hi4", dtype, 128)))
+        if not quick:
+            out.append((f"specache-1bit-zipcache-s50-hi2 {dn} D64", step_case("specache-1bit-zipcache-s50-hi2", dtype, 64)))
         out.append((f"specache-1bit {dn} D64 G3", step_case("specache-1bit", dtype, 64, G=3)))
         out.append((f"rows {dn}", rows_case(dtype, 128)))
     return out

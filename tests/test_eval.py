@@ -155,7 +155,7 @@ def test_reports_and_heatmap(tmp_path):
                 r.add(ev.Results.key(f), dict(f, label=lb, score=1.0 if lb == "full" else 1 / 3))
     ev.write_niah_report(r)
     md = (tmp_path / "results.md").read_text()
-    assert "| full | 100.0 | 100.0 | 100.0 |" in md and "kivi-1bit | 33.3" in md
+    assert "| full | - | 100.0 | 100.0 | 100.0 |" in md and "kivi-1bit | - | 33.3" in md
     assert (tmp_path / "niah.png").stat().st_size > 1000
     for task, score in (("niah_single_1", 1.0), ("vt", 0.5)):
         f = dict(cmd="ruler", method="full", task=task, length=1000, sample=0)
@@ -189,10 +189,10 @@ def test_ppl_report_and_summary_prompt(tmp_path):
     r = ev.Results(tmp_path)
     for lb, nll in (("full", 1.0), ("kivi-1bit", 2.0)):
         f = dict(cmd="ppl", method=lb, length=2048, window=0, n_eval=128)
-        r.add(ev.Results.key(f), dict(f, label=lb, nll=nll, n=128))
+        r.add(ev.Results.key(f), dict(f, label=lb, nll=nll, n=128, bits=16.0 if lb == "full" else 1.5))
     ev.write_ppl_report(r)
     md = (tmp_path / "results.md").read_text()
-    assert "last 128 tokens" in md and "| full | 2.718 | 1.0000 | 1 |" in md and "| kivi-1bit | 7.389 |" in md
+    assert "last 128 tokens" in md and "| full | 16.00 | 2.718 | 1.0000 | 1 |" in md and "| kivi-1bit | 1.50 | 7.389 |" in md
     tok = WordTokenizer()
     p = tk.summary_prompt(tok, 1000, 0)
     assert p.startswith("<user> ") and p.endswith(f"{tk.SUMMARY_ASK} <assistant>")
@@ -327,3 +327,25 @@ def test_quantspec_subcommand_reports_acceptance_and_equality(tmp_path, monkeypa
     assert md.count(" 2/2 |") == 3  # gamma 0, 1 and 3 all give gamma 0's tokens
     with pytest.raises(SystemExit, match="quantspec cache"):
         ev.cmd_quantspec(a, r, ev.expand_methods("kivi-2bit"), results)
+
+
+def test_saliency_subcommand(tmp_path, monkeypatch):
+    """eval.py saliency on a tiny model: with every token a probe, the probe sets are the exact ones
+    (100% overlap); with the default 10% probes they are a subset-based estimate in [0, 100]."""
+    import random
+    from types import SimpleNamespace
+    import cache
+
+    r = tiny_runner()
+    monkeypatch.setattr(ev, "essay_window", lambda tok, start, L: [random.Random(start).randrange(256) for _ in range(L)])
+    a = SimpleNamespace(checkpoint=tmp_path / "tiny", lengths=[128], samples=1, salient_ratio=0.5, group_list=[16])
+    results = ev.Results(tmp_path / "default")
+    ev.cmd_saliency(a, r, [], results)
+    rec = results.of("saliency")[0]
+    assert rec["probes"] == 12 and len(rec["layer_group"]) == 2 and 0 <= rec["group"] <= 1
+    monkeypatch.setattr(cache, "PROBE_RECENT", 1.0)
+    results = ev.Results(tmp_path / "all")
+    ev.cmd_saliency(a, r, [], results)
+    rec = results.of("saliency")[0]
+    assert rec["probes"] == 128 and rec["group"] == rec["global"] == 1.0
+    assert "| ratio 0.5, group 16 | 128 | 1 | 128 | 100.0 | 100.0 |" in (tmp_path / "all" / "results.md").read_text()

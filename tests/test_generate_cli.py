@@ -88,6 +88,20 @@ def test_preset_flag_names_the_config(ckpt, capsys):
     assert r["config"]["fetch"] == "resync" and "Paris" in r["text"]
 
 
+def test_zipcache_mixed_precision_flags(ckpt, capsys):
+    """--quant zipcache --salient-ratio 0.4 --bits 2: the mixed cache, its device bytes between the
+    uniform 2-bit and 4-bit ZipCache caches'."""
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)
+    common = ["--prompt", prompt, "--cache", "kivi", "--quant", "zipcache", "--group", "32", "--residual", "32"]
+    r = run_json(ckpt, capsys, *common, "--salient-ratio", "0.4", "--bits", "2")
+    assert r["cache"] == "kivi-2bit-zipcache-g32-r32-s40-hi4" and r["config"]["bits_salient"] == 4
+    two = run_json(ckpt, capsys, *common, "--bits", "2")
+    four = run_json(ckpt, capsys, *common, "--bits", "4")
+    assert two["kv_device_bytes"] < r["kv_device_bytes"] < four["kv_device_bytes"]
+    with pytest.raises(SystemExit, match="--quant zipcache"):
+        main(["--checkpoint", ckpt, "--salient-ratio", "0.4"])
+
+
 def test_batched_tokens_are_a_list_per_row(ckpt, capsys):
     r = run_json(ckpt, capsys, "--prompt", "Once upon a time", "--batch-size", "2", "--cache", "kivi", "--bits", "2")
     assert len(r["tokens"]) == 2 and r["tokens"][0] == r["tokens"][1]

@@ -40,10 +40,11 @@ class Case(NamedTuple):
 
 # ---- a small cache with garbage past every valid length -----------------------------------------
 def make_case(B=1, Hkv=2, G=3, T=2, D=64, S=256, n_quant=160, R=64, res_len=37, bits=2, gk=32, gv=64,
-              fetch=0, hier=False, zip=False, dtype=torch.float32, seed=0) -> Case:
+              fetch=0, hier=False, zip=False, mixed=None, dtype=torch.float32, seed=0) -> Case:
     """n_quant must be a multiple of gk (a cache invariant: whole key groups are quantized). Slots
     >= n_quant get random codes and NaN/inf meta, residual rows >= res_len and invalid fetched rows
-    NaN: nothing outside the valid ranges may leak into the result."""
+    NaN: nothing outside the valid ranges may leak into the result. mixed=(bits_hi, n_ref): ZipCache
+    mixed precision with n_ref random salient tokens per key group."""
     assert n_quant % gk == 0 and T <= res_len <= R
     g = torch.Generator().manual_seed(seed)
     H = Hkv * G
@@ -56,6 +57,20 @@ def make_case(B=1, Hkv=2, G=3, T=2, D=64, S=256, n_quant=160, R=64, res_len=37, 
         k_codes, lo["k_codes_lo"], k_scale, k_zero = quant.quantize_hier_keys(k_fp, gk)
         v_codes, lo["v_codes_lo"], v_scale, v_zero = quant.quantize_hier_values(v_fp, gv)
         bits = 4
+    elif mixed:
+        bits_hi, n_ref = mixed
+        k_codes, kl, k_scale, k_zero = quant.quantize_mixed(k_fp, bits, bits_hi, gk, "tokens")
+        lo["v_chan"] = quant.channel_scale(v_fp) if zip else None
+        v_src = v_fp / lo["v_chan"].float()[..., None, :] if zip else v_fp
+        v_codes, vl, v_scale, v_zero = quant.quantize_mixed(v_src, bits, bits_hi, gv, "channels")
+        lo["k_ref"], lo["v_ref"], ref_map = quant.compact_refinement(kl, vl, torch.rand(B, Hkv, S, generator=g), gk,
+                                                                     n_ref, bits_hi - bits)
+        garbage = torch.randint(0, n_ref + 1, ref_map[:, :, n_quant:].shape, generator=g).to(torch.uint8)
+        ref_map[:, :, n_quant:] = torch.where(garbage == n_ref, 255, garbage)
+        for x in (lo["k_ref"], lo["v_ref"]):
+            x[:, :, n_quant // gk * n_ref:] = torch.randint(0, 256, x[:, :, n_quant // gk * n_ref:].shape, generator=g,
+                                                            dtype=torch.uint8)
+        lo.update(ref_map=ref_map, ref_bits=bits_hi - bits, n_ref=n_ref)
     else:
         k_codes, k_scale, k_zero = quant.quantize_keys(k_fp, bits, gk)
         if zip:
@@ -132,6 +147,10 @@ CASES = {
     "B2-D48-4bit": dict(B=2, G=3, T=2, D=48, bits=4, gv=16, fetch=4),
     "G3-T2-fp16": dict(G=3, T=2, fetch=8, dtype=torch.float16),
     "G4-T1-bf16": dict(G=4, T=1, fetch=8, dtype=torch.bfloat16),
+    "G3-T2-mixed-2/4-zip-fetch": dict(G=3, T=2, bits=2, mixed=(4, 13), zip=True, fetch=8),
+    "G1-T1-mixed-1/2": dict(G=1, T=1, bits=1, mixed=(2, 3)),
+    "B2-D48-mixed-2/4-bytes": dict(B=2, G=3, T=2, D=48, bits=2, gv=16, mixed=(4, 5), fetch=4),
+    "G4-T2-mixed-2/6-fp16": dict(G=4, T=2, bits=2, mixed=(6, 16), fetch=8, dtype=torch.float16),
 }
 
 
@@ -173,8 +192,8 @@ class TopkCase(NamedTuple):
     sm_scale: float
 
 
-def topk_inputs(G=3, n_quant=160, S=256, hier=False, k=16, seed=1) -> TopkCase:
-    c = make_case(G=G, T=1, S=S, n_quant=n_quant, hier=hier, seed=seed)
+def topk_inputs(G=3, n_quant=160, S=256, hier=False, k=16, seed=1, **kw) -> TopkCase:
+    c = make_case(G=G, T=1, S=S, n_quant=n_quant, hier=hier, seed=seed, **kw)
     _, lse = kernels.attention_lowbit_ref(*c.args())
     return TopkCase(c.q[:, :, 0], lse[:, :, 0], c.store, k, c.sm_scale)
 
@@ -206,6 +225,43 @@ def test_topk_reference_matches_dense(G, n_quant, hier, k):
     assert (idx[~valid] == 0).all()
     if G == 1:  # one head per kv head: probabilities of a distribution (<= 1 in total)
         assert dense.clamp_min(0).sum(-1).le(1 + 1e-5).all()
+
+
+@pytest.mark.parametrize("bits,mixed", [(2, (4, 13)), (1, (2, 8))])
+def test_topk_mixed_precision_reference_matches_dense(bits, mixed):
+    t = topk_inputs(G=3, n_quant=96, S=128, k=16, bits=bits, mixed=mixed)
+    score, idx = kernels.topk_lowbit_ref(*t)
+    dense = dense_topk_scores(t)
+    torch.testing.assert_close(score, dense.topk(16, -1).values, atol=1e-6, rtol=1e-5)
+
+
+def test_mixed_precision_store_reads_as_the_quantizer_wrote():
+    """The compact refinement rows and the slot map read back (kernels' dequantization) as
+    quant.dequantize_mixed of the unpacked lower codes: salient rows at bits_hi, others at the
+    midpoint; with every token salient, exactly eq. 2 at bits_hi."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 64, 32, generator=g)
+    sal = torch.rand(1, 2, 64, generator=g)
+    for bits, hi, n_ref in ((2, 4, 6), (1, 3, 16), (2, 4, 16)):
+        up, low, sc, zr = quant.quantize_mixed(x, bits, hi, 16, "tokens")
+        k_ref, _, ref_map = quant.compact_refinement(low, low, sal, 16, n_ref, hi - bits)
+        has = ref_map != 255
+        assert has.view(1, 2, 4, 16).sum(-1).eq(n_ref).all()
+        top = sal.view(1, 2, 4, 16).topk(n_ref, -1).indices  # the most salient of each group kept
+        assert has.view(1, 2, 4, 16).gather(-1, top).all()
+        v_meta = torch.ones(1, 2, 64, 1, dtype=sc.dtype)  # (the values are not read here)
+        store = LowBitKV(up, sc, zr, up, v_meta, v_meta,
+                         torch.tensor(64), bits, 16, 32, k_ref=k_ref, v_ref=k_ref, ref_map=ref_map, ref_bits=hi - bits,
+                         n_ref=n_ref)
+        want = quant.dequantize_mixed(up, low, has, sc, zr, bits, hi, 16, "tokens")
+        torch.testing.assert_close(kernels.dequant_keys(store), want, atol=0, rtol=0)
+        s_hi = sc.float().repeat_interleave(16, 2)
+        err = (want - x).abs()
+        assert (err[has] <= s_hi[has] / 2 + 1e-5).all()  # salient: round to nearest at bits_hi
+        assert (err[~has] <= 2 ** (hi - bits - 1) * s_hi[~has] + 1e-5).all()  # others: the bin's midpoint
+        if n_ref == 16:
+            c4, s4, z4 = quant._quantize(x, hi, 16, "tokens")
+            torch.testing.assert_close(want, quant.dequantize_codes(c4, s4, z4, 16, "tokens"), atol=0, rtol=0)
 
 
 def fetched_rows(t: TopkCase, n_fetch=6, seed=3) -> Fetched:
@@ -314,6 +370,14 @@ def test_triton_topk_matches_reference(G, n_quant, hier, k):
     got = kernels.topk_lowbit_triton(*t)
     assert got[0].shape == want[0].shape and got[1].dtype == torch.int64
     assert_same_topk(got, want)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits,mixed", [(2, (4, 13)), (1, (2, 8))])
+def test_triton_topk_mixed_precision_matches_reference(bits, mixed):
+    t = topk_inputs(G=3, n_quant=96, k=16, bits=bits, mixed=mixed)
+    f = fetched_rows(t)
+    assert_same_topk(kernels.topk_lowbit_triton(*t, f), kernels.topk_lowbit_ref(*t, f))
 
 
 @needs_interpreter
