@@ -9,7 +9,8 @@
    (skipped, and said so, when checkpoints/smollm2-135m-instruct is absent);
 2. speed: each kernel alone against its byte floor (bench.py --kernels), then whole compiled decode
    steps of Llama-3.1-8B shapes with random bf16 weights (bench.py --model Llama-3.1-8B
-   --random-weights --compile) at 32k, then 8k while the time budget lasts.
+   --random-weights --compile; full, KIVI, SpeCache paper and best presets, ZipCache mixed) at 32k,
+   QuantSpec rounds (gamma 0 and 4) at 8k, then the steps at 8k, while the time budget lasts.
 Prints one summary table (then the speed tables) and exits non-zero on any failure. It needs only
 the machine's Python with torch and Triton: no network, no package installs, no virtual environment.
 """
@@ -95,11 +96,14 @@ def main(argv=None):
             bench = [sys.executable, "bench.py", "--model", "SmolLM2-135M", "--random-weights", "--dtype", "float32",
                      "--device", "cpu", "--kernel-reps", "2", "--bandwidth-mb", "8"]
             big, small, steps = "512", "256", ["--warmup", "1", "--steps", "2"]
+        caches = "full,kivi,specache,specache-1bit-best,kivi-2bit-zipcache-s40-hi4"
         plans = [(f"kernels alone, {big}", bench + ["--kernels", "--contexts", big], "kernels.json"),
-                 (f"compiled steps, {big}", bench + ["--compile", "--contexts", big, "--caches", "full,kivi,specache",
-                                                     *steps], "steps-big.json"),
-                 (f"compiled steps, {small}", bench + ["--compile", "--contexts", small, "--caches", "full,kivi,specache",
-                                                       *steps], "steps-small.json")]
+                 (f"compiled steps, {big}", bench + ["--compile", "--contexts", big, "--caches", caches, *steps],
+                  "steps-big.json"),
+                 (f"QuantSpec rounds, {small}", bench + ["--compile", "--contexts", small, "--quantspec", "--gammas", "0,4",
+                                                         *steps], "quantspec.json"),
+                 (f"compiled steps, {small}", bench + ["--compile", "--contexts", small, "--caches", caches, *steps],
+                  "steps-small.json")]
         for name, cmd, fname in plans:
             if left() < 60:
                 rows.append(dict(check=name, status="not run", seconds=0.0, note="time budget spent"))

@@ -288,6 +288,20 @@ def _ref_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
 
 
 @triton.jit
+def _key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER: tl.constexpr, RB: tl.constexpr):
+    """A key group's constants for the key dot: its per-channel scale (divided to match _load_codes'
+    integers) and zero, and its rows' refinement rows (ZipCache). grp: the flat group index."""
+    sk = tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    if HIER:
+        sk = sk / 16
+    if RB > 0:
+        sk = sk / 2
+    ref_rows, ref_ok = _ref_rows(ref_map, rows, n_ok, grp, N_REF, RB)
+    return sk, zk, ref_rows, ref_ok
+
+
+@triton.jit
 def _load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
                 RB: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Integer codes of a [BLOCK_N, BLOCK_D] tile of rows `rows` (flat bh*S + n): KIVI's c,
@@ -383,14 +397,8 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
             n_ok = offs_n < hi
             rows = bh * S + offs_n
             # keys: this block is one key group; its scale/zero fold into the query
-            grp = (bh * (S // GROUP_K) + n0 // GROUP_K) * D
-            sk = tl.load(k_scale + grp + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            zk = tl.load(k_zero + grp + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            if HIER:
-                sk = sk / 16
-            if RB > 0:
-                sk = sk / 2
-            ref_rows, ref_ok = _ref_rows(ref_map, rows, n_ok, bh * (S // GROUP_K) + n0 // GROUP_K, N_REF, RB)
+            sk, zk, ref_rows, ref_ok = _key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + n0 // GROUP_K,
+                                                  offs_d, d_ok, D, N_REF, HIER, RB)
             ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
                              GROUP_K, BLOCK_D)
             s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
@@ -516,15 +524,9 @@ def _topk_chunk_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
         offs_n = lo + n0 + tl.arange(0, GROUP_K)
         n_ok = (offs_n < hi) & (offs_n >= FIRST)
         rows = bh * S + offs_n
-        grp = (bh * (S // GROUP_K) + (lo + n0) // GROUP_K) * D
         grp_ok = offs_d < tl.where(lo + n0 < hi, D, 0)  # (block & scalar-bool masks break the interpreter)
-        sk = tl.load(k_scale + grp + offs_d, mask=grp_ok, other=0.0).to(tl.float32)
-        zk = tl.load(k_zero + grp + offs_d, mask=grp_ok, other=0.0).to(tl.float32)
-        if HIER:
-            sk = sk / 16
-        if RB > 0:
-            sk = sk / 2
-        ref_rows, ref_ok = _ref_rows(ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K, N_REF, RB)
+        sk, zk, ref_rows, ref_ok = _key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K,
+                                              offs_d, grp_ok, D, N_REF, HIER, RB)
         ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
                          GROUP_K, BLOCK_D)
         s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
