@@ -6,6 +6,7 @@
     python bench.py --kernels --model Llama-3.1-8B --random-weights --contexts 32768          # per-kernel GB/s
     python bench.py --compile --contexts 2048 --kv-budget-gb 0.5 --max-run-batch 4           # Table 3 on a KV budget
     python bench.py --compile --contexts 4096 --caches full,kivi,specache --hf                # side by side with HF
+    python bench.py --floors --contexts 32768 --batch-sizes 1,16                              # byte floors, nothing runs
 
 Caches are cache.CacheConfig names (full, kivi-2bit, specache-1bit-sequential, ...); --bits/--k/--group/
 --residual/--quant apply to every low-bit name that does not set them. `NAME+2tok` feeds a
@@ -41,6 +42,7 @@ from model import KNOWN_CONFIGS, load_model, random_model  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
 H100_GBS = 3350.0  # H100 SXM HBM3 bandwidth, GB/s (the byte floors' reference device)
+PCIE_GBS = 50.0  # host-to-device over PCIe 5.0 x16: a nominal figure for the floors, not a measurement
 
 
 # ---- caches by name -----------------------------------------------------------------------------------
@@ -300,6 +302,39 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     return rows
 
 
+# ---- byte floors, computed without running a model (issue #12's design numbers) --------------------------
+def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
+    """Per decode step: the bytes the weights (bf16) and each cache's kernels must read, and the PCIe bytes
+    of SpeCache's fetch, from one layer's caches built at `context` and filled to it (no weights
+    are allocated, nothing runs), times n_layers; the floors at an H100's bandwidth."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+    dtype, D, H, Hkv, F = torch.bfloat16, args.dim, args.n_heads, args.n_kv_heads, args.intermediate_size
+    layer = 2 * (D * H * args.head_dim * 2 + D * Hkv * args.head_dim * 2 + 3 * D * F + 2 * D)
+    weights = args.n_layers * layer + 2 * (args.vocab_size * D + D)  # the output head; an input row is negligible
+    one = SimpleNamespace(args=replace(args, n_layers=1, max_seq_len=context + 8),
+                          tok_embeddings=SimpleNamespace(weight=torch.empty(0, dtype=dtype)),
+                          setup_caches=lambda make: [make(0)])
+    rows = []
+    for name in names:
+        cfg, T = bench_config(name, a)
+        if cfg.kind == "quantspec":
+            raise ValueError(f"{name}: QuantSpec's draft/verify bytes are in --quantspec")
+        (c,), pf, _ = generate.setup_caches(one, cfg, batch, context + 8)
+        if cfg.kind == "full":
+            c.length.fill_(context)
+        else:  # steady state: whole residual blocks quantized, the rest in the fp window
+            nq = context // c.residual * c.residual
+            c.n_quant.fill_(nq)
+            c.res_len.fill_(context - nq)
+        kv, pcie = c.read_bytes(T) * args.n_layers, (pf.bytes_per_step() * args.n_layers if pf else 0)
+        rows.append(dict(context=context, batch=batch, cache=cfg.name, weight_bytes=weights, kv_read_bytes=kv,
+                         kv_device_bytes=c.device_bytes() * args.n_layers, pcie_bytes=pcie,
+                         floor_ms=1e3 * (weights + kv) / (H100_GBS * 1e9), kv_floor_us=1e6 * kv / (H100_GBS * 1e9),
+                         pcie_us=1e6 * pcie / (PCIE_GBS * 1e9)))
+    return rows
+
+
 # ---- Table 3: batch on a KV budget -----------------------------------------------------------------------
 def kv_bytes_linear(model, name: str, length: int, a) -> tuple[int, int, int]:
     """(fixed, device per row, host per row): the buffers are linear in the batch, so builds at
@@ -552,6 +587,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-group", type=int, default=32, choices=[32, 64, 128, 256], help="QuantSpec INT4 weight group")
     p.add_argument("--profile-steps", type=int, default=None, help="CUDA: profiled steps after the timed ones (default 3)")
     p.add_argument("--bandwidth-mb", type=int, default=256, help="tensor size of the bandwidth measurement")
+    p.add_argument("--floors", action="store_true", help="only the byte floors of --model (default Llama-3.1-8B) at "
+                   "--contexts x --batch-sizes, computed without running it")
     p.add_argument("--quick", action="store_true", help="1k context, eager unless --compile, small budget, HF at 1k")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None, help="also write the markdown here (default: next to --json)")
@@ -571,7 +608,7 @@ def parse_args(argv=None):
         p.error("--random-weights needs --model NAME")
     if a.model and a.model not in KNOWN_CONFIGS:
         p.error(f"unknown --model {a.model!r}; known: {', '.join(KNOWN_CONFIGS)}")
-    if a.model and not a.random_weights:
+    if a.model and not a.random_weights and not a.floors:
         p.error("--model needs --random-weights (a checkpoint is given with --checkpoint)")
     a.caches = [c for c in a.caches.split(",") if c.strip()]
     try:
@@ -588,8 +625,27 @@ def parse_args(argv=None):
     return a
 
 
+def floors_report(a) -> str:
+    from model import ModelArgs
+    args = ModelArgs.from_name(a.model or "Llama-3.1-8B")
+    rows = [r for ctx in a.contexts for b in a.batch_sizes for r in floor_rows(args, a.caches, ctx, b, a)]
+    head = (f"# Byte floors per decode step: {args.name}, bf16, {args.n_layers} layers; H100 {H100_GBS / 1e3:.2f} TB/s, "
+            f"PCIe {PCIE_GBS:.0f} GB/s (nominal)")
+    return head + "\n\n" + md_table(
+        ["context", "batch", "cache", "weights MiB", "KV read MiB", "KV device MiB", "PCIe MiB", "KV floor us",
+         "step floor ms", "PCIe us"],
+        [[r["context"], r["batch"], r["cache"], mb(r["weight_bytes"]), mb(r["kv_read_bytes"]), mb(r["kv_device_bytes"]),
+          mb(r["pcie_bytes"]), f"{r['kv_floor_us']:.0f}", f"{r['floor_ms']:.3f}", f"{r['pcie_us']:.0f}"] for r in rows])
+
+
 def main(argv=None):
     a = parse_args(argv)
+    if a.floors:
+        text = floors_report(a)
+        print(text)
+        if a.md:
+            a.md.write_text(text + "\n")
+        return text
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but CUDA is not available here")

@@ -237,3 +237,24 @@ def test_quantspec_section(tmp_path, model):
             (r["gamma"] * r["draft_read_bytes"] + r["verify_read_bytes"]) / r["tokens_per_round"])
     assert rows[1]["tokens_per_round"] == 1.0 and rows[1]["acceptance"] is None
     assert "## QuantSpec vs autoregressive decoding" in bench.report(res)
+
+
+def test_byte_floors_without_running():
+    """--floors: the 8B shapes' bytes from one layer's caches, against the closed forms."""
+    from model import ModelArgs
+    args = ModelArgs.from_name("Llama-3.1-8B")
+    L, Hkv, D, ctx = args.n_layers, args.n_kv_heads, args.head_dim, 4096
+    rows = {r["cache"]: r for r in bench.floor_rows(args, ["full", "kivi", "specache"], ctx, 2, opts(k=None, group=None,
+                                                                                                    residual=None))}
+    assert rows["full"]["weight_bytes"] == 2 * (L * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096)
+                                                + 128256 * 4096 + 4096)
+    assert rows["full"]["kv_read_bytes"] == 2 * L * 2 * Hkv * (ctx + 1) * D * 2  # K and V, batch 2, bf16, + the step
+    assert rows["full"]["pcie_bytes"] == 0
+    spec = rows["specache-1bit"]
+    assert spec["pcie_bytes"] == 2 * L * 2 * Hkv * 64 * D * 2  # k = 64 rows of K and V per layer and kv head
+    # 1-bit codes of K and V plus their fp16 scale/zero: about 1.5 bits a value, against 16
+    assert 1.4 / 16 < rows["kivi-1bit"]["kv_read_bytes"] / rows["full"]["kv_read_bytes"] < 1.7 / 16
+    assert rows["kivi-1bit"]["kv_read_bytes"] < spec["kv_read_bytes"] < 2 * rows["kivi-1bit"]["kv_read_bytes"]
+    with pytest.raises(ValueError, match="--quantspec"):
+        bench.floor_rows(args, ["quantspec"], ctx, 1, opts(bits=None, k=None, group=None, residual=None))
+    assert "| 4096 | 1 | specache-1bit |" in bench.main(["--floors", "--contexts", "4096", "--caches", "full,specache"])
