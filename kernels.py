@@ -288,15 +288,22 @@ def _ref_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
 
 
 @triton.jit
+def _integer_units(scale, HIER: tl.constexpr, RB: tl.constexpr):
+    """A stored scale in the units of _load_codes' integers: QuantSpec's INT8 view counts sixteenths
+    of the upper plane's step, ZipCache's mixed codes halves of the salient step."""
+    if HIER:
+        scale = scale / 16
+    if RB > 0:
+        scale = scale / 2
+    return scale
+
+
+@triton.jit
 def _key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER: tl.constexpr, RB: tl.constexpr):
     """A key group's constants for the key dot: its per-channel scale (divided to match _load_codes'
     integers) and zero, and its rows' refinement rows (ZipCache). grp: the flat group index."""
-    sk = tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    sk = _integer_units(tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32), HIER, RB)
     zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    if HIER:
-        sk = sk / 16
-    if RB > 0:
-        sk = sk / 2
     ref_rows, ref_ok = _ref_rows(ref_map, rows, n_ok, grp, N_REF, RB)
     return sk, zk, ref_rows, ref_ok
 
@@ -412,12 +419,8 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
             cv = _load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, v_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
                              GROUP_K, BLOCK_D).to(dt)
             for j in tl.static_range(NGV):
-                sv = tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
+                sv = _integer_units(tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32), HIER, RB)
                 zv = tl.load(v_zero + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
-                if HIER:
-                    sv = sv / 16
-                if RB > 0:
-                    sv = sv / 2
                 part = tl.dot((p * sv[None, :]).to(dt), cv, input_precision=DOT) + tl.sum(p * zv[None, :], 1)[:, None]
                 if NGV == 1:
                     acc += part
