@@ -136,6 +136,13 @@ def labels_of(recs) -> list[str]:
     return list(dict.fromkeys(r["label"] for r in recs))
 
 
+def by_label_and_length(recs):
+    """(label, length, its records) for each label (first-seen order) and length (ascending)."""
+    for lb in labels_of(recs):
+        for L in sorted({r["length"] for r in where(recs, label=lb)}):
+            yield lb, L, where(recs, label=lb, length=L)
+
+
 # ==== the model side ============================================================================================
 class PrefillReplay:
     """Algorithm 1 once per prompt, replayed into every cache configuration: the prompt is prefilled
@@ -491,16 +498,15 @@ def cmd_quantspec(a, runner, methods, results):
 def write_quantspec_report(results: Results):
     recs = results.of("quantspec")
     rows = []
-    for lb in labels_of(recs):
-        for L in sorted({r["length"] for r in where(recs, label=lb)}):
-            ref = {r["sample"]: r["tokens"] for r in where(recs, label=lb, length=L, gamma=0)}
-            for g in sorted({r["gamma"] for r in where(recs, label=lb, length=L)}):
-                rs = where(recs, label=lb, length=L, gamma=g)
-                same = [r["tokens"] == ref[r["sample"]] for r in rs if r["sample"] in ref]
-                acc = sum(r["accepted"] for r in rs) / max(1, sum(r["drafted"] for r in rs))
-                per_round = sum(r["accepted"] + r["rounds"] for r in rs) / max(1, sum(r["rounds"] for r in rs))
-                rows.append([lb, L, g, len(rs), pct(acc) if g else None, per_round,
-                             f"{sum(same)}/{len(same)}" if same else None, mean([r["decode_tok_s"] for r in rs])])
+    for lb, L, cell in by_label_and_length(recs):
+        ref = {r["sample"]: r["tokens"] for r in where(cell, gamma=0)}
+        for g in sorted({r["gamma"] for r in cell}):
+            rs = where(cell, gamma=g)
+            same = [r["tokens"] == ref[r["sample"]] for r in rs if r["sample"] in ref]
+            acc = sum(r["accepted"] for r in rs) / max(1, sum(r["drafted"] for r in rs))
+            per_round = sum(r["accepted"] + r["rounds"] for r in rs) / max(1, sum(r["rounds"] for r in rs))
+            rows.append([lb, L, g, len(rs), pct(acc) if g else None, per_round,
+                         f"{sum(same)}/{len(same)}" if same else None, mean([r["decode_tok_s"] for r in rs])])
     results.write_md("QuantSpec: acceptance by draft length",
                      "Greedy summaries of essay windows (chat template). acceptance = accepted drafts / drafted "
                      "(quantspec.txt's acceptance rate); tokens per round = accepted + 1 (the target's own token); "
@@ -565,12 +571,10 @@ def cmd_saliency(a, runner, methods, results):
 def write_saliency_report(results: Results):
     recs = results.of("saliency")
     rows = []
-    for lb in labels_of(recs):
-        for L in sorted({r["length"] for r in where(recs, label=lb)}):
-            rs = where(recs, label=lb, length=L)
-            rows.append([lb, L, len(rs), rs[0]["probes"]] + [pct(mean([r[key] for r in rs])) for key in
-                                                           ("group", "global", "accumulated")]
-                        + [f"{100 * min(min(r['layer_group']) for r in rs):.1f}"])
+    for lb, L, rs in by_label_and_length(recs):
+        rows.append([lb, L, len(rs), rs[0]["probes"]] + [pct(mean([r[key] for r in rs])) for key in
+                                                       ("group", "global", "accumulated")]
+                    + [f"{100 * min(min(r['layer_group']) for r in rs):.1f}"])
     results.write_md("ZipCache saliency: probe tokens against exact normalized attention",
                      "Share of the exact salient set (eq. 8 with every token a probe, top ratio) that a cheaper metric "
                      "selects, mean over layers and kv heads: probes (eq. 9, 5% recent + 5% random tokens) per key group "
