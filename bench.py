@@ -309,9 +309,10 @@ def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
     are allocated, nothing runs), times n_layers; the floors at an H100's bandwidth."""
     from dataclasses import replace
     from types import SimpleNamespace
-    dtype, D, H, Hkv, F = torch.bfloat16, args.dim, args.n_heads, args.n_kv_heads, args.intermediate_size
-    layer = 2 * (D * H * args.head_dim * 2 + D * Hkv * args.head_dim * 2 + 3 * D * F + 2 * D)
-    weights = args.n_layers * layer + 2 * (args.vocab_size * D + D)  # the output head; an input row is negligible
+    from model import Transformer
+    dtype = torch.bfloat16
+    with torch.device("meta"):  # shapes only: weight_bytes counts them without allocating
+        weights = weight_bytes(Transformer(args).to(dtype))
     one = SimpleNamespace(args=replace(args, n_layers=1, max_seq_len=context + 8),
                           tok_embeddings=SimpleNamespace(weight=torch.empty(0, dtype=dtype)),
                           setup_caches=lambda make: [make(0)])
