@@ -229,6 +229,16 @@ def generate_quantspec(model, draft, prompt: torch.Tensor, max_new_tokens: int, 
 def compile_steps(device, gamma: int):
     """The draft step, the verify step (gamma + 1 tokens) and the commit, each one fullgraph graph
     (CUDA graphs on CUDA)."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    c = lambda f: torch.compile(f, fullgraph=True, mode=mode)  # noqa: E731
-    return c(draft_step), c(verify_step), c(commit)
+    if device.type != "cuda":
+        c = lambda f: torch.compile(f, fullgraph=True)  # noqa: E731
+        return c(draft_step), c(verify_step), c(commit)
+    d, v = (torch.compile(f, fullgraph=True, mode="reduce-overhead") for f in (draft_step, verify_step))
+    # A CUDA graph's outputs live in its pool and the next replay of the same graph overwrites them:
+    # gamma draft steps replay one graph, and each token feeds the next and the verify step. The
+    # outputs (a token, a distribution, the logits) are small: copy them out.
+    def draft(*a):
+        return tuple(x.clone() for x in d(*a))
+
+    def verify(*a):
+        return v(*a).clone()
+    return draft, verify, torch.compile(commit, fullgraph=True, mode="reduce-overhead")
