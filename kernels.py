@@ -558,18 +558,24 @@ def _best_row(p, offs_g, g_ok, R: tl.constexpr):
 
 
 @triton.jit
-def _topk_merge_kernel(cand, top_score, top_idx, N_CAND, K, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Grid (B*Hkv,): the best K of a kv head's chunk candidates -> (score, position); slots without
-    a valid position (fewer than K quantized) get score -1 and position 0."""
+def _topk_merge_kernel(cand, out_keys, top_score, top_idx, N_CAND, PER_PROG, K, BLOCK_K: tl.constexpr,
+                       BLOCK_C: tl.constexpr, FINAL: tl.constexpr):
+    """Grid (B*Hkv, n_groups): the best BLOCK_K of candidates [g*PER_PROG, +PER_PROG) of a kv head.
+    Not FINAL: -> keys out_keys[bh, g*BLOCK_K:], for another round. FINAL (one group): -> (score,
+    position); slots without a valid position (fewer than K quantized) get score -1 and position 0."""
     bh = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_C)
-    keys = tl.load(cand + bh * N_CAND + offs, mask=offs < N_CAND, other=-(2**62))
+    grp = tl.program_id(1)
+    offs = grp * PER_PROG + tl.arange(0, BLOCK_C)
+    keys = tl.load(cand + bh * N_CAND + offs, mask=(offs < N_CAND) & (offs < (grp + 1) * PER_PROG), other=-(2**62))
     top = tl.topk(keys, BLOCK_K)
-    score = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    valid = score >= 0
     offs_k = tl.arange(0, BLOCK_K)
-    tl.store(top_score + bh * K + offs_k, tl.where(valid, score, -1.0), mask=offs_k < K)
-    tl.store(top_idx + bh * K + offs_k, tl.where(valid, top & 0xFFFFFFFF, 0), mask=offs_k < K)
+    if FINAL:
+        score = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        valid = score >= 0
+        tl.store(top_score + bh * K + offs_k, tl.where(valid, score, -1.0), mask=offs_k < K)
+        tl.store(top_idx + bh * K + offs_k, tl.where(valid, top & 0xFFFFFFFF, 0), mask=offs_k < K)
+    else:
+        tl.store(out_keys + (bh * tl.num_programs(1) + grp) * BLOCK_K + offs_k, top)
 
 
 # =============================================================================================
@@ -607,7 +613,7 @@ def _n_programs_target(device) -> int:
 
 
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
-                            n_splits=None):
+                            n_splits=None, **launch):
     B, H, T, D = q.shape
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
@@ -635,7 +641,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
         WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
         HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
-        BLOCK_F=64)
+        BLOCK_F=64, **launch)  # launch: num_warps / num_stages, for tuning sweeps
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,
@@ -643,8 +649,11 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     return out, lse
 
 
+MERGE_FAN = 8  # candidate lists per merge program
+
+
 def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
-                       first: int = 0):
+                       first: int = 0, chunk: int = 1024, merge_warps=4, **launch):
     q_rows, lse_rows = _as_rows(q_row, lse_row)
     B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
@@ -652,7 +661,7 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
         raise ValueError(f"top-k of {k} over {S} slots")
     words, BLOCK_D, k_codes, _, k_lo, _, k_ref, _ = _code_layout(store, D)
     BLOCK_K = max(16, triton.next_power_of_2(k))
-    chunk = max(min(1024, triton.next_power_of_2(S)), BLOCK_K, store.group_k)
+    chunk = max(min(chunk, triton.next_power_of_2(S)), BLOCK_K, store.group_k)
     n_chunks = triton.cdiv(S, chunk)
     BH, G, dev = B * Hkv, H // Hkv, q_row.device
     f = fetched
@@ -669,11 +678,21 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
         WORDS=words, GROUP_K=store.group_k, HAS_FETCH=f is not None,
         DOT=_dot_precision(q_row.dtype), UPCAST=_upcast(q_row.dtype), CHUNK=chunk,
         BLOCK_G=max(16, triton.next_power_of_2(G * R)), BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
-        BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))))
+        BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))), **launch)
     top_score = torch.empty(B, Hkv, k, dtype=torch.float32, device=dev)
     top_idx = torch.empty(B, Hkv, k, dtype=torch.int64, device=dev)
-    _topk_merge_kernel[(BH,)](cand, top_score, top_idx, n_chunks * BLOCK_K, k, BLOCK_K=BLOCK_K,
-                              BLOCK_C=triton.next_power_of_2(n_chunks * BLOCK_K))
+    # merge the chunks' candidates MERGE_FAN lists at a time: one program sorting all of them (33
+    # lists of 64 at 32k, padded to 4,096 keys) took 50 us per layer on an H100; lists of 512 sort fast
+    n = n_chunks
+    while n > MERGE_FAN:
+        groups = triton.cdiv(n, MERGE_FAN)
+        nxt = torch.empty(BH, groups * BLOCK_K, dtype=torch.int64, device=dev)
+        _topk_merge_kernel[(BH, groups)](cand, nxt, top_score, top_idx, n * BLOCK_K, MERGE_FAN * BLOCK_K, k,
+                                         BLOCK_K=BLOCK_K, BLOCK_C=MERGE_FAN * BLOCK_K, FINAL=False,
+                                         num_warps=merge_warps)
+        cand, n = nxt, groups
+    _topk_merge_kernel[(BH, 1)](cand, cand, top_score, top_idx, n * BLOCK_K, n * BLOCK_K, k, BLOCK_K=BLOCK_K,
+                                BLOCK_C=triton.next_power_of_2(n * BLOCK_K), FINAL=True, num_warps=merge_warps)
     return top_score, top_idx
 
 

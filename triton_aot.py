@@ -187,11 +187,11 @@ def cases(quick=False):
     import prefetch
     from cache import CacheConfig, LowBitCache
 
-    def step_case(name, dtype, D, G=4, T=2):
-        def run():
+    def step_case(name, dtype, D, G=4, T=2, S=1024):
+        def run():  # (S > 8192: the top-k merges its chunks' candidates in two rounds)
             cfg = CacheConfig.from_name(name)
-            c = LowBitCache(1, 2, 1024, D, dtype, torch.device("cpu"), cfg)
-            c.n_quant.fill_(512)
+            c = LowBitCache(1, 2, S, D, dtype, torch.device("cpu"), cfg)
+            c.n_quant.fill_(S // 2)
             c.res_len.fill_(3)
             q = torch.zeros(1, 2 * G, T, D, dtype=dtype)
             fetched = None
@@ -244,6 +244,7 @@ def cases(quick=False):
         if not quick:
             out.append((f"specache-1bit-zipcache-s50-hi2 {dn} D64", step_case("specache-1bit-zipcache-s50-hi2", dtype, 64)))
         out.append((f"specache-1bit {dn} D64 G3", step_case("specache-1bit", dtype, 64, G=3)))
+        out.append((f"specache-1bit {dn} D128 32k", step_case("specache-1bit", dtype, 128, S=32768 + 128)))
         out.append((f"rows {dn}", rows_case(dtype, 128)))
     return out
 
