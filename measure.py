@@ -65,13 +65,31 @@ def measure_bandwidth(device, mbytes=256, reps=5) -> dict:
     return {"bytes": src.nbytes, "copy_gbs": 2 * src.nbytes / copy_s / 1e9, "read_gbs": src.nbytes / read_s / 1e9}
 
 
-def time_fn(fn, device, warmup=3, reps=20) -> dict:
-    """Seconds per call of fn(): CUDA events around each call on CUDA, perf_counter on CPU."""
+def time_fn(fn, device, warmup=3, reps=20, graph=False) -> dict:
+    """Seconds per call of fn(): CUDA events around each call on CUDA, perf_counter on CPU.
+    graph=True (CUDA): capture fn in a CUDA graph and time its replays, each after a write of 256 MiB
+    that evicts L2 (50 MB on an H100, more than a 1-bit cache's codes at 32k): the kernels' own time
+    from DRAM, without the Python launch overhead that eager calls pay (a compiled step replays a
+    graph too)."""
+    if graph and device.type == "cuda":
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm up (compiles, allocations) off the capture
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        fn = g.replay
     for _ in range(warmup):
         fn()
     synchronize(device)
     ts = []
     for _ in range(reps):
+        if graph and device.type == "cuda":
+            flush.zero_()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
