@@ -238,12 +238,32 @@ def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
 
 # ---- kernels alone -------------------------------------------------------------------------------------
 @torch.no_grad()
+def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=64):
+    """A SpeCache layer's cache filled with random codes and scales to `context` tokens, k fetched
+    rows and two query tokens: the inputs of the attention and top-k kernels at a model's shapes.
+    -> (cache, its LowBitKV, Fetched, q [1, Hkv*G, 2, D])."""
+    import kernels
+    from cache import LowBitCache
+    c = LowBitCache(1, Hkv, context + 128, D, dtype, device, CacheConfig("specache", bits=bits, group=group, k=k))
+    for name in ("k_codes", "v_codes"):
+        getattr(c, name).random_(0, 256, generator=g)
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+        getattr(c, name).normal_(0, 0.1, generator=g)
+    c.n_quant.fill_(context // c.residual * c.residual)
+    c.res_len.fill_(c.residual // 2)
+    idx = torch.randperm(int(c.n_quant), generator=g, device=device)[:k].expand(1, Hkv, k).contiguous()
+    fetched = kernels.Fetched(torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype),
+                              torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype), idx,
+                              torch.ones(1, Hkv, k, dtype=torch.bool, device=device))
+    q2 = torch.randn(1, Hkv * G, 2, D, generator=g, device=device).to(dtype)
+    return c, c.stored(), fetched, q2
+
+
 def kernel_rows(model, context: int, a, bw) -> list[dict]:
     """Each decode-step kernel alone at the model's shapes, batch 1, `context` tokens: time, bytes it
     must move, achieved GB/s, and its byte floor here and on an H100."""
     import kernels
     import prefetch
-    from cache import LowBitCache
     import torch.nn.functional as F
 
     args = model.args
@@ -274,21 +294,9 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     sdpa = wrap(lambda: F.scaled_dot_product_attention(q1, k, k, attn_mask=mask, enable_gqa=True))
     add("full-cache SDPA (1 token)", sdpa, 2 * k.nbytes, "fp16/bf16 K and V")
     for bits in a.kernel_bits:
-        cfg = CacheConfig("specache", bits=bits, group=a.group or 64, k=a.k or 64)
-        c = LowBitCache(1, Hkv, context + 128, D, dtype, device, cfg)
-        for name in ("k_codes", "v_codes"):
-            getattr(c, name).random_(0, 256, generator=g)
-        for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
-            getattr(c, name).normal_(0, 0.1, generator=g)
-        c.n_quant.fill_(context // c.residual * c.residual)
-        c.res_len.fill_(c.residual // 2)
-        K = cfg.k
-        idx = torch.randperm(int(c.n_quant), generator=g, device=device)[:K].expand(1, Hkv, K).contiguous()
-        fetched = kernels.Fetched(torch.randn(1, Hkv, K, D, generator=g, device=device).to(dtype),
-                                  torch.randn(1, Hkv, K, D, generator=g, device=device).to(dtype), idx,
-                                  torch.ones(1, Hkv, K, dtype=torch.bool, device=device))
-        store = c.stored()
-        q2 = torch.randn(1, Hkv * G, 2, D, generator=g, device=device).to(dtype)
+        c, store, fetched, q2 = lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=a.group or 64,
+                                                   k=a.k or 64)
+        K, idx = fetched.idx.shape[2], fetched.idx
         attn = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale))
         fbytes = fetched.k.nbytes + fetched.v.nbytes + idx.nbytes
         add(f"{bits}-bit attention (2 tokens, {K} fetched)", attn, c.read_bytes(2) + fbytes)
