@@ -612,9 +612,11 @@ def _n_programs_target(device) -> int:
     return 8
 
 
-# Decode shapes (G*T <= 16 query rows): 2 warps, no software pipelining. On an H100 (Llama-3.1-8B
-# shapes, 32k, bf16) this took the 1-bit attention from 110.7 to 96.4 us and the 2-bit from 112.8 to
-# 100.7 (Triton's default 4 warps / 3 stages; results/gpu-h100-2026-11-22/sweep-launch-configs.txt).
+# 16-bit decode shapes (G*T <= 16 query rows): 2 warps, no software pipelining. On an H100
+# (Llama-3.1-8B shapes, 32k, bf16) this took the 1-bit attention from 110.7 to 96.4 us and the 2-bit
+# from 112.8 to 100.7 (Triton's default 4 warps / 3 stages; results/gpu-h100-2026-11-22/
+# sweep-launch-configs.txt). fp32 (the reference precision, unmeasured on a GPU) keeps the defaults.
+# `launch` (num_warps, num_stages) overrides either, for tuning sweeps.
 DECODE_LAUNCH = dict(num_warps=2, num_stages=1)
 
 
@@ -647,7 +649,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
         WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
         HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
-        BLOCK_F=64, **{**(DECODE_LAUNCH if M <= 16 else {}), **launch})  # launch: for tuning sweeps
+        BLOCK_F=64, **{**(DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}), **launch})
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,
