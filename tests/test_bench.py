@@ -258,3 +258,50 @@ def test_byte_floors_without_running():
     with pytest.raises(ValueError, match="--quantspec"):
         bench.floor_rows(args, ["quantspec"], ctx, 1, opts(bits=None, k=None, group=None, residual=None))
     assert "| 4096 | 1 | specache-1bit |" in bench.main(["--floors", "--contexts", "4096", "--caches", "full,specache"])
+
+
+# ---- gpu_check.py (make gpu-check) --------------------------------------------------------------------
+def test_gpu_check_without_cuda_says_so_in_one_line():
+    import subprocess
+    import sys
+    from tests.helpers import ROOT
+    r = subprocess.run([sys.executable, "gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.count("\n") == 1 and "no CUDA device" in r.stdout, r.stdout + r.stderr
+
+
+def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monkeypatch, capsys):
+    """The summary's statuses and exit code, with the sub-runs faked: a failing test fails the check;
+    a speed run that the budget cuts is "cut" and later ones "not run", neither a failure."""
+    import gpu_check
+    clock = [0.0]
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
+
+    def fake_run(cmd, timeout, env=None, fail_test=False):
+        clock[0] += 100.0
+        if "pytest" in cmd:
+            xml = next(c.split("=", 1)[1] for c in cmd if c.startswith("--junitxml="))
+            bad = '<failure message="AssertionError: off"/>' if fail_test else ""
+            with open(xml, "w") as f:
+                f.write(f'<testsuite><testcase name="test_a" time="1.0"/><testcase name="test_b" time="2.0">{bad}'
+                        '</testcase></testsuite>')
+            return (1 if fail_test else 0), "", "", 100.0
+        if "--compile" in cmd and "kivi" in cmd:  # cut by the budget
+            return None, "", "timed out", 100.0
+        out = cmd[cmd.index("--json") + 1]
+        open(out, "w").write("{}")
+        open(out[:-len(".json")] + ".md", "w").write(f"table of {out}\n")
+        return 0, "", "", 100.0
+
+    monkeypatch.setattr(gpu_check, "run", fake_run)
+    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "500"]) == 0
+    rows = {r["check"]: r["status"] for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    assert rows["test_a"] == "pass" and rows["compiled step full, 512"] == "pass"
+    assert rows["compiled step kivi, 512"] == "cut" and rows["compiled step specache, 512"] == "not run"
+    assert (tmp_path / "steps-512-kivi.log").exists()
+    assert "0 failed" in capsys.readouterr().out
+
+    monkeypatch.setattr(gpu_check, "run", lambda *a, **k: fake_run(*a, **k, fail_test=True))
+    clock[0] = 0.0
+    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "500", "--skip-speed"]) == 1
+    rows = {r["check"]: r["status"] for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    assert rows["test_b"] == "FAIL" and rows["pytest -m cuda"] == "FAIL"
