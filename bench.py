@@ -237,7 +237,6 @@ def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
 
 
 # ---- kernels alone -------------------------------------------------------------------------------------
-@torch.no_grad()
 def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=64):
     """A SpeCache layer's cache filled with random codes and scales to `context` tokens, k fetched
     rows and two query tokens: the inputs of the attention and top-k kernels at a model's shapes.
@@ -259,6 +258,7 @@ def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=6
     return c, c.stored(), fetched, q2
 
 
+@torch.no_grad()
 def kernel_rows(model, context: int, a, bw) -> list[dict]:
     """Each decode-step kernel alone at the model's shapes, batch 1, `context` tokens: time, bytes it
     must move, achieved GB/s, and its byte floor here and on an H100."""

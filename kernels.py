@@ -661,7 +661,7 @@ MERGE_FAN = 8  # candidate lists per merge program
 
 
 def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
-                       first: int = 0, chunk: int = 1024, merge_warps=4, **launch):
+                       first: int = 0, chunk: int = 1024, **launch):
     q_rows, lse_rows = _as_rows(q_row, lse_row)
     B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
@@ -696,11 +696,10 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
         groups = triton.cdiv(n, MERGE_FAN)
         nxt = torch.empty(BH, groups * BLOCK_K, dtype=torch.int64, device=dev)
         _topk_merge_kernel[(BH, groups)](cand, nxt, top_score, top_idx, n * BLOCK_K, MERGE_FAN * BLOCK_K, k,
-                                         BLOCK_K=BLOCK_K, BLOCK_C=MERGE_FAN * BLOCK_K, FINAL=False,
-                                         num_warps=merge_warps)
+                                         BLOCK_K=BLOCK_K, BLOCK_C=MERGE_FAN * BLOCK_K, FINAL=False)
         cand, n = nxt, groups
     _topk_merge_kernel[(BH, 1)](cand, cand, top_score, top_idx, n * BLOCK_K, n * BLOCK_K, k, BLOCK_K=BLOCK_K,
-                                BLOCK_C=triton.next_power_of_2(n * BLOCK_K), FINAL=True, num_warps=merge_warps)
+                                BLOCK_C=triton.next_power_of_2(n * BLOCK_K), FINAL=True)
     return top_score, top_idx
 
 
