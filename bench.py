@@ -53,7 +53,7 @@ def bench_config(name: str, a) -> tuple[CacheConfig, int]:
     if cfg.kind != "full":
         named = CacheConfig.from_name(base.split("-")[0])  # the kind's defaults: what the name did not set
         kw = {f: v for f, v in (("bits", a.bits), ("k", a.k), ("group", a.group), ("residual", a.residual),
-                                 ("scheme", a.quant), ("one_bit", a.one_bit))
+                                 ("scheme", a.quant), ("one_bit", a.one_bit), ("fit", a.fit))
               if v is not None and getattr(cfg, f) == getattr(named, f)}
         cfg = cfg.with_(**kw)
     if two and cfg.two_tokens:
@@ -582,6 +582,7 @@ def parse_args(argv=None):
     p.add_argument("--group", type=int, default=None)
     p.add_argument("--residual", type=int, default=None)
     p.add_argument("--one-bit", default=None, choices=["improved", "kivi"])
+    p.add_argument("--fit", default=None, choices=["range", "lsq"])
     p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps (median, min, spread)")

@@ -47,7 +47,7 @@ PRESETS = {
 @dataclass(frozen=True)
 class CacheConfig:
     """One KV cache configuration. Name grammar (parts after the kind in any order):
-        full | (kivi|specache)[-<N>bit][-zipcache|-quantspec][-orig][-<policy>][-k<N>][-g<N>][-r<N>][-sink<N>]
+        full | (kivi|specache)[-<N>bit][-zipcache|-quantspec][-orig][-lsq][-<policy>][-k<N>][-g<N>][-r<N>][-sink<N>]
         specache-...-(paper|best): a preset (PRESETS) under the name's other parts
     e.g. "kivi-2bit", "specache-1bit-oracle", "specache-2bit-k128-r64", "specache-1bit-best". `name`
     is the canonical form (defaults left out, presets spelled out), which eval and bench use as a label."""
@@ -59,6 +59,7 @@ class CacheConfig:
     fetch: str = "speculative"  # SpeCache fetch policy (which rows, when)
     scheme: str = "kivi"     # quantizer of the low-bit copy: quant.py's KIVI, ZipCache or QuantSpec
     one_bit: str = "improved"  # 1-bit zero/scale: eq. 3 ("improved") or eq. 2 ("kivi", Table 5)
+    fit: str = "range"       # zero/scale from min/max (eq. 2/3), or "lsq": least-squares refit (quant.py)
     fetch_impl: str = "uva"  # CUDA transfer: Triton gather over UVA, or "staged" (eager only)
     sinks: int = 0           # SpeCache: the first tokens (attention sinks) kept in fp16 on the device
     salient: float = 0.0     # ZipCache mixed precision: share of each key group's tokens kept at bits_salient
@@ -87,6 +88,7 @@ class CacheConfig:
         parts = [self.kind, f"{self.bits}bit"]
         parts += [self.scheme] if self.scheme != "kivi" else []
         parts += ["orig"] if self.one_bit == "kivi" else []
+        parts += [self.fit] if self.fit != "range" else []
         if self.kind == "specache":
             parts += [self.fetch] if self.fetch != "speculative" else []
             parts += [f"k{self.k}"] if self.k != 64 else []
@@ -139,13 +141,15 @@ class CacheConfig:
                     kw["scheme"] = p
                 elif p == "orig":
                     kw["one_bit"] = "kivi"
+                elif p in quant.FITS[1:]:
+                    kw["fit"] = p
                 elif p in POLICIES and kw["kind"] == "specache":
                     kw["fetch"] = p
                 elif p in POLICIES:
                     raise ValueError(f"cache {name!r}: {p!r} is a SpeCache fetch policy; use specache-...-{p}")
                 else:
                     raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
-                                     f"orig, {'/'.join(POLICIES)} for specache, kN, gN, rN, sinkN, sN (salient %), hiN)")
+                                     f"orig, lsq, {'/'.join(POLICIES)} for specache, kN, gN, rN, sinkN, sN (salient %), hiN)")
         kw.update({k: v for k, v in overrides.items() if v is not None})
         if kw["kind"] == "quantspec":  # the hierarchical INT4/INT8 store is what QuantSpec is
             kw.setdefault("scheme", "quantspec")
@@ -175,6 +179,11 @@ class CacheConfig:
             bad(f"--one-bit must be one of {', '.join(quant.ONE_BIT_MODES)}")
         if self.one_bit == "kivi" and self.bits != 1:
             bad("'orig' (original KIVI 1-bit zero/scale, eq. 2) exists only for 1 bit")
+        if self.fit not in quant.FITS:
+            bad(f"--fit must be one of {', '.join(quant.FITS)}")
+        if self.fit != "range" and (self.scheme == "quantspec" or self.salient):
+            bad("the least-squares fit (lsq) is for the single-width KIVI/ZipCache quantizer, not for "
+                "QuantSpec's planes or ZipCache mixed precision (their codes split one min/max grid)")
         if head_dim is not None and head_dim % min(self.group, head_dim):
             bad(f"head_dim {head_dim} is not a multiple of the value group {min(self.group, head_dim)}")
         if head_dim is not None and (head_dim * self.bits) % 8:
@@ -342,7 +351,7 @@ class LowBitCache(nn.Module):
         super().__init__()
         config = config.validated(head_dim)
         self.config = config
-        self.scheme, self.group, self.one_bit = config.scheme, config.group, config.one_bit
+        self.scheme, self.group, self.one_bit, self.fit = config.scheme, config.group, config.one_bit, config.fit
         self.residual = config.residual_len
         self.bits = 4 if config.scheme == "quantspec" else config.bits  # bits per stored code (plane)
         self.view_bits = config.bits
@@ -409,12 +418,12 @@ class LowBitCache(nn.Module):
             vc, vl, vs, vz = quant.quantize_hier_values(v, self.group_v, meta)
             return dict(k_codes=kc, k_codes_lo=kl, v_codes=vc, v_codes_lo=vl, v_scale=vs, v_zero=vz), \
                 dict(k_scale=ks, k_zero=kz), {}
-        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, one_bit=self.one_bit, meta_dtype=meta)
+        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, self.one_bit, meta, self.fit)
         if self.scheme == "zipcache":  # the first quantized block sets the channel scale
             self.v_chan_scale.copy_(torch.where(self.n_quant == 0, quant.channel_scale(v, meta), self.v_chan_scale))
-            vc, vs, vz = quant.quantize_values_zip(v, self.bits, self.group_v, self.v_chan_scale, self.one_bit, meta)
+            vc, vs, vz = quant.quantize_values_zip(v, self.bits, self.group_v, self.v_chan_scale, self.one_bit, meta, self.fit)
         else:
-            vc, vs, vz = quant.quantize_values(v, self.bits, self.group_v, one_bit=self.one_bit, meta_dtype=meta)
+            vc, vs, vz = quant.quantize_values(v, self.bits, self.group_v, self.one_bit, meta, self.fit)
         return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz), dict(k_scale=ks, k_zero=kz), {}
 
     def _quantize_mixed(self, k, v, saliency, meta):

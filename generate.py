@@ -199,6 +199,8 @@ def cache_flags(p):
                    "resync, lag, sequential, oracle (see cache.SpeCache)")
     p.add_argument("--sinks", type=int, default=None, help="SpeCache: first tokens kept in fp16 on the device (0)")
     p.add_argument("--one-bit", default=None, choices=["improved", "kivi"], help="1-bit zero/scale: eq. 3 or eq. 2")
+    p.add_argument("--fit", default=None, choices=["range", "lsq"],
+                   help="low-bit zero/scale: from min/max (eq. 2/3), or their least-squares refit (same bytes)")
     p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"],
                    help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")
     p.add_argument("--fetch-impl", default=None, choices=["uva", "staged"], help="CUDA host-to-device transfer")
@@ -209,7 +211,7 @@ def cache_flags(p):
 
 def config_from_flags(a) -> CacheConfig:
     return CacheConfig.from_name(a.cache, preset=a.preset, bits=a.bits, group=a.group, residual=a.residual, k=a.k, fetch=a.fetch,
-                                 one_bit=a.one_bit, scheme=a.quant, fetch_impl=a.fetch_impl, sinks=a.sinks,
+                                 one_bit=a.one_bit, fit=a.fit, scheme=a.quant, fetch_impl=a.fetch_impl, sinks=a.sinks,
                                  salient=a.salient_ratio, bits_salient=a.bits_salient)
 
 

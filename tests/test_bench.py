@@ -16,7 +16,7 @@ CACHES = ["full", "kivi", "kivi+2tok", "specache", "specache-sequential"]
 
 
 def opts(**kw):
-    a = dict(bits=1, group=16, residual=32, k=8, one_bit=None, quant=None, warmup=1, steps=2, profile_steps=0,
+    a = dict(bits=1, group=16, residual=32, k=8, one_bit=None, fit=None, quant=None, warmup=1, steps=2, profile_steps=0,
              prefill_chunk=64, compile=False, max_run_batch=None, host_budget_gb=64.0)
     a.update(kw)
     return Namespace(**a)

@@ -263,8 +263,11 @@ def test_method_parsing():
     assert ev.expand_methods("specache-1bit-orig") == [C("specache", bits=1, one_bit="kivi")]
     assert ev.expand_methods("specache-sequential") == [C("specache", bits=1, fetch="sequential")]
     assert ev.expand_methods("specache-2bit-oracle") == [C("specache", bits=2, fetch="oracle")]
+    assert ev.expand_methods("kivi-2bit-lsq") == [C("kivi", bits=2, fit="lsq")]
+    assert C.from_name("specache-lsq-1bit-resync").name == "specache-1bit-lsq-resync"
     for bad, msg in (("kivi-3bit", "not available"), ("h2o", "unknown cache"),
-                     ("kivi-2bit-orig", "only for 1 bit"), ("kivi-sequential", "SpeCache fetch policy")):
+                     ("kivi-2bit-orig", "only for 1 bit"), ("kivi-sequential", "SpeCache fetch policy"),
+                     ("quantspec-lsq", "not for QuantSpec"), ("kivi-2bit-zipcache-s40-lsq", "mixed precision")):
         with pytest.raises(ValueError, match=msg) as e:
             ev.expand_methods(bad)
         assert bad.split("-")[0] in str(e.value)

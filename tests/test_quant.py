@@ -104,6 +104,58 @@ def test_kivi_one_bit_hits_min_and_max():
         quant.quantize_values(x, 1, 64, one_bit="nope")
 
 
+@pytest.mark.parametrize("meta_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("along", ["keys", "values"])
+@pytest.mark.parametrize("data", ["randn", "smollm2"])
+def test_lsq_fit_never_worse_than_range_per_group(bits, along, meta_dtype, data):
+    """The refit starts from eq. 2/3 and each Lloyd step lowers the squared error: every group ends
+    at or below its min/max error (up to the 16-bit rounding of zero/scale), and well below overall."""
+    x = torch.randn(2, 3, 64, 64, generator=seeded(bits + 10)) if data == "randn" else keys_like_smollm2()
+    group, dims = 32, (3,) if along == "keys" else (5,)
+    per_group = lambda xr: ((x - xr) ** 2).reshape(*x.shape[:2], -1, 32, 2, 32).sum(dims)  # noqa: E731
+    err = {fit: per_group(roundtrip(x, bits, group, along, meta_dtype=meta_dtype, fit=fit)[3]) for fit in quant.FITS}
+    slack = 1e-5 if meta_dtype == torch.float32 else 2e-3
+    assert (err["lsq"] <= err["range"] * (1 + slack) + 1e-6).all()
+    assert err["lsq"].sum() < {1: 0.9, 2: 0.8, 4: 0.95}[bits] * err["range"].sum()
+
+
+def test_lsq_one_bit_is_two_means():
+    """At 1 bit the refit is Lloyd's 2-means per group: its levels are the means of the values coded
+    0 and 1, and its error is within 3% of the best split of each sorted group (brute force)."""
+    x = torch.randn(1, 2, 256, 32, generator=seeded(5))
+    codes, s, z, xr = roundtrip(x, 1, 32, "keys", meta_dtype=torch.float32, fit="lsq")
+    c = quant.unpack_bits(codes, 1).float().reshape(1, 2, 8, 32, 32)
+    xg = x.reshape(1, 2, 8, 32, 32)
+    xs = xg.transpose(-1, -2).sort(-1).values  # [.., channel, sorted tokens]
+    best = torch.stack([sum(((p - p.mean(-1, keepdim=True)) ** 2).sum(-1) for p in (xs[..., :i], xs[..., i:]))
+                        for i in range(1, 32)]).amin(0)
+    got = ((x - xr) ** 2).reshape(1, 2, 8, 32, 32).sum(3)
+    assert got.sum() <= 1.03 * best.sum() and (got >= best - 1e-4).all()
+    # a fixed point of 2-means after 20 iterations: each level is the mean of its values
+    codes20, s20, z20 = quant._lsq_refit(xg, 3, c, s.unsqueeze(3), z.unsqueeze(3), 1, torch.float32, iters=20)
+    for code, level in ((0, z20), (1, z20 + s20)):
+        mask = codes20 == code
+        mean = (xg * mask).sum(3, keepdim=True) / mask.sum(3, keepdim=True).clamp_min(1)
+        has = mask.any(3, keepdim=True)
+        torch.testing.assert_close(level[has], mean[has], atol=1e-5, rtol=1e-5)
+
+
+def test_lsq_one_bit_outlier_group():
+    """Why eq. 3 loses at 1 bit: one outlier in a group puts both of its levels at a quarter of the
+    range from the ends, far from all 31 other values. 2-means gives the outlier a level of its own
+    and the bulk its mean."""
+    x = torch.linspace(-1, 1, 32).reshape(1, 1, 32, 1).repeat(1, 1, 1, 8)
+    x[0, 0, 7] = 40.0
+    _, _, _, range_r = roundtrip(x, 1, 32, "keys", meta_dtype=torch.float32)
+    _, _, _, lsq_r = roundtrip(x, 1, 32, "keys", meta_dtype=torch.float32, fit="lsq")
+    rest = torch.arange(32) != 7
+    assert (x - range_r)[0, 0, rest].abs().min() > 8  # every bulk value lands on (3 min + max) / 4 = 9.25
+    assert (x - lsq_r)[0, 0, rest].abs().max() < 1.05 and (x - lsq_r)[0, 0, 7].abs().max() < 1e-4
+    with pytest.raises(ValueError, match="fit must be one of"):
+        quant.quantize_keys(x, 2, 32, fit="mse")
+
+
 def test_channelwise_keys_beat_tokenwise_on_outlier_channels():
     """Why KIVI quantizes keys per channel: outlier channels blow up per-token groups."""
     k = keys_like_smollm2()
@@ -115,11 +167,12 @@ def test_channelwise_keys_beat_tokenwise_on_outlier_channels():
 @pytest.mark.parametrize("meta_dtype", META)
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("along", ["keys", "values"])
-def test_degenerate_groups_never_nan(bits, along, meta_dtype):
+@pytest.mark.parametrize("fit", ["range", "lsq"])
+def test_degenerate_groups_never_nan(bits, along, meta_dtype, fit):
     x = torch.zeros(1, 2, 32, 32)
     x[0, 0, :, :] = 1.5  # constant groups
     x[0, 1, 0, 0], x[0, 1, 1, 1], x[0, 1, 2, 2], x[0, 1, 3, 3] = float("inf"), float("-inf"), float("nan"), 1e30
-    kw = dict(meta_dtype=meta_dtype)
+    kw = dict(meta_dtype=meta_dtype, fit=fit)
     outs = [roundtrip(x, bits, 32, along, **kw), roundtrip(torch.zeros(1, 1, 32, 32), bits, 32, along, **kw)]
     for _, s, z, xr in outs:
         assert torch.isfinite(xr).all() and torch.isfinite(s.float()).all() and torch.isfinite(z.float()).all()

@@ -30,14 +30,15 @@ def full_tokens(model):
     return run(model, "full")[0]
 
 
-def test_lowbit_counters_and_contents(model, full_tokens):
+@pytest.mark.parametrize("fit", ["range", "lsq"])
+def test_lowbit_counters_and_contents(model, full_tokens, fit):
     """Teacher-force the same 139 tokens through the full and the KIVI cache (residual 32): 128
     quantized, 11 in the residual, and layer 0's store holds exactly quant.quantize_keys/values of
-    the fp keys the full cache saw."""
+    the fp keys the full cache saw (with either zero/scale fit)."""
     seq = torch.cat([prompt(), full_tokens[:, :-1]], 1)
     n = seq.shape[1]
     fed = {}
-    for kind, kw in (("full", {}), ("kivi", dict(bits=2, group=16, residual=32))):
+    for kind, kw in (("full", {}), ("kivi", dict(bits=2, group=16, residual=32, fit=fit))):
         caches, _, _ = setup(model, kind, batch=1, max_seq_len=n + 1, **kw)
         with torch.no_grad():
             model(seq[:, :PROMPT_LEN], torch.arange(PROMPT_LEN), mode="prefill")
@@ -49,10 +50,10 @@ def test_lowbit_counters_and_contents(model, full_tokens):
     # Layer 0's keys do not depend on attention, so both caches saw the same ones.
     for f, c in zip(fed["full"][:1], fed["kivi"][:1]):
         nq = int(c.n_quant)
-        kc, ks, kz = quant.quantize_keys(f.k_cache[:, :, :nq], 2, 16, meta_dtype=c.k_scale.dtype)
+        kc, ks, kz = quant.quantize_keys(f.k_cache[:, :, :nq], 2, 16, meta_dtype=c.k_scale.dtype, fit=fit)
         assert torch.equal(c.k_codes[:, :, :nq], kc)
         torch.testing.assert_close(c.k_scale[:, :, : nq // 16], ks)
-        vc, _, _ = quant.quantize_values(f.v_cache[:, :, :nq], 2, 16, meta_dtype=c.v_scale.dtype)
+        vc, _, _ = quant.quantize_values(f.v_cache[:, :, :nq], 2, 16, meta_dtype=c.v_scale.dtype, fit=fit)
         assert torch.equal(c.v_codes[:, :, :nq], vc)
         torch.testing.assert_close(c.k_res[:, :, : n - nq], f.k_cache[:, :, nq:n])
 
@@ -204,16 +205,18 @@ def test_bad_arguments_are_clear(model):
         setup_caches(model, "h2o", max_seq_len=128)
 
 
-def test_compiled_equals_eager_without_recompiles(model):
-    """One fullgraph graph serves every two-token step, including the steps that flush the residual."""
+@pytest.mark.parametrize("fit", ["range", "lsq"])
+def test_compiled_equals_eager_without_recompiles(model, fit):
+    """One fullgraph graph serves every two-token step, including the steps that flush the residual
+    (where the least-squares fit runs its fixed number of iterations)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    eager, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8)
+    eager, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8, fit=fit)
     torch._dynamo.reset()
     counters.clear()
     compiled_step = torch.compile(decode_step, fullgraph=True)
-    out, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8, step_fn=compiled_step)
+    out, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8, step_fn=compiled_step, fit=fit)
     assert torch.equal(out, eager)
     assert counters["stats"]["unique_graphs"] == 1
 
