@@ -407,9 +407,12 @@ class LowBitCache(nn.Module):
         return Residual(self.k_res, self.v_res, self.res_len + step_tokens)
 
     # ---- storage -------------------------------------------------------------------------------
-    def _quantize(self, k, v, saliency=None):
+    def _quantize(self, k, v, saliency=None, first_group=None):
         """-> ({buffer: per-row tensor}, {buffer: per-key-group tensor}, {buffer: per-refinement-row
-        tensor}) for k, v [B,H,n,D]; `saliency` [B,H,n] for mixed precision."""
+        tensor}) for k, v [B,H,n,D]; `saliency` [B,H,n] for mixed precision; `first_group` [n/group]
+        marks the key group of positions [0, group): under the least-squares fit it keeps min/max
+        unless the sinks are held in fp16, because the fit would pull the attention sinks' outlier
+        keys off the grid and softmax leans on them (README, "Least-squares zero/scale")."""
         meta = self.k_scale.dtype
         if self.mixed:
             return self._quantize_mixed(k, v, saliency, meta)
@@ -418,7 +421,8 @@ class LowBitCache(nn.Module):
             vc, vl, vs, vz = quant.quantize_hier_values(v, self.group_v, meta)
             return dict(k_codes=kc, k_codes_lo=kl, v_codes=vc, v_codes_lo=vl, v_scale=vs, v_zero=vz), \
                 dict(k_scale=ks, k_zero=kz), {}
-        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, self.one_bit, meta, self.fit)
+        keep = first_group if self.config.sinks == 0 else None
+        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, self.one_bit, meta, self.fit, keep)
         if self.scheme == "zipcache":  # the first quantized block sets the channel scale
             self.v_chan_scale.copy_(torch.where(self.n_quant == 0, quant.channel_scale(v, meta), self.v_chan_scale))
             vc, vs, vz = quant.quantize_values_zip(v, self.bits, self.group_v, self.v_chan_scale, self.one_bit, meta, self.fit)
@@ -442,9 +446,9 @@ class LowBitCache(nn.Module):
 
     def _quantize_into(self, k, v, row0, saliency=None):
         """Quantize k, v [B,H,n,D] (n a multiple of group) into slots [row0, row0+n); row0 a tensor."""
-        per_row, per_group, per_ref = self._quantize(k, v, saliency)
-        rows = row0 + torch.arange(k.shape[2], device=k.device)
         groups = row0 // self.group + torch.arange(k.shape[2] // self.group, device=k.device)
+        per_row, per_group, per_ref = self._quantize(k, v, saliency, first_group=groups == 0)
+        rows = row0 + torch.arange(k.shape[2], device=k.device)
         for name, x in per_row.items():
             getattr(self, name).index_copy_(2, rows, x)
         for name, x in per_group.items():

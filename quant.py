@@ -126,8 +126,9 @@ def _lsq_refit(xg, axis, codes, s, z, bits, meta_dtype, iters=LSQ_ITERS):
     return torch.where(ok, codes, codes0), torch.where(ok, s, s0), torch.where(ok, z, z0)
 
 
-def _quantize(x, bits, group, along, one_bit="improved", meta_dtype=torch.float16, fit="range"):
-    """The core: x [B,H,T,D] -> (unpacked codes uint8 [B,H,T,D], scale, zero [meta shape])."""
+def _quantize(x, bits, group, along, one_bit="improved", meta_dtype=torch.float16, fit="range", keep_range=None):
+    """The core: x [B,H,T,D] -> (unpacked codes uint8 [B,H,T,D], scale, zero [meta shape]).
+    keep_range: optional bool [T//group] (keys): token groups that keep eq. 2/3 under fit="lsq"."""
     assert 1 <= bits <= 8, bits  # any width: packed widths are BITS, mixed precision splits its codes
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
@@ -136,8 +137,11 @@ def _quantize(x, bits, group, along, one_bit="improved", meta_dtype=torch.float1
     s, z = scale.float(), zero.float()
     codes = _round_clamp((xg - z) / torch.where(s == 0, 1.0, s), 0, 2**bits - 1)  # codes vs STORED s, z
     if fit == "lsq":
-        codes, s, z = _lsq_refit(xg, axis, codes, s, z, bits, meta_dtype)
-        scale, zero = s.to(meta_dtype), z.to(meta_dtype)
+        c_fit, s_fit, z_fit = _lsq_refit(xg, axis, codes, s, z, bits, meta_dtype)
+        if keep_range is not None:
+            keep = keep_range.view(-1, 1, 1)  # [T//group, 1, 1] against [B, H, T//group, group, D]
+            c_fit, s_fit, z_fit = torch.where(keep, codes, c_fit), torch.where(keep, s, s_fit), torch.where(keep, z, z_fit)
+        codes, scale, zero = c_fit, s_fit.to(meta_dtype), z_fit.to(meta_dtype)
     return codes.to(torch.uint8).reshape(x.shape), scale.squeeze(axis), zero.squeeze(axis)
 
 
@@ -163,9 +167,10 @@ def _value_group(group, head_dim):
 
 
 # ---- KIVI keys (per channel) and values (per token) ------------------------------------------------
-def quantize_keys(k, bits, group, one_bit="improved", meta_dtype=torch.float16, fit="range"):
-    """k [B,H,T,D] -> codes uint8 [B,H,T,D*bits//8], scale/zero [B,H,T//group,D] (meta_dtype)."""
-    codes, scale, zero = _quantize(k, bits, group, "tokens", one_bit, meta_dtype, fit)
+def quantize_keys(k, bits, group, one_bit="improved", meta_dtype=torch.float16, fit="range", keep_range=None):
+    """k [B,H,T,D] -> codes uint8 [B,H,T,D*bits//8], scale/zero [B,H,T//group,D] (meta_dtype).
+    keep_range [T//group] bool: groups that keep min/max under fit="lsq" (the cache: the sinks' group)."""
+    codes, scale, zero = _quantize(k, bits, group, "tokens", one_bit, meta_dtype, fit, keep_range)
     return pack_bits(codes, bits), scale, zero
 
 

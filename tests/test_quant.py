@@ -156,6 +156,20 @@ def test_lsq_one_bit_outlier_group():
         quant.quantize_keys(x, 2, 32, fit="mse")
 
 
+def test_lsq_keep_range_groups():
+    """keep_range picks, per key group, eq. 2/3's codes and zero/scale over the refit's."""
+    x = keys_like_smollm2(T=96)
+    keep = torch.tensor([True, False, True])
+    out = quant.quantize_keys(x, 2, 32, fit="lsq", keep_range=keep)
+    ref = {fit: quant.quantize_keys(x, 2, 32, fit=fit) for fit in quant.FITS}
+    for g in range(3):
+        want = ref["range" if keep[g] else "lsq"]
+        rows = slice(32 * g, 32 * (g + 1))
+        assert torch.equal(out[0][:, :, rows], want[0][:, :, rows])
+        assert torch.equal(out[1][:, :, g], want[1][:, :, g]) and torch.equal(out[2][:, :, g], want[2][:, :, g])
+    assert not torch.equal(ref["range"][1], ref["lsq"][1])
+
+
 def test_channelwise_keys_beat_tokenwise_on_outlier_channels():
     """Why KIVI quantizes keys per channel: outlier channels blow up per-token groups."""
     k = keys_like_smollm2()
