@@ -40,7 +40,7 @@ FETCH_IMPLS = ("uva", "staged")
 # "Speculation quality": eval.py hitrate / ppl / niah).
 PRESETS = {
     "paper": dict(fetch="speculative", group=64, k=64, residual=None, sinks=0),
-    "best": dict(fetch="resync", group=32, k=96, residual=32, sinks=4),
+    "best": dict(fetch="resync", group=32, k=96, residual=32, sinks=4, fit="lsq"),
 }
 
 
