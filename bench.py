@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 import generate  # noqa: E402
 import measure  # noqa: E402
+import quant  # noqa: E402
 from cache import CacheConfig  # noqa: E402
 from model import KNOWN_CONFIGS, load_model, random_model  # noqa: E402
 
@@ -582,7 +583,7 @@ def parse_args(argv=None):
     p.add_argument("--group", type=int, default=None)
     p.add_argument("--residual", type=int, default=None)
     p.add_argument("--one-bit", default=None, choices=["improved", "kivi"])
-    p.add_argument("--fit", default=None, choices=["range", "lsq"])
+    p.add_argument("--fit", default=None, choices=quant.FITS)
     p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps (median, min, spread)")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import quant
 from cache import CacheConfig, MemoryMeter, build_caches
 from model import load_model
 
@@ -200,7 +201,7 @@ def cache_flags(p):
                    "resync, lag, sequential, oracle (see cache.SpeCache)")
     p.add_argument("--sinks", type=int, default=None, help="SpeCache: first tokens kept in fp16 on the device (0)")
     p.add_argument("--one-bit", default=None, choices=["improved", "kivi"], help="1-bit zero/scale: eq. 3 or eq. 2")
-    p.add_argument("--fit", default=None, choices=["range", "lsq"],
+    p.add_argument("--fit", default=None, choices=quant.FITS,
                    help="low-bit zero/scale: from min/max (eq. 2/3), or their least-squares refit (same bytes)")
     p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"],
                    help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")

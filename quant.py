@@ -83,11 +83,10 @@ def _round_clamp(y, lo, hi):
     return torch.clamp(torch.floor(y + 0.5), lo, hi)
 
 
-def _group_params(xg, axis, bits, one_bit, meta_dtype):
-    """(scale, zero) of each group per eq. 2 / eq. 3, rounded to meta_dtype (kept with a size-1 axis)."""
+def _group_params(lo, hi, bits, one_bit, meta_dtype):
+    """(scale, zero) of each group per eq. 2 / eq. 3 from its min and max, rounded to meta_dtype."""
     if one_bit not in ONE_BIT_MODES:
         raise ValueError(f"one_bit must be one of {ONE_BIT_MODES}, got {one_bit!r}")
-    lo, hi = xg.amin(axis, keepdim=True), xg.amax(axis, keepdim=True)
     if bits == 1 and one_bit == "improved":  # eq. 3: codes land on the midpoints of the two half-ranges
         zero, scale = (3 * lo + hi) / 4, (hi - lo) / 2
     else:  # eq. 2
@@ -101,17 +100,16 @@ def _safe(x, meta_dtype):
     return torch.nan_to_num(x.float(), nan=0.0, posinf=big, neginf=-big).clamp(-big, big)
 
 
-def _lsq_refit(xg, axis, codes, s, z, bits, meta_dtype, iters=LSQ_ITERS):
+def _lsq_refit(xg, axis, lo, hi, codes, s, z, bits, meta_dtype, iters=LSQ_ITERS):
     """Lloyd's iterations restricted to the uniform grid z + s * code: alternately the least-squares
     (z, s) for the codes (a line fit of x on the code) and the nearest code for (z, s). Neither step
     raises the squared error (up to the 16-bit rounding of the stored z, s); at 1 bit this is exactly
     2-means on each group. The min/max start wastes levels on the group's extremes (at 1 bit eq. 3 puts
     the levels at +-range/4, where most values are not); the refit may clip an outlier instead.
-    The sums run on x in units of the group's range from its min, so they cannot overflow."""
-    lo, width = xg.amin(axis, keepdim=True), (xg.amax(axis, keepdim=True) - xg.amin(axis, keepdim=True))
-    width = torch.where(width > 0, width, 1.0)
+    The sums run on x in units of the group's range [lo, hi] from its min, so they cannot overflow."""
+    width = torch.where(hi > lo, hi - lo, 1.0)
     xn = (xg - lo) / width
-    s0, z0 = s, z
+    codes0, s0, z0 = codes, s, z
     for _ in range(iters):
         c_mean, x_mean = codes.mean(axis, keepdim=True), xn.mean(axis, keepdim=True)
         var = ((codes - c_mean) ** 2).mean(axis, keepdim=True)
@@ -122,7 +120,6 @@ def _lsq_refit(xg, axis, codes, s, z, bits, meta_dtype, iters=LSQ_ITERS):
         z = (lo + x_mean * width - s * c_mean).to(meta_dtype).float()
         codes = _round_clamp((xg - z) / torch.where(s == 0, 1.0, s), 0, 2**bits - 1)
     ok = torch.isfinite(s) & torch.isfinite(z)  # 16-bit overflow near the clipped extremes: keep eq. 2/3
-    codes0 = _round_clamp((xg - z0) / torch.where(s0 == 0, 1.0, s0), 0, 2**bits - 1)
     return torch.where(ok, codes, codes0), torch.where(ok, s, s0), torch.where(ok, z, z0)
 
 
@@ -133,11 +130,12 @@ def _quantize(x, bits, group, along, one_bit="improved", meta_dtype=torch.float1
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
     xg, axis = _grouped(_safe(x, meta_dtype), group, along)
-    scale, zero = _group_params(xg, axis, bits, one_bit, meta_dtype)
+    lo, hi = xg.amin(axis, keepdim=True), xg.amax(axis, keepdim=True)
+    scale, zero = _group_params(lo, hi, bits, one_bit, meta_dtype)
     s, z = scale.float(), zero.float()
     codes = _round_clamp((xg - z) / torch.where(s == 0, 1.0, s), 0, 2**bits - 1)  # codes vs STORED s, z
     if fit == "lsq":
-        c_fit, s_fit, z_fit = _lsq_refit(xg, axis, codes, s, z, bits, meta_dtype)
+        c_fit, s_fit, z_fit = _lsq_refit(xg, axis, lo, hi, codes, s, z, bits, meta_dtype)
         if keep_range is not None:
             keep = keep_range.view(-1, 1, 1)  # [T//group, 1, 1] against [B, H, T//group, group, D]
             c_fit, s_fit, z_fit = torch.where(keep, codes, c_fit), torch.where(keep, s, s_fit), torch.where(keep, z, z_fit)

@@ -133,7 +133,8 @@ def test_lsq_one_bit_is_two_means():
     got = ((x - xr) ** 2).reshape(1, 2, 8, 32, 32).sum(3)
     assert got.sum() <= 1.03 * best.sum() and (got >= best - 1e-4).all()
     # a fixed point of 2-means after 20 iterations: each level is the mean of its values
-    codes20, s20, z20 = quant._lsq_refit(xg, 3, c, s.unsqueeze(3), z.unsqueeze(3), 1, torch.float32, iters=20)
+    lo, hi = xg.amin(3, keepdim=True), xg.amax(3, keepdim=True)
+    codes20, s20, z20 = quant._lsq_refit(xg, 3, lo, hi, c, s.unsqueeze(3), z.unsqueeze(3), 1, torch.float32, iters=20)
     for code, level in ((0, z20), (1, z20 + s20)):
         mask = codes20 == code
         mean = (xg * mask).sum(3, keepdim=True) / mask.sum(3, keepdim=True).clamp_min(1)
