@@ -12,6 +12,10 @@ quantized positions, summed over the kv head's query heads) each estimator's top
   normfix   q.k' |k| / |k'|: the key's exact norm restored (one fp16 per row)
   diagvar   q.k' + sum_c q_c^2 e_c^2 / 2: the per-channel error (as much side data as the key itself)
   recall@2k share of the exact top-k inside the base estimator's top-2k (fetching twice the rows)
+  requant   base recomputed here: the host keys quantized with quant.quantize_keys (checks the study)
+  prerope   the keys quantized *before* RoPE (the rotation undone, quantized per channel in the same
+            groups, rotated back): KVQuant's observation that channel outliers are fixed pre-RoPE
+  hadamard  the keys times a normalized Hadamard matrix before quantizing (q rotated alike, q.k kept)
 
 Run from the repository root:
   python results/policies/estimators/estimators.py --method specache-1bit-resync-k96-g32-r32-sink4
@@ -29,6 +33,7 @@ import torch  # noqa: E402
 
 import eval as ev  # noqa: E402
 import kernels  # noqa: E402
+import quant  # noqa: E402
 from cache import CacheConfig, SpeCache  # noqa: E402
 
 
@@ -76,6 +81,25 @@ def main():
                   "diagvar": base + 0.5 * (qg ** 2) @ (err ** 2).transpose(-1, -2)}
         for lam in (0.5, 1.0, 2.0):
             scores[f"ucb{lam}"] = base + lam * q_norm * e_norm / math.sqrt(D)
+        rot = runner.model.rope[:nq].float()  # [nq, D/2, 2] (cos, sin), interleaved pairs
+
+        def rotate(x, sign):  # x [B,Hkv,nq,D]; sign -1 undoes the rotation
+            xp = x.reshape(*x.shape[:-1], -1, 2)
+            cos, sin = rot[..., 0], sign * rot[..., 1]
+            return torch.stack([xp[..., 0] * cos - xp[..., 1] * sin, xp[..., 0] * sin + xp[..., 1] * cos], -1).flatten(-2)
+
+        def requant(x):
+            keep = torch.arange(nq // m.group) == 0 if not m.sinks else None
+            c, sc, z = quant.quantize_keys(x, m.bits, m.group, m.one_bit, fit=m.fit, keep_range=keep)
+            return quant.dequantize_keys(c, sc, z, m.bits, m.group)
+
+        had = torch.ones(1, 1)
+        while had.shape[0] < D:
+            had = torch.cat([torch.cat([had, had], 1), torch.cat([had, -had], 1)], 0)
+        had = had / math.sqrt(D)
+        scores["hadamard"] = (qg @ had) @ requant(keys @ had).transpose(-1, -2)
+        scores["requant"] = qg @ requant(keys).transpose(-1, -2)
+        scores["prerope"] = qg @ rotate(requant(rotate(keys, -1.0)), 1.0).transpose(-1, -2)
         for name, s in scores.items():
             hits.setdefault(name, []).append(overlap(top(s), exact))
         hits.setdefault("recall@2k", []).append(overlap(top(base, 2 * n), exact))
