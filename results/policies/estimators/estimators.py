@@ -35,6 +35,7 @@ import eval as ev  # noqa: E402
 import kernels  # noqa: E402
 import quant  # noqa: E402
 from cache import CacheConfig, SpeCache  # noqa: E402
+from model import apply_rope  # noqa: E402
 
 
 def overlap(got, exact):
@@ -81,12 +82,10 @@ def main():
                   "diagvar": base + 0.5 * (qg ** 2) @ (err ** 2).transpose(-1, -2)}
         for lam in (0.5, 1.0, 2.0):
             scores[f"ucb{lam}"] = base + lam * q_norm * e_norm / math.sqrt(D)
-        rot = runner.model.rope[:nq].float()  # [nq, D/2, 2] (cos, sin), interleaved pairs
+        rot = runner.model.rope[:nq].float()  # [nq, D/2, 2] (cos, sin)
 
-        def rotate(x, sign):  # x [B,Hkv,nq,D]; sign -1 undoes the rotation
-            xp = x.reshape(*x.shape[:-1], -1, 2)
-            cos, sin = rot[..., 0], sign * rot[..., 1]
-            return torch.stack([xp[..., 0] * cos - xp[..., 1] * sin, xp[..., 0] * sin + xp[..., 1] * cos], -1).flatten(-2)
+        def rotate(x, sign):  # x [B,Hkv,nq,D]; sign -1 (sin negated) undoes the rotation
+            return apply_rope(x.transpose(1, 2), rot * torch.tensor([1.0, sign])).transpose(1, 2)
 
         def requant(x):
             keep = torch.arange(nq // m.group) == 0 if not m.sinks else None
