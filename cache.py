@@ -47,7 +47,7 @@ PRESETS = {
 @dataclass(frozen=True)
 class CacheConfig:
     """One KV cache configuration. Name grammar (parts after the kind in any order):
-        full | (kivi|specache)[-<N>bit][-zipcache|-quantspec][-orig][-lsq][-<policy>][-k<N>][-g<N>][-r<N>][-sink<N>]
+        full | (kivi|specache)[-<N>bit][-zipcache|-quantspec][-orig][-lsq][-<policy>][-rr<N>][-k<N>][-g<N>][-r<N>][-sink<N>]
         specache-...-(paper|best): a preset (PRESETS) under the name's other parts
     e.g. "kivi-2bit", "specache-1bit-oracle", "specache-2bit-k128-r64", "specache-1bit-best". `name`
     is the canonical form (defaults left out, presets spelled out), which eval and bench use as a label."""
@@ -62,6 +62,7 @@ class CacheConfig:
     fit: str = "range"       # zero/scale from min/max (eq. 2/3), or "lsq": least-squares refit (quant.py)
     fetch_impl: str = "uva"  # CUDA transfer: Triton gather over UVA, or "staged" (eager only)
     sinks: int = 0           # SpeCache: the first tokens (attention sinks) kept in fp16 on the device
+    rerank: int = 1          # SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys (select)
     salient: float = 0.0     # ZipCache mixed precision: share of each key group's tokens kept at bits_salient
     bits_salient: int = 0    # ... their bit-width (default bits + 2)
 
@@ -91,6 +92,7 @@ class CacheConfig:
         parts += [self.fit] if self.fit != "range" else []
         if self.kind == "specache":
             parts += [self.fetch] if self.fetch != "speculative" else []
+            parts += [f"rr{self.rerank}"] if self.rerank != 1 else []
             parts += [f"k{self.k}"] if self.k != 64 else []
         parts += [f"g{self.group}"] if self.group != 64 else []
         parts += [f"r{self.residual}"] if self.residual is not None and self.residual != self.residual_len_default else []
@@ -127,7 +129,7 @@ class CacheConfig:
             kw.update({k: v for k, v in PRESETS[p].items() if v is not None})
         parts = [p for p in parts if p not in PRESETS]
         patterns = [(r"(\d+)bit", "bits", int), (r"k(\d+)", "k", int), (r"g(\d+)", "group", int),
-                    (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int), (r"s(\d+)", "salient", lambda p: int(p) / 100),
+                    (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int), (r"rr(\d+)", "rerank", int), (r"s(\d+)", "salient", lambda p: int(p) / 100),
                     (r"hi(\d+)", "bits_salient", int)]
         for p in parts[1:]:
             if kw["kind"] == "full":
@@ -149,7 +151,7 @@ class CacheConfig:
                     raise ValueError(f"cache {name!r}: {p!r} is a SpeCache fetch policy; use specache-...-{p}")
                 else:
                     raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
-                                     f"orig, lsq, {'/'.join(POLICIES)} for specache, kN, gN, rN, sinkN, sN (salient %), hiN)")
+                                     f"orig, lsq, {'/'.join(POLICIES)} for specache, rrN, kN, gN, rN, sinkN, sN (salient %), hiN)")
         kw.update({k: v for k, v in overrides.items() if v is not None})
         if kw["kind"] == "quantspec":  # the hierarchical INT4/INT8 store is what QuantSpec is
             kw.setdefault("scheme", "quantspec")
@@ -203,8 +205,12 @@ class CacheConfig:
                 bad(f"--sinks must be >= 0, got {self.sinks}")
             if self.sinks > self.group:
                 bad(f"--sinks ({self.sinks}) must fit in the first quantized group ({self.group} tokens)")
-        elif self.sinks:
-            bad("attention sinks (sinkN) are a SpeCache option")
+            if self.rerank < 1:
+                bad(f"rrN (re-ranking candidates per fetched row) must be >= 1, got {self.rerank}")
+            if self.rerank > 1 and self.fetch == "oracle":
+                bad("re-ranking (rrN) refines a low-bit selection; the oracle already selects with fp keys")
+        elif self.sinks or self.rerank != 1:
+            bad("attention sinks (sinkN) and re-ranking (rrN) are SpeCache options")
         if self.salient or self.bits_salient:
             if self.scheme != "zipcache":
                 bad("salient tokens at more bits (--salient-ratio, sN) are ZipCache's mixed precision: --quant zipcache")
@@ -614,7 +620,7 @@ class SpeCache(LowBitCache):
                  config: CacheConfig, **kw):
         super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, **kw)
         self.layer_idx, self.prefetcher, self.fetch = layer_idx, prefetcher, config.fetch
-        self.n_fetch, self.sinks = prefetcher.k, config.sinks
+        self.n_fetch, self.sinks, self.rerank = prefetcher.k, config.sinks, config.rerank
         B, H, dev, n = batch, n_kv_heads, self.k_codes.device, self.sinks + prefetcher.k
         # The fp rows of this layer: module buffers, so a compiled step keeps their addresses.
         self.register_buffer("ring_k", torch.zeros(B, H, n, head_dim, dtype=dtype, device=dev), persistent=False)
@@ -623,6 +629,11 @@ class SpeCache(LowBitCache):
         idx = torch.arange(n, device=dev).clamp(max=self.sinks).expand(B, H, n).contiguous()  # sinks: 0..sinks-1
         self.register_buffer("fetch_idx", idx, persistent=False)
         self.register_buffer("fetch_valid", torch.zeros(B, H, n, dtype=torch.bool, device=dev), persistent=False)
+        # re-ranking: the candidates' fp keys, read from the host each step (see select)
+        self.n_cand = min(self.rerank * self.n_fetch, max_seq_len)
+        if self.rerank > 1:
+            self.register_buffer("cand_k", torch.zeros(B, H, self.n_cand, head_dim, dtype=dtype, device=dev),
+                                 persistent=False)
 
     # The host store holds every real token's fp16 k/v, by absolute position.
     def prefix_kv(self, p0):
@@ -644,24 +655,35 @@ class SpeCache(LowBitCache):
         """The rows in the ring and the quantized positions they replace in attention (eq. 1)."""
         return Fetched(self.ring_k, self.ring_v, self.fetch_idx, self.fetch_valid)
 
-    def select(self, q_rows, lse_rows, fetched: Optional[Fetched] = None):
+    def select(self, q_rows, lse_rows, fetched: Optional[Fetched] = None, new=(None, None, None)):
         """Top-k quantized positions (sinks aside) for the query token(s) q_rows [B,H,D] or [B,H,R,D]
-        -> (idx, valid) [B,Hkv,n_fetch] per kv head. `fetched`: the rows this step attended in fp,
-        which score exactly (Algorithm 3's A)."""
+        -> (idx, valid) [B,Hkv,n_fetch] per kv head, and with re-ranking the rows' fp keys [B,Hkv,n_fetch,D]
+        (else None). `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A).
+        `new`: the step's real token (k, v, pos), a candidate once flushed, whose host row is written
+        later in the step."""
         if self.fetch == "oracle":
             score, idx = kernels.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
                                             self.n_fetch, self.sm_scale, first=self.sinks)
+        elif self.rerank > 1:
+            # Re-ranking: the low-bit top-(N*k) are candidates; their fp keys decide the k, and the
+            # winners' keys are on the device already: only their values cross the bus (start_fetch).
+            score, cand = kernels.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_cand, self.sm_scale, fetched,
+                                              first=self.sinks)
+            keys = self.prefetcher.gather_keys(self.layer_idx, cand, self.cand_k, new[0], new[2])
+            score, pick = kernels.rerank_exact(q_rows, lse_rows, keys, score >= 0, self.n_fetch, self.sm_scale)
+            return cand.gather(-1, pick), score >= 0, keys.gather(2, pick[..., None].expand(-1, -1, -1, keys.shape[-1]))
         else:
             score, idx = kernels.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_fetch, self.sm_scale, fetched,
                                              first=self.sinks)
-        return idx, score >= 0
+        return idx, score >= 0, None
 
-    def start_fetch(self, idx, valid, new=(None, None, None)):
+    def start_fetch(self, idx, valid, keys=None, new=(None, None, None)):
         """Remember which rows the ring will hold and start their transfer (plus, with `new`, the
-        real token's K/V to the host store, in the same transfer)."""
+        real token's K/V to the host store, in the same transfer; with `keys`, the rows' keys are
+        on the device already and only their values are fetched)."""
         self.fetch_idx[:, :, self.sinks:] = idx
         self.fetch_valid[:, :, self.sinks:] = valid
-        self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx, *new)
+        self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx, *new, keys=keys)
 
     # ---- the policies --------------------------------------------------------------------------
     def speculative(self, q, new, keep, rows=slice(-1, None)):
@@ -674,7 +696,7 @@ class SpeCache(LowBitCache):
             self.commit_step(keep=1)  # only the real token's KV stays
         # The selecting token's row picks the next step's rows among the quantized positions as they
         # are after the flush; the transfer overlaps the remaining layers of the step.
-        self.start_fetch(*self.select(q[:, :, rows], lse[:, :, rows], fetched), new)
+        self.start_fetch(*self.select(q[:, :, rows], lse[:, :, rows], fetched, new), new)
         return out
 
     lag = resync = speculative
@@ -713,11 +735,13 @@ class SpeCache(LowBitCache):
 
     def read_bytes(self, step_tokens: int = 1) -> int:
         """LowBitCache's, plus the fp rows (sinks and fetched), plus the top-k pass of the selecting
-        token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them)."""
+        token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them),
+        plus re-ranking's candidate keys."""
         s = self.stored()
         keys_again = kernels.lowbit_read_bytes(s._replace(v_codes=None, v_scale=None, v_zero=None, v_codes_lo=None,
                                                           v_chan=None), int(self.n_quant))
-        return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again
+        cand = self.cand_k.nbytes if self.rerank > 1 else 0  # re-ranking reads the candidates' fp keys once
+        return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again + cand
 
 
 class QuantSpecCache(LowBitCache):
@@ -813,5 +837,5 @@ def build_caches(model, config: CacheConfig, batch: int, max_seq_len: int, meter
         return model.setup_caches(lambda i: QuantSpecCache(*dims, config, gamma=gamma, meter=meter)), None
     n_fetch = min(config.k, max_seq_len)  # k >= context fetches every row
     prefetcher = Prefetcher(args.n_layers, batch, args.n_kv_heads, max_seq_len, args.head_dim, n_fetch, dtype, device,
-                            impl=config.fetch_impl)
+                            impl=config.fetch_impl, key_rows=min(config.rerank * n_fetch, max_seq_len))
     return model.setup_caches(lambda i: SpeCache(i, prefetcher, *dims, config, meter=meter)), prefetcher

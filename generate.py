@@ -200,6 +200,9 @@ def cache_flags(p):
     p.add_argument("--fetch", default=None, help="SpeCache fetch policy: speculative (Algorithm 3, the default), union, "
                    "resync, lag, sequential, oracle (see cache.SpeCache)")
     p.add_argument("--sinks", type=int, default=None, help="SpeCache: first tokens kept in fp16 on the device (0)")
+    p.add_argument("--rerank", type=int, default=None,
+                   help="SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys read from the host "
+                        "(1: off; N: N*k keys + k values cross the bus per layer instead of k + k)")
     p.add_argument("--one-bit", default=None, choices=["improved", "kivi"], help="1-bit zero/scale: eq. 3 or eq. 2")
     p.add_argument("--fit", default=None, choices=quant.FITS,
                    help="low-bit zero/scale: from min/max (eq. 2/3), or their least-squares refit (same bytes)")
@@ -214,7 +217,7 @@ def cache_flags(p):
 def config_from_flags(a) -> CacheConfig:
     return CacheConfig.from_name(a.cache, preset=a.preset, bits=a.bits, group=a.group, residual=a.residual, k=a.k, fetch=a.fetch,
                                  one_bit=a.one_bit, fit=a.fit, scheme=a.quant, fetch_impl=a.fetch_impl, sinks=a.sinks,
-                                 salient=a.salient_ratio, bits_salient=a.bits_salient)
+                                 rerank=a.rerank, salient=a.salient_ratio, bits_salient=a.bits_salient)
 
 
 def parse_args(argv=None):

@@ -256,6 +256,18 @@ def topk_exact(q_row, keys, n_quant, k, sm_scale, first: int = 0):
     return score, torch.where(score >= 0, idx, 0)
 
 
+def rerank_exact(q_row, lse_row, keys, valid, k, sm_scale):
+    """The k best of C candidates by their fp keys [B,Hkv,C,D] (valid [B,Hkv,C]), scored as topk_lowbit
+    scores (probability summed over the kv head's query heads, best of R tokens) -> (score, index
+    into the C candidates) [B,Hkv,k]; invalid candidates score -1."""
+    q_rows, lse_rows = _as_rows(q_row, lse_row)
+    B, H, R, D = q_rows.shape
+    Hkv = keys.shape[1]
+    qg = q_rows.float().reshape(B, Hkv, (H // Hkv) * R, D) * sm_scale
+    prob = _row_scores(qg @ keys.float().transpose(-1, -2), lse_rows, H // Hkv, R)
+    return torch.where(valid, prob, -1.0).topk(k, dim=-1)
+
+
 # =============================================================================================
 # Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
 # =============================================================================================

@@ -11,7 +11,14 @@ kernel for K and V together:
     from the next flush on), and
   - gathers host rows idx [B,Hkv,k] into the ring (a row equal to new_pos is taken from new_k/new_v:
     the same kernel cannot be relied on to have written it to the host first).
-`idx=None` only writes the token; `new_k=None` only gathers.
+`idx=None` only writes the token; `new_k=None` only gathers; with `keys` (the rows' keys, already
+on the device: re-ranking, below) the main stream writes them into the ring and only V is gathered.
+
+Re-ranking (`rerank` > 1, name part rrN): the selecting token's low-bit top-(N*k) are candidates;
+`gather_keys` reads their fp keys (host -> device, on the current stream: the step waits for it),
+the cache keeps the k whose exact scores are best, and `start(..., keys=...)` puts their keys into
+the ring and moves only their values. Bus bytes per layer and kv head: N*k keys + k values
+instead of k keys + k values (N = 2: 1.5x).
 
 On CUDA the transfer runs on a side stream and overlaps the rest of the step:
   main stream: copy idx and the token's K/V into this layer's staging buffers, record consumed[l]
@@ -49,7 +56,7 @@ _ids = itertools.count()
 # =============================================================================================
 # the transfer: torch reference (CPU) and Triton kernel (CUDA), one launch for K and V
 # =============================================================================================
-def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
+def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0, values_only=False):
     """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], idx [B,Hkv,k] or None, new_*
     [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., idx]
     (ring slots before ring_off hold rows kept on the device: attention sinks)."""
@@ -60,7 +67,7 @@ def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos
     if idx is not None:
         B, Hkv, S, D = host_k.shape
         flat = (idx.to(host_k.device) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
-        for host, ring in ((host_k, ring_k), (host_v, ring_v)):
+        for host, ring in ((host_v, ring_v),) if values_only else ((host_k, ring_k), (host_v, ring_v)):
             rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D)
             if ring_off:
                 ring[:, :, ring_off:].copy_(rows)
@@ -70,9 +77,11 @@ def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos
 
 @triton.jit
 def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF,
-                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K and V into ring slot OFF + j
-    (of RING); program K writes the new token's row to the host. Host pointers are UVA on CUDA."""
+                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, WITH_K: tl.constexpr, WITH_V: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K (WITH_K) and V (WITH_V) into
+    ring slot OFF + j (of RING); program K writes the new token's row to the host (gather_keys
+    launches K programs only). Host pointers are UVA on CUDA."""
     bh = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -88,15 +97,18 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
             ok = offs < tl.where(valid, D, 0)
             src = (bh * S + i) * D + offs
             from_host = offs < tl.where(valid & (i != new_pos), D, 0)
-            kx = tl.load(host_k + src, mask=from_host, other=0.0).to(ring_k.dtype.element_ty)
-            vx = tl.load(host_v + src, mask=from_host, other=0.0).to(ring_v.dtype.element_ty)
-            if HAS_NEW:
-                take = offs < tl.where(from_new, D, 0)
-                kx = tl.where(take, tl.load(new_k + bh * D + offs, mask=take, other=0.0).to(ring_k.dtype.element_ty), kx)
-                vx = tl.where(take, tl.load(new_v + bh * D + offs, mask=take, other=0.0).to(ring_v.dtype.element_ty), vx)
+            take = offs < tl.where(from_new, D, 0)
             dst = (bh * RING + OFF + j) * D + offs
-            tl.store(ring_k + dst, kx, mask=ok)
-            tl.store(ring_v + dst, vx, mask=ok)
+            if WITH_K:
+                kx = tl.load(host_k + src, mask=from_host, other=0.0).to(ring_k.dtype.element_ty)
+                if HAS_NEW:
+                    kx = tl.where(take, tl.load(new_k + bh * D + offs, mask=take, other=0.0).to(ring_k.dtype.element_ty), kx)
+                tl.store(ring_k + dst, kx, mask=ok)
+            if WITH_V:
+                vx = tl.load(host_v + src, mask=from_host, other=0.0).to(ring_v.dtype.element_ty)
+                if HAS_NEW:
+                    vx = tl.where(take, tl.load(new_v + bh * D + offs, mask=take, other=0.0).to(ring_v.dtype.element_ty), vx)
+                tl.store(ring_v + dst, vx, mask=ok)
     else:
         if HAS_NEW:
             ok = offs < tl.where((new_pos >= 0) & (new_pos < S), D, 0)
@@ -107,7 +119,7 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
             tl.store(host_v + dst, vn.to(host_v.dtype.element_ty), mask=ok)
 
 
-def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
+def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0, values_only=False):
     B, Hkv, S, D = host_k.shape
     K = idx.shape[2] if idx is not None else 0
     for t in (host_k, host_v, ring_k, ring_v):
@@ -117,15 +129,39 @@ def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_
         host_k, host_v, ring_k, ring_v, idx.contiguous() if idx is not None else any_t,
         new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
         new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off,
-        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_D=triton.next_power_of_2(D))
+        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, WITH_K=not values_only, WITH_V=True,
+        BLOCK_D=triton.next_power_of_2(D))
 
 
-def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0):
+def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0,
+                  values_only=False):
     """The transfer on the current stream: the Triton kernel when the ring is on CUDA, else the reference."""
     if ring_k.is_cuda:
-        transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
+        transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off, values_only)
     else:
-        transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
+        transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off, values_only)
+
+
+def gather_keys_ref(host_k, idx, new_k=None, new_pos=None):
+    """host_k [B,Hkv,S,D] (one layer), idx [B,Hkv,C] -> keys [B,Hkv,C,D]; a row equal to new_pos is
+    new_k's [B,Hkv,1,D] (the step's real token: its host row is written later in the step)."""
+    B, Hkv, C = idx.shape
+    rows = host_k.gather(2, idx.to(host_k.device)[..., None].expand(B, Hkv, C, host_k.shape[-1]))
+    if new_k is not None:
+        rows = torch.where((idx == new_pos)[..., None].to(rows.device), new_k.to(rows.device, rows.dtype), rows)
+    return rows
+
+
+def gather_keys_triton(host_k, out, idx, new_k=None, new_pos=None):
+    """gather_keys_ref into `out` [B,Hkv,C,D] with the transfer kernel: K only, C programs per kv
+    head (none writes the host)."""
+    B, Hkv, S, D = host_k.shape
+    C = idx.shape[2]
+    assert host_k.is_contiguous() and out.is_contiguous()
+    _transfer_rows_kernel[(B * Hkv, C)](
+        host_k, host_k, out, out, idx.contiguous(), new_k.contiguous() if new_k is not None else out, out,
+        new_pos if new_pos is not None else out, S, C, D, C, 0,
+        HAS_IDX=True, HAS_NEW=new_k is not None, WITH_K=True, WITH_V=False, BLOCK_D=triton.next_power_of_2(D))
 
 
 @triton.jit
@@ -177,12 +213,24 @@ def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos):
 # fullgraph step; join mutates every ring, so no fetch can be scheduled after it.
 @torch.library.custom_op("specache::fetch_start", mutates_args=("ring_k", "ring_v"))
 def _fetch_start_op(ring_k: Tensor, ring_v: Tensor, idx: Optional[Tensor], new_k: Optional[Tensor],
-                    new_v: Optional[Tensor], new_pos: Optional[Tensor], pid: int, layer: int) -> None:
-    _PREFETCHERS[pid]._start_async(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)
+                    new_v: Optional[Tensor], new_pos: Optional[Tensor], pid: int, layer: int,
+                    keys: Optional[Tensor]) -> None:
+    _PREFETCHERS[pid]._start_async(layer, ring_k, ring_v, idx, new_k, new_v, new_pos, keys)
 
 
 @_fetch_start_op.register_fake
-def _(ring_k, ring_v, idx, new_k, new_v, new_pos, pid, layer):
+def _(ring_k, ring_v, idx, new_k, new_v, new_pos, pid, layer, keys):
+    return None
+
+
+@torch.library.custom_op("specache::gather_keys", mutates_args=("out",))
+def _gather_keys_op(out: Tensor, idx: Tensor, new_k: Optional[Tensor], new_pos: Optional[Tensor], pid: int,
+                    layer: int) -> None:
+    _PREFETCHERS[pid]._gather_keys_now(layer, out, idx, new_k, new_pos)
+
+
+@_gather_keys_op.register_fake
+def _(out, idx, new_k, new_pos, pid, layer):
     return None
 
 
@@ -211,11 +259,12 @@ def _(rings, pid):
 # =============================================================================================
 class Prefetcher:
     def __init__(self, n_layers, batch, n_kv_heads, max_seq_len, head_dim, k, dtype, device, impl="uva",
-                 join_each_step=True, async_ops=None):
+                 join_each_step=True, async_ops=None, key_rows=None):
         if impl not in ("uva", "staged"):
             raise ValueError(f"unknown fetch impl {impl!r} (uva, staged)")
         device = torch.device(device)
         self.device, self.impl, self.k, self.join_each_step = device, impl, k, join_each_step
+        self.key_rows = k if key_rows is None else key_rows  # keys read per layer and kv head (re-ranking: N*k)
         self.n_layers = n_layers
         self.on_cuda = device.type == "cuda"
         self.async_ops = self.on_cuda if async_ops is None else async_ops
@@ -256,8 +305,9 @@ class Prefetcher:
         return (self.host_k.nbytes + self.host_v.nbytes) // self.host_k.shape[0]
 
     def bytes_per_step(self) -> int:
-        """Bytes moved host -> device by one decode step: k rows of K and V, every layer and kv head."""
-        return sum(2 * rk[:, :, :self.k].nbytes for rk, _ in self.rings if rk is not None)
+        """Bytes moved host -> device by one decode step, every layer and kv head: k rows of K and V
+        (re-ranking: key_rows candidate keys and k values)."""
+        return sum(rk[:, :, :1].nbytes * (self.key_rows + self.k) for rk, _ in self.rings if rk is not None)
 
     # ---- prefill: Algorithm 1's offload (eager) --------------------------------------------------
     def offload(self, layer, k, v, input_pos):
@@ -271,6 +321,21 @@ class Prefetcher:
         return (self.host_k[layer, :, :, :p0].to(self.device, non_blocking=True),
                 self.host_v[layer, :, :, :p0].to(self.device, non_blocking=True))
 
+    def gather_keys(self, layer, idx, out, new_k=None, new_pos=None):
+        """fp keys of host rows idx [B,Hkv,C] -> [B,Hkv,C,D] on the device, now (on the current stream:
+        re-ranking needs them in this step); rows equal to new_pos come from new_k. On the async path
+        they land in `out` (a buffer the graph keeps), else the result is a new tensor."""
+        if self.async_ops:
+            torch.ops.specache.gather_keys(out, idx, new_k, new_pos, self.pid, layer)
+            return out
+        return gather_keys_ref(self.host_k[layer], idx, new_k, new_pos)
+
+    def _gather_keys_now(self, layer, out, idx, new_k, new_pos):
+        if self.on_cuda:
+            gather_keys_triton(self.host_k[layer], out, idx, new_k, new_pos)
+        else:
+            out.copy_(gather_keys_ref(self.host_k[layer], idx, new_k, new_pos))
+
     def host_keys(self, layer):
         """All host keys of a layer on the device (oracle fetch and the fetch probe only)."""
         return self.host_k[layer].to(self.device, non_blocking=True)
@@ -279,13 +344,16 @@ class Prefetcher:
         return self.host_v[layer].to(self.device, non_blocking=True)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def start(self, layer, ring_k, ring_v, idx=None, new_k=None, new_v=None, new_pos=None):
+    def start(self, layer, ring_k, ring_v, idx=None, new_k=None, new_v=None, new_pos=None, keys=None):
         """Write the real token's K/V [B,Hkv,1,D] to host row new_pos (a 0-d device tensor) and fetch
-        host rows idx [B,Hkv,k] into the ring: asynchronously on the async path."""
+        host rows idx [B,Hkv,k] into the ring, asynchronously on the async path. `keys` [B,Hkv,k,D]:
+        the rows' keys, already on the device: written into the ring now, and only V is fetched."""
         if self.async_ops:
-            torch.ops.specache.fetch_start(ring_k, ring_v, idx, new_k, new_v, new_pos, self.pid, layer)
+            torch.ops.specache.fetch_start(ring_k, ring_v, idx, new_k, new_v, new_pos, self.pid, layer, keys)
         else:
-            self._transfer(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)
+            if keys is not None:
+                ring_k[:, :, self.ring_off:].copy_(keys)
+            self._transfer(layer, ring_k, ring_v, idx, new_k, new_v, new_pos, values_only=keys is not None)
 
     def wait(self, layer, ring_k, ring_v, now=False):
         """The main stream waits for this layer's fetch only: on the async path without step joins,
@@ -307,23 +375,24 @@ class Prefetcher:
         self.host_k.index_put_(index, k[:, :, 0])
         self.host_v.index_put_(index, v[:, :, 0])
 
-    def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
+    def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos, values_only=False):
         """The transfer itself, on the current stream."""
         if not self.on_cuda:
             if new_k is not None:
                 self._append_host(layer, new_k, new_v, new_pos)
             if idx is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, None, None, None,
-                                  self.ring_off)
+                                  self.ring_off, values_only)
         elif self.impl == "uva":
             transfer_rows(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, new_k, new_v, new_pos,
-                          self.ring_off)
+                          self.ring_off, values_only)
         else:  # staged: indices to the host (one sync: eager only), gather, one non_blocking copy
             if new_k is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, None, new_k, new_v, new_pos)
             if idx is not None:
                 idx_host = idx.to("cpu")
-                for host, staging, ring in ((self.host_k, self.staging_k, ring_k), (self.host_v, self.staging_v, ring_v)):
+                pairs = ((self.host_k, self.staging_k, ring_k), (self.host_v, self.staging_v, ring_v))
+                for host, staging, ring in pairs[1:] if values_only else pairs:
                     torch.gather(host[layer], 2, idx_host[..., None].expand_as(staging), out=staging)
                     ring[:, :, self.ring_off:].copy_(staging, non_blocking=True)
 
@@ -335,9 +404,11 @@ class Prefetcher:
                                "(a compiled graph must pass module buffers through unchanged): the side stream "
                                "would write memory the graph frees")
 
-    def _start_async(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
+    def _start_async(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos, keys=None):
         self._check_ring(layer, ring_k, ring_v)
         main = self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
+        if keys is not None:  # on the main stream: this step's attention has read the ring already
+            ring_k[:, :, self.ring_off:].copy_(keys)
         # Stage the inputs on the main stream: they may be temporaries the graph reuses right after.
         stage(idx, new_k, new_v, new_pos, self.stage_idx[layer], self.stage_k[layer], self.stage_v[layer],
               self.stage_pos[layer])
@@ -347,7 +418,7 @@ class Prefetcher:
         self.consumed[layer].record(main)
         self.side.wait_event(self.consumed[layer])  # ring[layer] is free, staging is written
         with self.dm.stream(self.side):
-            self._transfer(layer, ring_k, ring_v, s_idx, s_k, s_v, s_pos)
+            self._transfer(layer, ring_k, ring_v, s_idx, s_k, s_v, s_pos, values_only=keys is not None)
             self.fetched[layer].record(self.side)
 
     def _wait_async(self, layer):

@@ -200,8 +200,9 @@ def cases(quick=False):
                 fetched = kernels.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
                                           torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
             kernels.attention_lowbit_triton(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
-            if cfg.kind == "specache":
-                kernels.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), c.stored(), cfg.k, c.sm_scale, fetched)
+            if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates)
+                kernels.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), c.stored(), cfg.k * cfg.rerank,
+                                           c.sm_scale, fetched)
         return run
 
     def quantspec_case(dtype, D, gamma=4):
@@ -223,6 +224,8 @@ def cases(quick=False):
             prefetch.transfer_rows_triton(*host, *ring, idx, new, new, pos)
             prefetch.transfer_rows_triton(*host, *ring, idx, None, None, None)
             prefetch.transfer_rows_triton(*host, *ring, None, new, new, pos)
+            prefetch.transfer_rows_triton(*host, *ring, idx, new, new, pos, values_only=True)  # re-ranking
+            prefetch.gather_keys_triton(host[0], torch.zeros(1, 2, 128, D, dtype=dtype), idx.repeat(1, 1, 2), new, pos)
             staging = [torch.zeros(1, 2, 64, dtype=torch.long), torch.zeros(1, 2, 1, D, dtype=dtype),
                        torch.zeros(1, 2, 1, D, dtype=dtype), torch.zeros((), dtype=torch.long)]
             prefetch.stage_triton(idx, new, new, pos, *staging)
@@ -245,6 +248,7 @@ def cases(quick=False):
             out.append((f"specache-1bit-zipcache-s50-hi2 {dn} D64", step_case("specache-1bit-zipcache-s50-hi2", dtype, 64)))
         out.append((f"specache-1bit {dn} D64 G3", step_case("specache-1bit", dtype, 64, G=3)))
         out.append((f"specache-1bit {dn} D128 32k", step_case("specache-1bit", dtype, 128, S=32768 + 128)))
+        out.append((f"specache-1bit-best-rr2 {dn} D128 32k", step_case("specache-1bit-best-rr2", dtype, 128, S=32768 + 128)))
         out.append((f"rows {dn}", rows_case(dtype, 128)))
     return out
 

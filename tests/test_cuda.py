@@ -164,7 +164,8 @@ def run_tiny_teacher(cache, tokens, logits, dtype=torch.bfloat16):
     generate(model, prompt, tokens.shape[1], speculative=cfg.two_tokens, on_step=force)
 
 
-@pytest.mark.parametrize("name", ["specache-1bit-g16-r32-k8", "specache-2bit-zipcache-g16-r32-k8-s40-hi4"])
+@pytest.mark.parametrize("name", ["specache-1bit-g16-r32-k8", "specache-2bit-zipcache-g16-r32-k8-s40-hi4",
+                                  "specache-1bit-rr2-g16-r32-k8"])
 def test_cuda_fp32_tokens_equal_the_cpu_reference_path(name):
     """SpeCache with 8 fetched rows (real misses, real selections), over KIVI 1-bit and over ZipCache
     mixed precision: same tokens on both paths."""
@@ -172,7 +173,7 @@ def test_cuda_fp32_tokens_equal_the_cpu_reference_path(name):
 
 
 @pytest.mark.parametrize("cache", ["full", "kivi-1bit-g16-r32", "specache-1bit-g16-r32-k8",
-                                   "kivi-2bit-zipcache-g16-r32-s40-hi4"])
+                                   "kivi-2bit-zipcache-g16-r32-s40-hi4", "specache-1bit-rr2-g16-r32-k8"])
 def test_compiled_step_equals_eager_with_one_graph(cache):
     import torch._dynamo
     from torch._dynamo.utils import counters

@@ -265,8 +265,12 @@ def test_method_parsing():
     assert ev.expand_methods("specache-2bit-oracle") == [C("specache", bits=2, fetch="oracle")]
     assert ev.expand_methods("kivi-2bit-lsq") == [C("kivi", bits=2, fit="lsq")]
     assert C.from_name("specache-lsq-1bit-resync").name == "specache-1bit-lsq-resync"
+    assert C.from_name("specache-1bit-rr2-resync") == C("specache", bits=1, fetch="resync", rerank=2)
+    assert C.from_name("specache-1bit-best-rr2").name == "specache-1bit-lsq-resync-rr2-k96-g32-r32-sink4"
     for bad, msg in (("kivi-3bit", "not available"), ("h2o", "unknown cache"),
                      ("kivi-2bit-orig", "only for 1 bit"), ("kivi-sequential", "SpeCache fetch policy"),
+                     ("kivi-1bit-rr2", "SpeCache options"), ("specache-rr0", "must be >= 1"),
+                     ("specache-oracle-rr2", "oracle already selects"),
                      ("quantspec-lsq", "not for QuantSpec"), ("kivi-2bit-zipcache-s40-lsq", "mixed precision")):
         with pytest.raises(ValueError, match=msg) as e:
             ev.expand_methods(bad)

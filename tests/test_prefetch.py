@@ -107,10 +107,10 @@ def fake_async(prefetcher: Prefetcher, delay=0.02, join_each_step=False):
     prefetcher.fetched = [FakeEvent(str(layer)) for layer in range(L)]
     transfer = Prefetcher._transfer.__get__(prefetcher)
 
-    def delayed_transfer(layer, *args):
+    def delayed_transfer(layer, *args, **kw):
         def work():
             time.sleep(delay)
-            transfer(layer, *args)
+            transfer(layer, *args, **kw)
             log.append(f"copied {layer}")
         side.submit(work)
     prefetcher._transfer = delayed_transfer
@@ -158,6 +158,44 @@ def test_triton_transfer_matches_reference(with_idx, with_new):
         assert torch.equal(a, b)
 
 
+def test_values_only_transfer_and_key_gather():
+    """Re-ranking's two halves: gather_keys reads candidate keys now (the step's own token from
+    new_k, its host row not yet written), and a transfer handed the keys moves only values."""
+    p = make_prefetcher()
+    ring_k, ring_v = p.rings[1]
+    idx = torch.tensor([[[5, 0, 31], [7, 7, 2]]])
+    new_k, new_v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+    keys = p.gather_keys(1, idx, None, new_k, torch.tensor(7))
+    assert torch.equal(keys[0, 0], p.host_k[1, 0, 0, idx[0, 0]])
+    assert torch.equal(keys[0, 1, :2], new_k[0, 1].expand(2, 4)) and torch.equal(keys[0, 1, 2], p.host_k[1, 0, 1, 2])
+    p.start(1, ring_k, ring_v, idx, new_k, new_v, torch.tensor(7), keys=keys)
+    assert torch.equal(ring_k, keys) and torch.equal(ring_v[0, 1, 0], new_v[0, 1, 0])
+    assert torch.equal(ring_v[0, 0], p.host_v[1, 0, 0, idx[0, 0]])
+    assert torch.equal(p.host_k[1, :, :, 7], new_k[:, :, 0])  # the token itself still goes to the host
+    assert make_prefetcher(key_rows=6).bytes_per_step() == 2 * (1 * 2 * 1 * 4 * 4) * (6 + 3)  # 2 layers
+
+
+@needs_interpreter
+@pytest.mark.parametrize("with_new", [True, False])
+def test_triton_key_gather_and_values_only_transfer_match_reference(with_new):
+    g = torch.Generator().manual_seed(0)
+    host = [torch.randn(2, 3, 64, 40, generator=g) for _ in range(2)]
+    idx = torch.randint(0, 64, (2, 3, 16), generator=g)
+    idx[1, 2, 5] = 17
+    new = [torch.randn(2, 3, 1, 40, generator=g) for _ in range(2)] if with_new else [None, None]
+    pos = torch.tensor(17) if with_new else None
+    out = torch.zeros(2, 3, 16, 40)
+    prefetch.gather_keys_triton(host[0], out, idx, new[0], pos)
+    assert torch.equal(out, prefetch.gather_keys_ref(host[0], idx, new[0], pos))
+    ref = [[h.clone() for h in host], [torch.full((2, 3, 16, 40), 3.0) for _ in range(2)]]
+    tri = [[h.clone() for h in host], [torch.full((2, 3, 16, 40), 3.0) for _ in range(2)]]
+    prefetch.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos, values_only=True)
+    prefetch.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos, values_only=True)
+    assert (tri[1][0] == 3.0).all()
+    for a, b in zip(ref[0] + ref[1], tri[0] + tri[1]):
+        assert torch.equal(a, b)
+
+
 @needs_interpreter
 def test_triton_staging_copies_the_transfer_inputs():
     g = torch.Generator().manual_seed(0)
@@ -193,12 +231,12 @@ def test_a_copy_of_the_ring_is_refused():
         p.start(0, ring_k.clone(), ring_v, torch.zeros(1, 2, 3, dtype=torch.long))
 
 
-def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None):
+def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=1):
     """A tiny SpeCache generation twice: synchronous CPU fetches, then every fetch landing late on
     fake streams. Returns (reference tokens, tokens, the fake streams' log)."""
     model = tiny_model()
     prompt = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
-    kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8)
+    kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8, rerank=rerank)
     setup(model, "specache", **kw)
     ref, _ = generate(model, prompt, new_tokens, speculative=True)
     _, prefetcher, _ = setup(model, "specache", **kw)
@@ -224,10 +262,12 @@ def test_decode_with_delayed_fetches_matches_synchronous():
         assert waits == 20 and copies >= 19
 
 
-def test_joined_steps_match_synchronous():
+@pytest.mark.parametrize("rerank", [1, 2])
+def test_joined_steps_match_synchronous(rerank):
     """The CUDA-graph schedule: the last layer joins the side stream, so every step ends with all
-    its fetches landed (the log shows each step's copies before its join)."""
-    ref, got, log = generate_with_late_fetches(12, join_each_step=True)
+    its fetches landed (the log shows each step's copies before its join). Re-ranking: the keys
+    written by the main stream and the values landing late still pair up."""
+    ref, got, log = generate_with_late_fetches(12, join_each_step=True, rerank=rerank)
     assert torch.equal(got, ref)
     assert log.count("joined") == 12 and not any(e.startswith("waited") for e in log)
     steps = "|".join(log).split("joined")[:-1]
@@ -235,7 +275,8 @@ def test_joined_steps_match_synchronous():
 
 
 @needs_interpreter
-def test_compiled_step_on_the_async_path_with_late_fetches():
+@pytest.mark.parametrize("rerank", [1, 2])
+def test_compiled_step_on_the_async_path_with_late_fetches(rerank):
     """The CUDA-graph schedule compiled by inductor (fullgraph), with the custom ops and fetches
     that land late: the ops get the rings themselves (checked in the op), nothing is reordered
     around them, and the tokens equal the synchronous eager path's (H100 finding: the compiled
@@ -246,7 +287,7 @@ def test_compiled_step_on_the_async_path_with_late_fetches():
     counters.clear()
     step = torch.compile(decode_step, fullgraph=True)
     with kernels.custom_ops_on_cpu():  # the CUDA step's graph: attention and top-k are opaque ops too
-        ref, got, log = generate_with_late_fetches(12, join_each_step=True, step_fn=step)
+        ref, got, log = generate_with_late_fetches(12, join_each_step=True, step_fn=step, rerank=rerank)
     assert torch.equal(got, ref)
     assert counters["stats"]["unique_graphs"] == 1
     assert log.count("joined") >= 11

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import quant
+from kernels import Fetched
 from generate import decode_step, generate, setup_caches
 from tests.helpers import setup, tiny_model
 
@@ -80,19 +81,19 @@ def test_every_row_fetched_equals_full_cache(model, full_tokens, fetch, sinks):
     assert torch.equal(out, full_tokens)
 
 
-@pytest.mark.parametrize("fetch", POLICIES)
-def test_policies_run_one_static_graph(model, fetch):
+@pytest.mark.parametrize("fetch,rerank", [(f, 1) for f in POLICIES] + [("resync", 2), ("sequential", 2)])
+def test_policies_run_one_static_graph(model, fetch, rerank):
     """Every policy shares the static-shape step: one fullgraph graph across all steps (flushes
     included); resync's pre-decoding is a second graph of its own."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from generate import pre_decode
-    eager, _ = run_policy(model, fetch, new=40, k=8)
+    eager, _ = run_policy(model, fetch, new=40, k=8, rerank=rerank)
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(decode_step, fullgraph=True, backend="eager")
     pre = torch.compile(pre_decode, fullgraph=True, backend="eager")
-    out, _ = run_policy(model, fetch, new=40, k=8, step_fn=step, predecode_fn=pre)
+    out, _ = run_policy(model, fetch, new=40, k=8, step_fn=step, predecode_fn=pre, rerank=rerank)
     assert torch.equal(out, eager)
     assert counters["stats"]["unique_graphs"] == (2 if fetch in ("speculative", "union", "resync", "lag") else 1)
 
@@ -139,6 +140,40 @@ def test_sinks_stay_in_fp16_and_are_never_fetched(model):
         assert torch.equal(c.ring_k[:, :, :4], prefetcher.host_k[c.layer_idx, :, :, :4])
         assert (c.fetch_idx[:, :, 4:][c.fetch_valid[:, :, 4:]] >= 4).all()
     assert prefetcher.bytes_per_step() == 2 * model.args.n_layers * 2 * 8 * model.args.head_dim * 4
+
+
+@pytest.mark.parametrize("fetch", ["speculative", "sequential", "lag", "union", "resync"])
+def test_rerank_with_every_row_fetched_equals_full_cache(model, full_tokens, fetch):
+    out, _ = run_policy(model, fetch, k=256, sinks=4, rerank=2)
+    assert torch.equal(out, full_tokens)
+
+
+def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
+    """rrN: the k rows fetched for the next step are, among the selecting token's low-bit top-(N*k),
+    the k with the highest exact attention probability (its fp keys, summed over the kv head's query
+    heads); their keys sit in the ring at once, their values arrive with the transfer."""
+    from cache import CacheConfig
+    import kernels
+    cfg = CacheConfig("specache", bits=1, group=16, residual=32, k=8, rerank=3)
+    caches, prefetcher, _ = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
+    generate(model, prompt(), 10, speculative=True)
+    c = caches[1]
+    g = torch.Generator().manual_seed(0)
+    D = model.args.head_dim
+    q, lse = torch.randn(1, 4, D, generator=g), torch.randn(1, 4, generator=g).abs() + 2
+    fetched = c.fetched()
+    _, cand = kernels.topk_lowbit(q, lse, c.stored(), 24, c.sm_scale, Fetched(*(t.clone() for t in fetched)))
+    idx, valid, rows = c.select(q, lse, Fetched(*(t.clone() for t in fetched)))
+    keys = prefetcher.host_k[1, 0]  # [Hkv, S, D]
+    p = torch.exp(torch.einsum("hgd,hsd->hgs", (q[0] * c.sm_scale).view(2, 2, D), keys) - lse[0].view(2, 2, 1)).sum(1)
+    for h in range(2):
+        want = set(sorted(cand[0, h].tolist(), key=lambda i: -float(p[h, i]))[:8])
+        assert set(idx[0, h].tolist()) == want and valid.all()
+    assert torch.equal(rows[0], torch.stack([keys[h, idx[0, h]] for h in range(2)]))
+    c.start_fetch(idx, valid, rows)
+    assert torch.equal(c.ring_k[0], rows[0])
+    assert torch.equal(c.ring_v[0], torch.stack([prefetcher.host_v[1, 0, h, idx[0, h]] for h in range(2)]))
+    assert prefetcher.bytes_per_step() == model.args.n_layers * 2 * 4 * D * (24 + 8)
 
 
 def test_one_bit_kivi_alone_differs(model, full_tokens):
