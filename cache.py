@@ -630,7 +630,7 @@ class SpeCache(LowBitCache):
         self.register_buffer("fetch_idx", idx, persistent=False)
         self.register_buffer("fetch_valid", torch.zeros(B, H, n, dtype=torch.bool, device=dev), persistent=False)
         # re-ranking: the candidates' fp keys, read from the host each step (see select)
-        self.n_cand = min(self.rerank * self.n_fetch, max_seq_len)
+        self.n_cand = prefetcher.key_rows
         if self.rerank > 1:
             self.register_buffer("cand_k", torch.zeros(B, H, self.n_cand, head_dim, dtype=dtype, device=dev),
                                  persistent=False)

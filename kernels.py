@@ -205,14 +205,20 @@ def _as_rows(q_row, lse_row):
     return (q_row[:, :, None], lse_row[:, :, None]) if q_row.dim() == 3 else (q_row, lse_row)
 
 
+def _fp_row_scores(q_rows, lse_rows, keys, sm_scale):
+    """topk_lowbit's score of fp keys [B,Hkv,N,D] for query rows [B,H,R,D] -> [B,Hkv,N]."""
+    B, H, R, D = q_rows.shape
+    Hkv = keys.shape[1]
+    qg = q_rows.float().reshape(B, Hkv, (H // Hkv) * R, D) * sm_scale
+    return _row_scores(qg @ keys.float().transpose(-1, -2), lse_rows, H // Hkv, R)
+
+
 def _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched: Fetched):
     """Algorithm 3 takes ArgTopK of the attention that already used the fetched fp rows: their
     positions get exact scores, so a row that matters keeps its place whatever its low-bit copy
     scores. Invalid fetch slots write back the scratch slot's own value (position S-1 >= n_quant)."""
-    B, H, R, D = q_rows.shape
-    Hkv, S = prob.shape[1], prob.shape[2]
-    qg = q_rows.float().reshape(B, Hkv, (H // Hkv) * R, D) * sm_scale
-    exact = _row_scores(qg @ fetched.k.float().transpose(-1, -2), lse_rows, H // Hkv, R)
+    S = prob.shape[2]
+    exact = _fp_row_scores(q_rows, lse_rows, fetched.k, sm_scale)
     safe = torch.where(fetched.valid, fetched.idx, S - 1)
     return prob.scatter(-1, safe, torch.where(fetched.valid, exact, prob.gather(-1, safe)))
 
@@ -260,11 +266,7 @@ def rerank_exact(q_row, lse_row, keys, valid, k, sm_scale):
     """The k best of C candidates by their fp keys [B,Hkv,C,D] (valid [B,Hkv,C]), scored as topk_lowbit
     scores (probability summed over the kv head's query heads, best of R tokens) -> (score, index
     into the C candidates) [B,Hkv,k]; invalid candidates score -1."""
-    q_rows, lse_rows = _as_rows(q_row, lse_row)
-    B, H, R, D = q_rows.shape
-    Hkv = keys.shape[1]
-    qg = q_rows.float().reshape(B, Hkv, (H // Hkv) * R, D) * sm_scale
-    prob = _row_scores(qg @ keys.float().transpose(-1, -2), lse_rows, H // Hkv, R)
+    prob = _fp_row_scores(*_as_rows(q_row, lse_row), keys, sm_scale)
     return torch.where(valid, prob, -1.0).topk(k, dim=-1)
 
 

@@ -264,7 +264,7 @@ class Prefetcher:
             raise ValueError(f"unknown fetch impl {impl!r} (uva, staged)")
         device = torch.device(device)
         self.device, self.impl, self.k, self.join_each_step = device, impl, k, join_each_step
-        self.key_rows = k if key_rows is None else key_rows  # keys read per layer and kv head (re-ranking: N*k)
+        self.key_rows = k if key_rows is None else key_rows  # keys read per layer and kv head (re-ranking: N*k candidates)
         self.n_layers = n_layers
         self.on_cuda = device.type == "cuda"
         self.async_ops = self.on_cuda if async_ops is None else async_ops
