@@ -438,8 +438,9 @@ def write_ppl_report(results: Results):
 
 
 HIT_INTERVALS = [(1, 10), (11, 50), (51, 100), (101, 200), (201, None)]  # decode steps, as in rebuttal Q2
-HIT_SERIES = {"hit": "top-k hit % (vs exact top-k)", "hit_own": "hit % (vs own low-bit top-k)",
-              "mass": "attention mass held %", "mass_topk": "mass of exact top-k %", "err": "output error %",
+HIT_SERIES = {"hit": "top-k hit % (vs exact top-k)", "hit_mass": "hit % (vs most-mass top-k)",
+              "hit_own": "hit % (vs own low-bit top-k)", "mass": "attention mass held %",
+              "mass_topk": "mass of exact top-k %", "mass_best": "mass of most-mass top-k %", "err": "output error %",
               "err_topk": "error with exact top-k %", "err_own": "error with own low-bit top-k %",
               "err_none": "error with no fp16 rows %", "exact": "exact token hit %"}
 OLD_SERIES = {"topk": "hit", "topk_lowbit": "hit_own"}  # results written before the probe's names

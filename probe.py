@@ -7,9 +7,16 @@ from the host store, over every position it sees, softmax per query head) and H 
 fp16 while it attends (the ring: fetched rows and attention sinks):
   hit       |H ∩ top-k| / |top-k|, top-k = the exact top-k over the quantized positions
             (kernels.topk_exact, the oracle's choice): rebuttal Q6's "top-k hit rate"
+  hit_mass  the same against the k quantized positions that carry the most of the real token's
+            attention (p summed over the kv head's query heads): the set that maximizes `mass`.
+            Under GQA the two top-k differ only in how query heads are weighed: topk_exact
+            renormalizes each head over the quantized positions, so a head whose attention sits
+            on the sinks and the recent window votes as loudly as one that attends the old tokens.
+            The two agree for one query head, and nearly agree with no sinks (README).
   hit_own   the same against the real token's own low-bit top-k (what a sequential fetch brings)
   mass      sum of p over H, mean over query heads: the share of the real token's attention
-            that its fp16 rows carry exactly; mass_topk: the same for the exact top-k
+            that its fp16 rows carry exactly; mass_topk / mass_best: the same for the exact /
+            the most-mass top-k (no k rows carry more than mass_best)
   err       relative L2 error of the real token's attention output with H in fp16 and the rest
             low-bit, against exact attention (mean over query heads); err_topk / err_own / err_none:
             the same with the exact top-k rows, with its own low-bit top-k rows, with no fp16 rows.
@@ -22,7 +29,7 @@ import kernels
 from cache import SpeCache
 from kernels import Fetched, Residual
 
-KEYS = ("hit", "hit_own", "mass", "mass_topk", "err", "err_topk", "err_own", "err_none")
+KEYS = ("hit", "hit_mass", "hit_own", "mass", "mass_topk", "mass_best", "err", "err_topk", "err_own", "err_none")
 
 
 class FetchProbe:
@@ -73,6 +80,8 @@ class FetchProbe:
             exact_out = p @ vals  # [B,Hkv,G,D]
             n = min(cache.n_fetch, n_quant - cache.sinks)
             _, top = kernels.topk_exact(q[:, :, 0], host_k, cache.n_quant, n, cache.sm_scale, first=cache.sinks)
+            # the k quantized positions with the most attention, summed over the kv head's query heads
+            best = p[..., cache.sinks:n_quant].sum(2).topk(n, -1).indices + cache.sinks  # [B,Hkv,n]
             # the real token's own low-bit attention (its kept rows, no fetched rows) and top-k
             res = Residual(torch.cat([cache.k_res[:, :, :int(cache.res_len)], k_own.to(cache.k_res.dtype)], 2),
                            torch.cat([cache.v_res[:, :, :int(cache.res_len)], v_own.to(cache.v_res.dtype)], 2),
@@ -91,9 +100,9 @@ class FetchProbe:
                 out, _ = kernels.attention_lowbit_ref(q, cache.stored(), res, f, cache.sm_scale)
                 return _rel_err(out, exact_out)
 
-            self._pending[i] = dict(step_pos=pos, n_quant=n_quant, p=p, top=top, own=own, err_with=err_with,
-                                    held=_held(cache), mass_topk=_mass(p, top), err_topk=err_with(top),
-                                    err_own=err_with(own), err_none=_rel_err(none_out, exact_out))
+            self._pending[i] = dict(step_pos=pos, n_quant=n_quant, p=p, top=top, best=best, own=own, err_with=err_with,
+                                    held=_held(cache), mass_topk=_mass(p, top), mass_best=_mass(p, best),
+                                    err_topk=err_with(top), err_own=err_with(own), err_none=_rel_err(none_out, exact_out))
         return hook
 
     def _after(self, i):
@@ -105,8 +114,9 @@ class FetchProbe:
             # Sequential/oracle fetch inside the step: the real token used what the ring holds now.
             held = _held(cache) if cache.fetch in ("sequential", "oracle") else rec["held"]
             held = held[:, :, cache.sinks:]
-            p, top, own, err_with = rec.pop("p"), rec.pop("top"), rec.pop("own"), rec.pop("err_with")
-            rec.update(hit=_overlap(held, top), hit_own=_overlap(held, own), mass=_mass(p, held), err=err_with(held))
+            p, top, best, own = rec.pop("p"), rec.pop("top"), rec.pop("best"), rec.pop("own")
+            rec.update(hit=_overlap(held, top), hit_mass=_overlap(held, best), hit_own=_overlap(held, own),
+                       mass=_mass(p, held), err=rec.pop("err_with")(held))
             del rec["held"]
             self.records[i].append(rec)
         return hook

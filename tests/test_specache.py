@@ -212,22 +212,28 @@ def test_chunked_prefill_is_exact_for_specache(model):
 
 def test_fetch_probe_measures_without_changing_the_tokens(model, full_tokens):
     """probe.FetchProbe (eval.py's hit rates) hooks the layers from outside: same tokens, rates in
-    [0, 1]; with k >= context every exact top-k row is held (hit rate and mass exactly 1)."""
+    [0, 1]; the most-mass top-k carries at least the mass of any k rows (the fetched ones, the exact
+    top-k); with k >= context every row is held (both hit rates and the masses exactly 1 / equal)."""
     from probe import FetchProbe
     plain, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8)
     caches, _, _ = setup(model, "specache", max_seq_len=PROMPT_LEN + NEW + 1, bits=1, group=16, residual=32, k=8)
     with FetchProbe(caches) as probe:
         out, _ = generate(model, prompt(), NEW, speculative=True)
     assert torch.equal(out, plain)
-    for key in ("hit", "hit_own", "mass", "mass_topk"):
+    for key in ("hit", "hit_mass", "hit_own", "mass", "mass_topk", "mass_best"):
         vals = probe.per_step(key)
         assert len(vals) >= NEW - 5 and all(0.0 <= v <= 1.0 + 1e-6 for v in vals), key
-    assert all(m <= t + 1e-6 for m, t in zip(probe.per_step("mass"), probe.per_step("mass_topk")))
+    best = probe.per_step("mass_best")
+    for key in ("mass", "mass_topk"):
+        assert all(m <= b + 1e-6 for m, b in zip(probe.per_step(key), best)), key
+    assert probe.per_step("hit_mass") != probe.per_step("hit")  # GQA (2 query heads per kv head): the sets differ
     caches, _, _ = setup(model, "specache", max_seq_len=PROMPT_LEN + NEW + 1, bits=1, group=16, residual=32, k=256)
     with FetchProbe(caches) as probe:
         generate(model, prompt(), NEW, speculative=True)
-    assert probe.per_step("hit") and all(h == 1.0 for h in probe.per_step("hit"))
-    assert all(abs(m - t) < 1e-6 for m, t in zip(probe.per_step("mass"), probe.per_step("mass_topk")))
+    for key in ("hit", "hit_mass"):
+        assert probe.per_step(key) and all(h == 1.0 for h in probe.per_step(key)), key
+    for key in ("mass_topk", "mass_best"):
+        assert all(abs(m - t) < 1e-6 for m, t in zip(probe.per_step("mass"), probe.per_step(key))), key
 
 
 def test_bad_arguments_are_clear(model):
