@@ -163,15 +163,17 @@ def test_reports_and_heatmap(tmp_path):
     ev.write_ruler_report(r)
     assert "| full | 1000 | 1 | 100.0 | 50.0 | 75.0 |" in (tmp_path / "results.md").read_text()
     f = dict(cmd="hitrate", method="specache-1bit", prompt="essay", length=1000, sample=0)
-    series = dict(hit=[None] + [1.0] * 9 + [0.5] * 10, hit_own=[None] + [0.5] * 19, mass=[None] + [0.25] * 19,
-                  mass_topk=[None] + [0.5] * 19, err=[None] + [0.2] * 19, err_topk=[None] + [0.1] * 19,
+    series = dict(hit=[None] + [1.0] * 9 + [0.5] * 10, hit_mass=[None] + [0.75] * 19, hit_own=[None] + [0.5] * 19,
+                  mass=[None] + [0.25] * 19, mass_topk=[None] + [0.5] * 19, mass_best=[None] + [0.6] * 19,
+                  err=[None] + [0.2] * 19, err_topk=[None] + [0.1] * 19,
                   err_own=[None] + [0.05] * 19, err_none=[None] + [0.4] * 19, exact=[True, False] * 10,
                   layer_err=[0.1, 0.3], layer_hit=[0.5, 1.0])
     r.add(ev.Results.key(f), dict(f, label="specache-1bit", **series))
     ev.write_hitrate_report(r)
     md = (tmp_path / "results.md").read_text()
-    # totals: steps, then hit vs exact top-k (None skipped: (9 + 5) / 19), vs own, mass, ..., exact token
-    assert f"| specache-1bit | essay | 20 | {100 * 14 / 19:.1f} | 50.0 | 25.0 | 50.0 | 20.0 | 10.0 | 5.0 | 40.0 | 50.0 |" in md
+    # totals: steps, then hit vs exact top-k (None skipped: (9 + 5) / 19), vs most-mass, vs own, masses, ..., exact
+    assert (f"| specache-1bit | essay | 20 | {100 * 14 / 19:.1f} | 75.0 | 50.0 | 25.0 | 50.0 | 60.0 | 20.0 | 10.0 | 5.0 "
+            "| 40.0 | 50.0 |") in md
     # by decode-step interval, one row per measure; intervals past the last step are left out
     assert "| method | measure | [1, 10] | [11, 50] |" in md and "[51, 100]" not in md
     assert "| specache-1bit | top-k hit % (vs exact top-k) | 100.0 | 50.0 |" in md
