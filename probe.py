@@ -80,8 +80,7 @@ class FetchProbe:
             exact_out = p @ vals  # [B,Hkv,G,D]
             n = min(cache.n_fetch, n_quant - cache.sinks)
             _, top = kernels.topk_exact(q[:, :, 0], host_k, cache.n_quant, n, cache.sm_scale, first=cache.sinks)
-            # the k quantized positions with the most attention, summed over the kv head's query heads
-            best = p[..., cache.sinks:n_quant].sum(2).topk(n, -1).indices + cache.sinks  # [B,Hkv,n]
+            best = most_mass_topk(p, cache.sinks, n_quant, n)
             # the real token's own low-bit attention (its kept rows, no fetched rows) and top-k
             res = Residual(torch.cat([cache.k_res[:, :, :int(cache.res_len)], k_own.to(cache.k_res.dtype)], 2),
                            torch.cat([cache.v_res[:, :, :int(cache.res_len)], v_own.to(cache.v_res.dtype)], 2),
@@ -129,6 +128,14 @@ class FetchProbe:
 
     def per_layer(self, key) -> list:
         return [sum(x[key] for x in r) / len(r) if r else None for r in self.records]
+
+
+def most_mass_topk(p, first: int, n_quant: int, k: int) -> torch.Tensor:
+    """The k positions in [first, n_quant) that carry the most attention: p [B,Hkv,G,S] (each query
+    head's probabilities over everything it attends to) summed over the kv head's G query heads
+    -> [B,Hkv,k]. No k rows hold more of `mass`; kernels.topk_exact renormalizes each head over
+    [first, n_quant) first, which weighs the heads differently."""
+    return p[..., first:n_quant].sum(2).topk(k, -1).indices + first
 
 
 def _held(cache) -> torch.Tensor:

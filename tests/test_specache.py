@@ -236,6 +236,21 @@ def test_fetch_probe_measures_without_changing_the_tokens(model, full_tokens):
         assert all(abs(m - t) < 1e-6 for m, t in zip(probe.per_step("mass"), probe.per_step(key))), key
 
 
+def test_most_mass_topk_weighs_heads_by_their_real_attention():
+    """Two query heads share a kv head; position 0 is a sink kept in fp16 (not ranked). Head A puts
+    almost all its attention on the sink, and of the rest most on position 2. Head B attends to
+    position 1. Renormalized over the ranked positions (kernels.topk_exact), A's leftovers vote as
+    loudly as B's real attention and position 2 wins; by attention actually paid, position 1 does."""
+    from kernels import topk_exact
+    from probe import most_mass_topk
+    keys = torch.eye(4)[None, None]  # [B=1, Hkv=1, S=4, D=4]: logits = q itself
+    q = torch.tensor([[10.0, 0, 2, 0], [0, 1, 0, 0]])[None]  # [B=1, H=2, D=4]
+    _, renorm = topk_exact(q, keys, 4, 1, 1.0, first=1)
+    p = torch.softmax(q, -1)[:, None]  # [B, Hkv, G, S] over everything the heads attend to
+    assert renorm.tolist() == [[[2]]] and most_mass_topk(p, 1, 4, 1).tolist() == [[[1]]]
+    assert p[..., 1].sum() > 2.5 * p[..., 2].sum()  # position 1 carries more of the attention
+
+
 def test_bad_arguments_are_clear(model):
     with pytest.raises(ValueError, match="multiple of --group"):
         setup(model, "kivi", max_seq_len=128, group=32, residual=48)
