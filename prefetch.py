@@ -322,13 +322,14 @@ class Prefetcher:
                 self.host_v[layer, :, :, :p0].to(self.device, non_blocking=True))
 
     def gather_keys(self, layer, idx, out, new_k=None, new_pos=None):
-        """fp keys of host rows idx [B,Hkv,C] -> [B,Hkv,C,D] on the device, now (on the current stream:
-        re-ranking needs them in this step); rows equal to new_pos come from new_k. On the async path
-        they land in `out` (a buffer the graph keeps), else the result is a new tensor."""
+        """fp keys of host rows idx [B,Hkv,C] into `out` [B,Hkv,C,D] on the device (a buffer the graph
+        keeps), now, on the current stream: re-ranking needs them in this step. Rows equal to new_pos
+        come from new_k."""
         if self.async_ops:
             torch.ops.specache.gather_keys(out, idx, new_k, new_pos, self.pid, layer)
-            return out
-        return gather_keys_ref(self.host_k[layer], idx, new_k, new_pos)
+        else:
+            self._gather_keys_now(layer, out, idx, new_k, new_pos)
+        return out
 
     def _gather_keys_now(self, layer, out, idx, new_k, new_pos):
         if self.on_cuda:

@@ -165,7 +165,7 @@ def test_values_only_transfer_and_key_gather():
     ring_k, ring_v = p.rings[1]
     idx = torch.tensor([[[5, 0, 31], [7, 7, 2]]])
     new_k, new_v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
-    keys = p.gather_keys(1, idx, None, new_k, torch.tensor(7))
+    keys = p.gather_keys(1, idx, torch.empty(1, 2, 3, 4), new_k, torch.tensor(7))
     assert torch.equal(keys[0, 0], p.host_k[1, 0, 0, idx[0, 0]])
     assert torch.equal(keys[0, 1, :2], new_k[0, 1].expand(2, 4)) and torch.equal(keys[0, 1, 2], p.host_k[1, 0, 1, 2])
     p.start(1, ring_k, ring_v, idx, new_k, new_v, torch.tensor(7), keys=keys)
