@@ -269,6 +269,8 @@ def test_method_parsing():
     assert C.from_name("specache-lsq-1bit-resync").name == "specache-1bit-lsq-resync"
     assert C.from_name("specache-1bit-rr2-resync") == C("specache", bits=1, fetch="resync", rerank=2)
     assert C.from_name("specache-1bit-best-rr2").name == "specache-1bit-lsq-resync-rr2-k96-g32-r32-sink4"
+    # the README's equal-bus-bytes variant: name parts after the preset override its k and residual
+    assert C.from_name("specache-2bit-best-rr2-k64-r64").name == "specache-2bit-lsq-resync-rr2-g32-sink4"
     for bad, msg in (("kivi-3bit", "not available"), ("h2o", "unknown cache"),
                      ("kivi-2bit-orig", "only for 1 bit"), ("kivi-sequential", "SpeCache fetch policy"),
                      ("kivi-1bit-rr2", "SpeCache options"), ("specache-rr0", "must be >= 1"),

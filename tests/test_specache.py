@@ -176,6 +176,15 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
     assert prefetcher.bytes_per_step() == model.args.n_layers * 2 * 4 * D * (24 + 8)
 
 
+def test_rerank_with_fewer_rows_moves_the_presets_bus_bytes(model):
+    """The README's equal-bus-bytes comparison: rr2 with k 64 moves 128 keys + 64 values per layer
+    and kv head, what the preset moves with k 96; the paper's k 64 moves two thirds of that."""
+    def bus(name):
+        return setup_caches(model, name, 1, 512)[1].bytes_per_step()
+    assert bus("specache-1bit-best-rr2-k64-r64") == bus("specache-1bit-best") == 3 * bus("specache-1bit") // 2
+    assert bus("specache-1bit-best-rr2") == 3 * bus("specache-1bit-best") // 2
+
+
 def test_one_bit_kivi_alone_differs(model, full_tokens):
     out, *_ = run(model, "kivi", bits=1, group=16, residual=32)
     assert not torch.equal(out, full_tokens)  # sanity: the exactness above is not vacuous
