@@ -625,7 +625,6 @@ class SpeCache(LowBitCache):
         # The fp rows of this layer: module buffers, so a compiled step keeps their addresses.
         self.register_buffer("ring_k", torch.zeros(B, H, n, head_dim, dtype=dtype, device=dev), persistent=False)
         self.register_buffer("ring_v", torch.zeros(B, H, n, head_dim, dtype=dtype, device=dev), persistent=False)
-        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v, off=self.sinks)
         idx = torch.arange(n, device=dev).clamp(max=self.sinks).expand(B, H, n).contiguous()  # sinks: 0..sinks-1
         self.register_buffer("fetch_idx", idx, persistent=False)
         self.register_buffer("fetch_valid", torch.zeros(B, H, n, dtype=torch.bool, device=dev), persistent=False)
@@ -634,6 +633,14 @@ class SpeCache(LowBitCache):
         if self.rerank > 1:
             self.register_buffer("cand_k", torch.zeros(B, H, self.n_cand, head_dim, dtype=dtype, device=dev),
                                  persistent=False)
+        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v, off=self.sinks, rerank_bufs=self._rerank_bufs())
+
+    def _rerank_bufs(self):
+        return (self.fetch_idx, self.fetch_valid, self.cand_k) if self.rerank > 1 else ()
+
+    def fetch_bufs(self) -> list:
+        """The buffers this layer's transfer writes (the side stream's, on the async path)."""
+        return [self.ring_k, self.ring_v, *self._rerank_bufs()]
 
     # The host store holds every real token's fp16 k/v, by absolute position.
     def prefix_kv(self, p0):
@@ -655,48 +662,48 @@ class SpeCache(LowBitCache):
         """The rows in the ring and the quantized positions they replace in attention (eq. 1)."""
         return Fetched(self.ring_k, self.ring_v, self.fetch_idx, self.fetch_valid)
 
-    def select(self, q_rows, lse_rows, fetched: Optional[Fetched] = None, new=(None, None, None)):
+    def select(self, q_rows, lse_rows, fetched: Optional[Fetched] = None):
         """Top-k quantized positions (sinks aside) for the query token(s) q_rows [B,H,D] or [B,H,R,D]
-        -> (idx, valid) [B,Hkv,n_fetch] per kv head, and with re-ranking the rows' fp keys [B,Hkv,n_fetch,D]
-        (else None). `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A).
-        `new`: the step's real token (k, v, pos), a candidate once flushed, whose host row is written
-        later in the step."""
+        -> (idx, valid) [B,Hkv,n_fetch] per kv head and None; with re-ranking, the low-bit top-(N*k)
+        candidates (idx, valid) [B,Hkv,N*k] and the query rows and lse that pick the k among them
+        (start_fetch). `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A)."""
         if self.fetch == "oracle":
             score, idx = kernels.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
                                             self.n_fetch, self.sm_scale, first=self.sinks)
         elif self.rerank > 1:
-            # Re-ranking: the low-bit top-(N*k) are candidates; their fp keys decide the k, and the
-            # winners' keys are on the device already: only their values cross the bus (start_fetch).
+            # Re-ranking: the low-bit top-(N*k) are candidates; their fp keys decide the k where the
+            # keys land (prefetch.Prefetcher.start_rerank: on the side stream on a GPU).
             score, cand = kernels.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_cand, self.sm_scale, fetched,
                                               first=self.sinks)
-            keys = self.prefetcher.gather_keys(self.layer_idx, cand, self.cand_k, new[0], new[2])
-            score, pick = kernels.rerank_exact(q_rows, lse_rows, keys, score >= 0, self.n_fetch, self.sm_scale)
-            return cand.gather(-1, pick), score >= 0, keys.gather(2, pick[..., None].expand(-1, -1, -1, keys.shape[-1]))
+            return cand, score >= 0, kernels._as_rows(q_rows, lse_rows)
         else:
             score, idx = kernels.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_fetch, self.sm_scale, fetched,
                                              first=self.sinks)
         return idx, score >= 0, None
 
-    def start_fetch(self, idx, valid, keys=None, new=(None, None, None)):
+    def start_fetch(self, idx, valid, rerank_by=None, new=(None, None, None)):
         """Remember which rows the ring will hold and start their transfer (plus, with `new`, the
-        real token's K/V to the host store, in the same transfer; with `keys`, the rows' keys are
-        on the device already and only their values are fetched)."""
+        real token's K/V to the host store, in the same transfer). With re-ranking (rerank_by =
+        (q_rows, lse_rows)), idx are candidates and the transfer picks the rows and records them."""
+        if rerank_by is not None:
+            self.prefetcher.start_rerank(self.layer_idx, self.fetch_bufs(), idx, valid, *rerank_by, self.sm_scale, *new)
+            return
         self.fetch_idx[:, :, self.sinks:] = idx
         self.fetch_valid[:, :, self.sinks:] = valid
-        self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx, *new, keys=keys)
+        self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx, *new)
 
     # ---- the policies --------------------------------------------------------------------------
     def speculative(self, q, new, keep, rows=slice(-1, None)):
         """Algorithm 3 (Algorithm 2 when not keep): q [B,H,T,D], the step's last token is the
         speculative one (T=1: the real token itself, which is `lag`)."""
-        self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v)  # this layer's fetch only
+        self.prefetcher.wait(self.layer_idx, self.fetch_bufs())  # this layer's fetch only
         fetched = self.fetched()
         out, lse = self.attend(q, fetched)
         if keep:
             self.commit_step(keep=1)  # only the real token's KV stays
         # The selecting token's row picks the next step's rows among the quantized positions as they
         # are after the flush; the transfer overlaps the remaining layers of the step.
-        self.start_fetch(*self.select(q[:, :, rows], lse[:, :, rows], fetched, new), new)
+        self.start_fetch(*self.select(q[:, :, rows], lse[:, :, rows], fetched), new)
         return out
 
     lag = resync = speculative
@@ -710,7 +717,7 @@ class SpeCache(LowBitCache):
         """Table 4: pick rows with the real token itself, fetch and wait, then attend."""
         _, lse = self.attend(q, self.fetched() if self.sinks else None)
         self.start_fetch(*self.select(q[:, :, :1], lse[:, :, :1]))
-        self.prefetcher.wait(self.layer_idx, self.ring_k, self.ring_v, now=True)
+        self.prefetcher.wait(self.layer_idx, self.fetch_bufs(), now=True)
         out, _ = self.attend(q, self.fetched())
         if keep:
             self.commit_step(keep=1)
@@ -837,5 +844,6 @@ def build_caches(model, config: CacheConfig, batch: int, max_seq_len: int, meter
         return model.setup_caches(lambda i: QuantSpecCache(*dims, config, gamma=gamma, meter=meter)), None
     n_fetch = min(config.k, max_seq_len)  # k >= context fetches every row
     prefetcher = Prefetcher(args.n_layers, batch, args.n_kv_heads, max_seq_len, args.head_dim, n_fetch, dtype, device,
-                            impl=config.fetch_impl, key_rows=min(config.rerank * n_fetch, max_seq_len))
+                            impl=config.fetch_impl, key_rows=min(config.rerank * n_fetch, max_seq_len),
+                            select_rows=(args.n_heads, 2 if config.fetch == "union" else 1) if config.rerank > 1 else None)
     return model.setup_caches(lambda i: SpeCache(i, prefetcher, *dims, config, meter=meter)), prefetcher

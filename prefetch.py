@@ -11,23 +11,25 @@ kernel for K and V together:
     from the next flush on), and
   - gathers host rows idx [B,Hkv,k] into the ring (a row equal to new_pos is taken from new_k/new_v:
     the same kernel cannot be relied on to have written it to the host first).
-`idx=None` only writes the token; `new_k=None` only gathers; with `keys` (the rows' keys, already
-on the device: re-ranking, below) the main stream writes them into the ring and only V is gathered.
+`idx=None` only writes the token; `new_k=None` only gathers.
 
-Re-ranking (`rerank` > 1, name part rrN): the selecting token's low-bit top-(N*k) are candidates;
-`gather_keys` reads their fp keys (host -> device, on the current stream: the step waits for it),
-the cache keeps the k whose exact scores are best, and `start(..., keys=...)` puts their keys into
-the ring and moves only their values. Bus bytes per layer and kv head: N*k keys + k values
-instead of k keys + k values (N = 2: 1.5x).
+Re-ranking (`rerank` > 1, name part rrN), `start_rerank`: the selecting token's low-bit top-(N*k)
+are candidates; the same side-stream work reads their fp keys, keeps the k whose exact scores are
+best (kernels.rerank_exact), writes those keys into the ring and the layer's fetch_idx/fetch_valid,
+and moves only their values. Bus bytes per layer and kv head: N*k keys + k values instead of
+k keys + k values (N = 2: 1.5x), all on the side stream; the main stream only stages the selecting
+query rows, their lse and the candidates.
 
 On CUDA the transfer runs on a side stream and overlaps the rest of the step:
   main stream: copy idx and the token's K/V into this layer's staging buffers, record consumed[l]
   side stream: wait consumed[l], run the kernel (it reads pinned host memory through unified
                virtual addressing, so the indices never leave the device and nothing syncs),
                record fetched[l].
-The side stream reads only memory this module owns (staging, host store) and writes only the ring:
-graph-internal temporaries that a compiled step frees and reuses while the side stream still runs
-never cross streams. The custom ops check that they were handed the layer's own ring buffers, not
+The side stream reads only memory this module owns (staging, host store) and writes only the
+layer's buffers registered with `register_ring` (the ring; with re-ranking also fetch_idx,
+fetch_valid and the candidate keys), so graph-internal temporaries that a compiled step frees and
+reuses while the side stream still runs never cross streams (the side stream's own temporaries
+come from its own allocator pool). The custom ops check that they were handed the layer's own ring buffers, not
 copies made by functionalization (which would make the side stream write a temporary).
 
 A CUDA graph must join every stream it forks before its capture ends, so by default
@@ -47,6 +49,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+import kernels
 
 Tensor = torch.Tensor
 _PREFETCHERS = weakref.WeakValueDictionary()  # id -> Prefetcher: the custom ops find their streams here
@@ -209,48 +213,50 @@ def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos):
 # =============================================================================================
 # custom ops: what a compiled step calls on the async path (opaque to torch.compile)
 # =============================================================================================
-# They "mutate" the rings, which orders them against the attention that reads the rings inside one
-# fullgraph step; join mutates every ring, so no fetch can be scheduled after it.
+# They "mutate" the buffers the side stream writes (the rings; with re-ranking also fetch_idx,
+# fetch_valid, cand_k), which orders them against the attention that reads those buffers inside one
+# fullgraph step; join mutates every layer's, so no fetch can be scheduled after it.
 @torch.library.custom_op("specache::fetch_start", mutates_args=("ring_k", "ring_v"))
 def _fetch_start_op(ring_k: Tensor, ring_v: Tensor, idx: Optional[Tensor], new_k: Optional[Tensor],
-                    new_v: Optional[Tensor], new_pos: Optional[Tensor], pid: int, layer: int,
-                    keys: Optional[Tensor]) -> None:
-    _PREFETCHERS[pid]._start_async(layer, ring_k, ring_v, idx, new_k, new_v, new_pos, keys)
+                    new_v: Optional[Tensor], new_pos: Optional[Tensor], pid: int, layer: int) -> None:
+    _PREFETCHERS[pid]._start_async(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)
 
 
 @_fetch_start_op.register_fake
-def _(ring_k, ring_v, idx, new_k, new_v, new_pos, pid, layer, keys):
+def _(ring_k, ring_v, idx, new_k, new_v, new_pos, pid, layer):
     return None
 
 
-@torch.library.custom_op("specache::gather_keys", mutates_args=("out",))
-def _gather_keys_op(out: Tensor, idx: Tensor, new_k: Optional[Tensor], new_pos: Optional[Tensor], pid: int,
-                    layer: int) -> None:
-    _PREFETCHERS[pid]._gather_keys_now(layer, out, idx, new_k, new_pos)
+@torch.library.custom_op("specache::rerank_start", mutates_args=("bufs",))
+def _rerank_start_op(bufs: list[Tensor], cand: Tensor, cand_valid: Tensor, q_rows: Tensor, lse_rows: Tensor,
+                     new_k: Optional[Tensor], new_v: Optional[Tensor], new_pos: Optional[Tensor], sm_scale: float,
+                     pid: int, layer: int) -> None:
+    _PREFETCHERS[pid]._start_rerank_async(layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v,
+                                          new_pos)
 
 
-@_gather_keys_op.register_fake
-def _(out, idx, new_k, new_pos, pid, layer):
+@_rerank_start_op.register_fake
+def _(bufs, cand, cand_valid, q_rows, lse_rows, new_k, new_v, new_pos, sm_scale, pid, layer):
     return None
 
 
-@torch.library.custom_op("specache::fetch_wait", mutates_args=("ring_k", "ring_v"))
-def _fetch_wait_op(ring_k: Tensor, ring_v: Tensor, pid: int, layer: int) -> None:
+@torch.library.custom_op("specache::fetch_wait", mutates_args=("bufs",))
+def _fetch_wait_op(bufs: list[Tensor], pid: int, layer: int) -> None:
     _PREFETCHERS[pid]._wait_async(layer)
 
 
 @_fetch_wait_op.register_fake
-def _(ring_k, ring_v, pid, layer):
+def _(bufs, pid, layer):
     return None
 
 
-@torch.library.custom_op("specache::fetch_join", mutates_args=("rings",))
-def _fetch_join_op(rings: list[Tensor], pid: int) -> None:
+@torch.library.custom_op("specache::fetch_join", mutates_args=("bufs",))
+def _fetch_join_op(bufs: list[Tensor], pid: int) -> None:
     _PREFETCHERS[pid]._join_async()
 
 
 @_fetch_join_op.register_fake
-def _(rings, pid):
+def _(bufs, pid):
     return None
 
 
@@ -259,19 +265,20 @@ def _(rings, pid):
 # =============================================================================================
 class Prefetcher:
     def __init__(self, n_layers, batch, n_kv_heads, max_seq_len, head_dim, k, dtype, device, impl="uva",
-                 join_each_step=True, async_ops=None, key_rows=None):
+                 join_each_step=True, async_ops=None, key_rows=None, select_rows=None):
         if impl not in ("uva", "staged"):
             raise ValueError(f"unknown fetch impl {impl!r} (uva, staged)")
         device = torch.device(device)
         self.device, self.impl, self.k, self.join_each_step = device, impl, k, join_each_step
         self.key_rows = k if key_rows is None else key_rows  # keys read per layer and kv head (re-ranking: N*k candidates)
+        self.select_rows = select_rows  # re-ranking: (query heads, tokens) of the selecting query, staged per layer
         self.n_layers = n_layers
         self.on_cuda = device.type == "cuda"
         self.async_ops = self.on_cuda if async_ops is None else async_ops
         shape = (n_layers, batch, n_kv_heads, max_seq_len, head_dim)
         host = dict(dtype=dtype, device="cpu", pin_memory=True) if self.on_cuda else dict(dtype=dtype, device=device)
         self.host_k, self.host_v = torch.zeros(shape, **host), torch.zeros(shape, **host)
-        self.rings = [None] * n_layers  # (ring_k, ring_v) of each layer, registered by its cache
+        self.rings = [None] * n_layers  # [ring_k, ring_v, ...]: what the side stream writes, per layer
         self.ring_off = 0
         self.pid = next(_ids)
         _PREFETCHERS[self.pid] = self
@@ -286,6 +293,12 @@ class Prefetcher:
         self.stage_k = torch.zeros(L, B, H, 1, D, dtype=dt, device=dev)
         self.stage_v = torch.zeros(L, B, H, 1, D, dtype=dt, device=dev)
         self.stage_pos = torch.zeros(L, dtype=torch.int64, device=dev)
+        if self.select_rows is not None:  # re-ranking on the side stream: the candidates and who scores them
+            Hq, R = self.select_rows
+            self.stage_cand = torch.zeros(L, B, H, self.key_rows, dtype=torch.int64, device=dev)
+            self.stage_cand_valid = torch.zeros(L, B, H, self.key_rows, dtype=torch.bool, device=dev)
+            self.stage_q = torch.zeros(L, B, Hq, R, D, dtype=dt, device=dev)
+            self.stage_lse = torch.zeros(L, B, Hq, R, dtype=torch.float32, device=dev)
         self.dm = torch.get_device_module(dev.type)
         self.side = self.dm.Stream(device=dev) if self.on_cuda else self.dm.Stream()
         self.consumed = [self.dm.Event() for _ in range(L)]
@@ -294,10 +307,11 @@ class Prefetcher:
             self.staging_k = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
             self.staging_v = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
 
-    def register_ring(self, layer, ring_k, ring_v, off=0):
+    def register_ring(self, layer, ring_k, ring_v, off=0, rerank_bufs=()):
         """The layer's ring: slots [off, off + k) receive the fetched rows (before off: rows the
-        cache keeps on the device itself, attention sinks)."""
-        self.rings[layer] = (ring_k, ring_v)
+        cache keeps on the device itself, attention sinks). With re-ranking, rerank_bufs =
+        (fetch_idx, fetch_valid, cand_k): the side stream writes them too."""
+        self.rings[layer] = [ring_k, ring_v, *rerank_bufs]
         self.ring_off = off
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -307,7 +321,7 @@ class Prefetcher:
     def bytes_per_step(self) -> int:
         """Bytes moved host -> device by one decode step, every layer and kv head: k rows of K and V
         (re-ranking: key_rows candidate keys and k values)."""
-        return sum(rk[:, :, :1].nbytes * (self.key_rows + self.k) for rk, _ in self.rings if rk is not None)
+        return sum(bufs[0][:, :, :1].nbytes * (self.key_rows + self.k) for bufs in self.rings if bufs is not None)
 
     # ---- prefill: Algorithm 1's offload (eager) --------------------------------------------------
     def offload(self, layer, k, v, input_pos):
@@ -320,16 +334,6 @@ class Prefetcher:
         """fp K/V of positions [0, p0) on the device, for a later prefill chunk's exact attention."""
         return (self.host_k[layer, :, :, :p0].to(self.device, non_blocking=True),
                 self.host_v[layer, :, :, :p0].to(self.device, non_blocking=True))
-
-    def gather_keys(self, layer, idx, out, new_k=None, new_pos=None):
-        """fp keys of host rows idx [B,Hkv,C] into `out` [B,Hkv,C,D] on the device (a buffer the graph
-        keeps), now, on the current stream: re-ranking needs them in this step. Rows equal to new_pos
-        come from new_k."""
-        if self.async_ops:
-            torch.ops.specache.gather_keys(out, idx, new_k, new_pos, self.pid, layer)
-        else:
-            self._gather_keys_now(layer, out, idx, new_k, new_pos)
-        return out
 
     def _gather_keys_now(self, layer, out, idx, new_k, new_pos):
         if self.on_cuda:
@@ -345,27 +349,36 @@ class Prefetcher:
         return self.host_v[layer].to(self.device, non_blocking=True)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def start(self, layer, ring_k, ring_v, idx=None, new_k=None, new_v=None, new_pos=None, keys=None):
+    def start(self, layer, ring_k, ring_v, idx=None, new_k=None, new_v=None, new_pos=None):
         """Write the real token's K/V [B,Hkv,1,D] to host row new_pos (a 0-d device tensor) and fetch
-        host rows idx [B,Hkv,k] into the ring, asynchronously on the async path. `keys` [B,Hkv,k,D]:
-        the rows' keys, already on the device: written into the ring now, and only V is fetched."""
+        host rows idx [B,Hkv,k] into the ring, asynchronously on the async path."""
         if self.async_ops:
-            torch.ops.specache.fetch_start(ring_k, ring_v, idx, new_k, new_v, new_pos, self.pid, layer, keys)
+            torch.ops.specache.fetch_start(ring_k, ring_v, idx, new_k, new_v, new_pos, self.pid, layer)
         else:
-            if keys is not None:
-                ring_k[:, :, self.ring_off:].copy_(keys)
-            self._transfer(layer, ring_k, ring_v, idx, new_k, new_v, new_pos, values_only=keys is not None)
+            self._transfer(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)
 
-    def wait(self, layer, ring_k, ring_v, now=False):
-        """The main stream waits for this layer's fetch only: on the async path without step joins,
-        or always with `now` (a fetch the same step needs)."""
+    def start_rerank(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k=None, new_v=None,
+                     new_pos=None):
+        """`start` for re-ranking: of the candidate rows cand [B,Hkv,N*k] (cand_valid: real ones),
+        fetch the k whose fp keys score best for the selecting query rows q_rows [B,H,R,D] (lse_rows
+        [B,H,R]: their softmax normalizers), and record them in the layer's fetch_idx/fetch_valid.
+        bufs: the layer's registered [ring_k, ring_v, fetch_idx, fetch_valid, cand_k]."""
+        if self.async_ops:
+            torch.ops.specache.rerank_start(bufs, cand, cand_valid, q_rows, lse_rows, new_k, new_v, new_pos,
+                                            float(sm_scale), self.pid, layer)
+        else:
+            self._rerank(layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos)
+
+    def wait(self, layer, bufs, now=False):
+        """The main stream waits for this layer's fetch only (bufs: what it writes, see register_ring):
+        on the async path without step joins, or always with `now` (a fetch the same step needs)."""
         if self.async_ops and (now or not self.join_each_step):
-            torch.ops.specache.fetch_wait(ring_k, ring_v, self.pid, layer)
+            torch.ops.specache.fetch_wait(bufs, self.pid, layer)
 
     def end_step(self):
         """Called by the last layer: join the side stream (see the module docstring)."""
         if self.async_ops and self.join_each_step:
-            torch.ops.specache.fetch_join([r for pair in self.rings for r in pair], self.pid)
+            torch.ops.specache.fetch_join([t for bufs in self.rings for t in bufs], self.pid)
 
     def _append_host(self, layer, k, v, pos):
         # CPU, compiled: index_put_ on the whole store, not on the view host_k[layer]: a mutated
@@ -375,6 +388,17 @@ class Prefetcher:
                  torch.arange(H, device=k.device)[None, :], pos.reshape(()))
         self.host_k.index_put_(index, k[:, :, 0])
         self.host_v.index_put_(index, v[:, :, 0])
+
+    def _rerank(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos):
+        """Re-ranking and its transfer, on the current stream (the side stream on the async path)."""
+        ring_k, ring_v, fetch_idx, fetch_valid, cand_k = bufs
+        self._gather_keys_now(layer, cand_k, cand, new_k, new_pos)  # the candidates' fp keys: N*k rows
+        score, pick = kernels.rerank_exact(q_rows, lse_rows, cand_k, cand_valid, self.k, sm_scale)
+        idx = cand.gather(-1, pick)
+        fetch_idx[:, :, self.ring_off:] = idx
+        fetch_valid[:, :, self.ring_off:] = score >= 0
+        ring_k[:, :, self.ring_off:] = cand_k.gather(2, pick[..., None].expand(-1, -1, -1, cand_k.shape[-1]))
+        self._transfer(layer, ring_k, ring_v, idx, new_k, new_v, new_pos, values_only=True)
 
     def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos, values_only=False):
         """The transfer itself, on the current stream."""
@@ -398,34 +422,49 @@ class Prefetcher:
                     ring[:, :, self.ring_off:].copy_(staging, non_blocking=True)
 
     # ---- the async path (run by the custom ops) ----------------------------------------------------
-    def _check_ring(self, layer, ring_k, ring_v):
+    def _check_ring(self, layer, bufs):
         mine = self.rings[layer]
-        if mine is None or ring_k.data_ptr() != mine[0].data_ptr() or ring_v.data_ptr() != mine[1].data_ptr():
+        if mine is None or [t.data_ptr() for t in bufs] != [t.data_ptr() for t in mine[:len(bufs)]]:
             raise RuntimeError(f"fetch for layer {layer} was handed a copy of its ring, not the ring buffer itself "
                                "(a compiled graph must pass module buffers through unchanged): the side stream "
                                "would write memory the graph frees")
 
-    def _start_async(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos, keys=None):
-        self._check_ring(layer, ring_k, ring_v)
-        main = self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
-        if keys is not None:  # on the main stream: this step's attention has read the ring already
-            ring_k[:, :, self.ring_off:].copy_(keys)
-        # Stage the inputs on the main stream: they may be temporaries the graph reuses right after.
-        stage(idx, new_k, new_v, new_pos, self.stage_idx[layer], self.stage_k[layer], self.stage_v[layer],
-              self.stage_pos[layer])
-        s_idx = self.stage_idx[layer] if idx is not None else None
-        s_k, s_v, s_pos = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None \
-            else (None, None, None)
-        self.consumed[layer].record(main)
-        self.side.wait_event(self.consumed[layer])  # ring[layer] is free, staging is written
+    def _main(self):
+        return self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
+
+    def _run_side(self, layer, work):
+        """work() on the side stream, after the main stream's staging (consumed[layer])."""
+        self.consumed[layer].record(self._main())
+        self.side.wait_event(self.consumed[layer])  # the layer's buffers are free, staging is written
         with self.dm.stream(self.side):
-            self._transfer(layer, ring_k, ring_v, s_idx, s_k, s_v, s_pos, values_only=keys is not None)
+            work()
             self.fetched[layer].record(self.side)
 
+    def _staged(self, layer, idx, new_k, new_v, new_pos):
+        # Stage the inputs on the main stream: they may be temporaries the graph reuses right after.
+        if idx is not None or new_k is not None:
+            stage(idx, new_k, new_v, new_pos, self.stage_idx[layer], self.stage_k[layer], self.stage_v[layer],
+                  self.stage_pos[layer])
+        s_idx = self.stage_idx[layer] if idx is not None else None
+        s_new = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None \
+            else (None, None, None)
+        return s_idx, s_new
+
+    def _start_async(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
+        self._check_ring(layer, [ring_k, ring_v])
+        s_idx, s_new = self._staged(layer, idx, new_k, new_v, new_pos)
+        self._run_side(layer, lambda: self._transfer(layer, ring_k, ring_v, s_idx, *s_new))
+
+    def _start_rerank_async(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos):
+        self._check_ring(layer, bufs)
+        _, s_new = self._staged(layer, None, new_k, new_v, new_pos)
+        staged = (self.stage_cand[layer], self.stage_cand_valid[layer], self.stage_q[layer], self.stage_lse[layer])
+        for dst, src in zip(staged, (cand, cand_valid, q_rows, lse_rows)):
+            dst.copy_(src)
+        self._run_side(layer, lambda: self._rerank(layer, bufs, *staged, sm_scale, *s_new))
+
     def _wait_async(self, layer):
-        main = self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
-        main.wait_event(self.fetched[layer])
+        self._main().wait_event(self.fetched[layer])
 
     def _join_async(self):
-        main = self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
-        main.wait_stream(self.side)
+        self._main().wait_stream(self.side)

@@ -105,15 +105,17 @@ def fake_async(prefetcher: Prefetcher, delay=0.02, join_each_step=False):
     prefetcher.side = side
     prefetcher.consumed = [FakeEvent() for _ in range(L)]
     prefetcher.fetched = [FakeEvent(str(layer)) for layer in range(L)]
-    transfer = Prefetcher._transfer.__get__(prefetcher)
 
-    def delayed_transfer(layer, *args, **kw):
-        def work():
+    def delayed_side_work(layer, work):  # Prefetcher._run_side, with the work landing late
+        def late():
             time.sleep(delay)
-            transfer(layer, *args, **kw)
+            work()
             log.append(f"copied {layer}")
-        side.submit(work)
-    prefetcher._transfer = delayed_transfer
+        prefetcher.consumed[layer].record(prefetcher.dm.current_stream())
+        side.wait_event(prefetcher.consumed[layer])
+        side.submit(late)
+        prefetcher.fetched[layer].record(side)
+    prefetcher._run_side = delayed_side_work
     return log
 
 
@@ -158,21 +160,68 @@ def test_triton_transfer_matches_reference(with_idx, with_new):
         assert torch.equal(a, b)
 
 
-def test_values_only_transfer_and_key_gather():
-    """Re-ranking's two halves: gather_keys reads candidate keys now (the step's own token from
-    new_k, its host row not yet written), and a transfer handed the keys moves only values."""
-    p = make_prefetcher()
-    ring_k, ring_v = p.rings[1]
-    idx = torch.tensor([[[5, 0, 31], [7, 7, 2]]])
+def make_rerank_prefetcher(C=5, k=2, sinks=1, **kw):
+    """2 layers, 1 x 2 kv heads, 4 query heads, 32 rows of D 4: k of C candidates, after `sinks` ring slots."""
+    p = Prefetcher(2, 1, 2, 32, 4, k, torch.float32, CPU, key_rows=C, select_rows=(4, 1), **kw)
+    p.host_k.copy_(torch.randn_like(p.host_k))
+    p.host_v.copy_(torch.randn_like(p.host_v))
+    for layer in range(2):
+        ring = [torch.zeros(1, 2, sinks + k, 4) for _ in range(2)]
+        p.register_ring(layer, *ring, off=sinks, rerank_bufs=(torch.full((1, 2, sinks + k), -1),
+                                                               torch.zeros(1, 2, sinks + k, dtype=torch.bool),
+                                                               torch.zeros(1, 2, C, 4)))
+    return p
+
+
+def test_rerank_transfer_keeps_the_best_candidates():
+    """Re-ranking's transfer: it reads the candidates' fp keys (the step's own token from new_k,
+    its host row not yet written), keeps the k with the best exact scores (summed over the kv
+    head's query heads), writes their keys, positions and validity, moves only their values, and
+    writes the token to the host. Slots before the offset (sinks) are left alone."""
+    torch.manual_seed(0)
+    p = make_rerank_prefetcher()
+    bufs = p.rings[1]
+    ring_k, ring_v, fetch_idx, fetch_valid, cand_k = bufs
+    cand = torch.tensor([[[5, 0, 31, 9, 7], [7, 3, 2, 11, 12]]])
+    valid = torch.tensor([[[True, True, True, True, True], [True, True, True, False, False]]])
+    q, lse = torch.randn(1, 4, 1, 4), torch.randn(1, 4, 1).abs() + 3
     new_k, new_v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
-    keys = p.gather_keys(1, idx, torch.empty(1, 2, 3, 4), new_k, torch.tensor(7))
-    assert torch.equal(keys[0, 0], p.host_k[1, 0, 0, idx[0, 0]])
-    assert torch.equal(keys[0, 1, :2], new_k[0, 1].expand(2, 4)) and torch.equal(keys[0, 1, 2], p.host_k[1, 0, 1, 2])
-    p.start(1, ring_k, ring_v, idx, new_k, new_v, torch.tensor(7), keys=keys)
-    assert torch.equal(ring_k, keys) and torch.equal(ring_v[0, 1, 0], new_v[0, 1, 0])
-    assert torch.equal(ring_v[0, 0], p.host_v[1, 0, 0, idx[0, 0]])
-    assert torch.equal(p.host_k[1, :, :, 7], new_k[:, :, 0])  # the token itself still goes to the host
+    p.start_rerank(1, bufs, cand, valid, q, lse, 0.5, new_k, new_v, torch.tensor(7))
+    keys = p.host_k[1, 0].clone()  # [Hkv, S, D], the token's row now written
+    assert torch.equal(keys[:, 7], new_k[0, :, 0]) and torch.equal(p.host_v[1, 0, :, 7], new_v[0, :, 0])
+    for h in range(2):
+        prob = torch.exp(0.5 * q[0, 2 * h:2 * h + 2, 0] @ keys[h, cand[0, h]].T - lse[0, 2 * h:2 * h + 2]).sum(0)
+        prob = torch.where(valid[0, h], prob, -1.0)
+        want = cand[0, h, prob.topk(2).indices]
+        assert set(fetch_idx[0, h, 1:].tolist()) == set(want.tolist()) and fetch_valid[0, h, 1:].all()
+        assert torch.equal(ring_k[0, h, 1:], keys[h, fetch_idx[0, h, 1:]])
+        assert torch.equal(ring_v[0, h, 1:], p.host_v[1, 0, h, fetch_idx[0, h, 1:]])
+    assert fetch_idx[0, :, 0].eq(-1).all() and not fetch_valid[0, :, 0].any() and ring_k[0, :, 0].eq(0).all()
     assert make_prefetcher(key_rows=6).bytes_per_step() == 2 * (1 * 2 * 1 * 4 * 4) * (6 + 3)  # 2 layers
+
+
+def test_rerank_on_the_side_stream_lands_late_and_reads_staged_inputs():
+    """On the async path the whole re-ranking runs on the side stream: nothing it writes changes
+    before it lands, and the caller may overwrite its inputs at once (they were staged)."""
+    torch.manual_seed(0)
+    ref, p = make_rerank_prefetcher(), make_rerank_prefetcher()
+    p.host_k.copy_(ref.host_k)
+    p.host_v.copy_(ref.host_v)
+    log = fake_async(p, delay=0.05)
+    cand = torch.tensor([[[5, 0, 31, 9, 7], [7, 3, 2, 11, 12]]])
+    args = [cand, torch.ones(1, 2, 5, dtype=torch.bool), torch.randn(1, 4, 1, 4), torch.randn(1, 4, 1).abs() + 3]
+    ref.start_rerank(0, ref.rings[0], *args, 0.5)
+    mine = [a.clone() for a in args]
+    p.start_rerank(0, p.rings[0], *mine, 0.5)
+    before = [t.clone() for t in p.rings[0]]
+    for a in mine:
+        a.zero_()
+    p.wait(0, p.rings[0])
+    assert log == ["copied 0", "waited 0"]
+    assert all(torch.equal(a, b) for a, b in zip(before, make_rerank_prefetcher().rings[0]))  # nothing landed early
+    assert all(torch.equal(a, b) for a, b in zip(p.rings[0], ref.rings[0]))
+    with pytest.raises(RuntimeError, match="copy of its ring"):
+        p.start_rerank(0, [t.clone() for t in p.rings[0]], *args, 0.5)
 
 
 @needs_interpreter
@@ -217,7 +266,7 @@ def test_wait_blocks_until_the_delayed_copy_landed():
     p.start(0, ring_k, ring_v, idx)
     idx.fill_(0)  # the caller's tensor may change right away: the transfer reads the staged copy
     assert not torch.equal(ring_k[0, 0, 0], p.host_k[0, 0, 0, 1])  # still in flight
-    p.wait(0, ring_k, ring_v)
+    p.wait(0, [ring_k, ring_v])
     assert log == ["copied 0", "waited 0"]
     assert torch.equal(ring_k[0, 1, 2], p.host_k[0, 0, 1, 6])
 

@@ -163,16 +163,17 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
     q, lse = torch.randn(1, 4, D, generator=g), torch.randn(1, 4, generator=g).abs() + 2
     fetched = c.fetched()
     _, cand = kernels.topk_lowbit(q, lse, c.stored(), 24, c.sm_scale, Fetched(*(t.clone() for t in fetched)))
-    idx, valid, rows = c.select(q, lse, Fetched(*(t.clone() for t in fetched)))
+    idx, valid, rerank_by = c.select(q, lse, Fetched(*(t.clone() for t in fetched)))
+    assert torch.equal(idx, cand) and valid.all()  # the candidates, ranked by their low-bit scores
+    c.start_fetch(idx, valid, rerank_by)
     keys = prefetcher.host_k[1, 0]  # [Hkv, S, D]
     p = torch.exp(torch.einsum("hgd,hsd->hgs", (q[0] * c.sm_scale).view(2, 2, D), keys) - lse[0].view(2, 2, 1)).sum(1)
+    got = c.fetch_idx[0, :, c.sinks:]
     for h in range(2):
         want = set(sorted(cand[0, h].tolist(), key=lambda i: -float(p[h, i]))[:8])
-        assert set(idx[0, h].tolist()) == want and valid.all()
-    assert torch.equal(rows[0], torch.stack([keys[h, idx[0, h]] for h in range(2)]))
-    c.start_fetch(idx, valid, rows)
-    assert torch.equal(c.ring_k[0], rows[0])
-    assert torch.equal(c.ring_v[0], torch.stack([prefetcher.host_v[1, 0, h, idx[0, h]] for h in range(2)]))
+        assert set(got[h].tolist()) == want and c.fetch_valid[0, h, c.sinks:].all()
+    assert torch.equal(c.ring_k[0, :, c.sinks:], torch.stack([keys[h, got[h]] for h in range(2)]))
+    assert torch.equal(c.ring_v[0, :, c.sinks:], torch.stack([prefetcher.host_v[1, 0, h, got[h]] for h in range(2)]))
     assert prefetcher.bytes_per_step() == model.args.n_layers * 2 * 4 * D * (24 + 8)
 
 
