@@ -628,15 +628,11 @@ class SpeCache(LowBitCache):
         idx = torch.arange(n, device=dev).clamp(max=self.sinks).expand(B, H, n).contiguous()  # sinks: 0..sinks-1
         self.register_buffer("fetch_idx", idx, persistent=False)
         self.register_buffer("fetch_valid", torch.zeros(B, H, n, dtype=torch.bool, device=dev), persistent=False)
-        # re-ranking: the candidates' fp keys, read from the host each step (see select)
-        self.n_cand = prefetcher.key_rows
-        if self.rerank > 1:
-            self.register_buffer("cand_k", torch.zeros(B, H, self.n_cand, head_dim, dtype=dtype, device=dev),
-                                 persistent=False)
+        self.n_cand = prefetcher.key_rows  # re-ranking: low-bit candidates whose fp keys pick the k
         prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v, off=self.sinks, rerank_bufs=self._rerank_bufs())
 
     def _rerank_bufs(self):
-        return (self.fetch_idx, self.fetch_valid, self.cand_k) if self.rerank > 1 else ()
+        return (self.fetch_idx, self.fetch_valid) if self.rerank > 1 else ()
 
     def fetch_bufs(self) -> list:
         """The buffers this layer's transfer writes (the side stream's, on the async path)."""
@@ -742,13 +738,13 @@ class SpeCache(LowBitCache):
 
     def read_bytes(self, step_tokens: int = 1) -> int:
         """LowBitCache's, plus the fp rows (sinks and fetched), plus the top-k pass of the selecting
-        token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them),
-        plus re-ranking's candidate keys."""
+        token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them).
+        Re-ranking's candidate keys cross the bus into registers (prefetch.rerank_rows): bus bytes,
+        not device reads."""
         s = self.stored()
         keys_again = kernels.lowbit_read_bytes(s._replace(v_codes=None, v_scale=None, v_zero=None, v_codes_lo=None,
                                                           v_chan=None), int(self.n_quant))
-        cand = self.cand_k.nbytes if self.rerank > 1 else 0  # re-ranking reads the candidates' fp keys once
-        return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again + cand
+        return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again
 
 
 class QuantSpecCache(LowBitCache):

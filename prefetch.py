@@ -14,9 +14,9 @@ kernel for K and V together:
 `idx=None` only writes the token; `new_k=None` only gathers.
 
 Re-ranking (`rerank` > 1, name part rrN), `start_rerank`: the selecting token's low-bit top-(N*k)
-are candidates; the same side-stream work reads their fp keys, keeps the k whose exact scores are
-best (kernels.rerank_exact), writes those keys into the ring and the layer's fetch_idx/fetch_valid,
-and moves only their values. Bus bytes per layer and kv head: N*k keys + k values instead of
+are candidates; one kernel per layer on the side stream (`rerank_rows`) reads their fp keys, keeps
+the k whose exact scores are best (the score of kernels.rerank_exact), writes those keys into the
+ring and their positions into the layer's fetch_idx/fetch_valid, and reads only their values. Bus bytes per layer and kv head: N*k keys + k values instead of
 k keys + k values (N = 2: 1.5x), all on the side stream; the main stream only stages the selecting
 query rows, their lse and the candidates.
 
@@ -26,8 +26,8 @@ On CUDA the transfer runs on a side stream and overlaps the rest of the step:
                virtual addressing, so the indices never leave the device and nothing syncs),
                record fetched[l].
 The side stream reads only memory this module owns (staging, host store) and writes only the
-layer's buffers registered with `register_ring` (the ring; with re-ranking also fetch_idx,
-fetch_valid and the candidate keys), so graph-internal temporaries that a compiled step frees and
+layer's buffers registered with `register_ring` (the ring; with re-ranking also fetch_idx and
+fetch_valid), so graph-internal temporaries that a compiled step frees and
 reuses while the side stream still runs never cross streams (the side stream's own temporaries
 come from its own allocator pool). The custom ops check that they were handed the layer's own ring buffers, not
 copies made by functionalization (which would make the side stream write a temporary).
@@ -81,11 +81,9 @@ def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos
 
 @triton.jit
 def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF,
-                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, WITH_K: tl.constexpr, WITH_V: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K (WITH_K) and V (WITH_V) into
-    ring slot OFF + j (of RING); program K writes the new token's row to the host (gather_keys
-    launches K programs only). Host pointers are UVA on CUDA."""
+                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K and V into ring slot OFF + j
+    (of RING); program K writes the new token's row to the host. Host pointers are UVA on CUDA."""
     bh = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -103,16 +101,13 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
             from_host = offs < tl.where(valid & (i != new_pos), D, 0)
             take = offs < tl.where(from_new, D, 0)
             dst = (bh * RING + OFF + j) * D + offs
-            if WITH_K:
-                kx = tl.load(host_k + src, mask=from_host, other=0.0).to(ring_k.dtype.element_ty)
-                if HAS_NEW:
-                    kx = tl.where(take, tl.load(new_k + bh * D + offs, mask=take, other=0.0).to(ring_k.dtype.element_ty), kx)
-                tl.store(ring_k + dst, kx, mask=ok)
-            if WITH_V:
-                vx = tl.load(host_v + src, mask=from_host, other=0.0).to(ring_v.dtype.element_ty)
-                if HAS_NEW:
-                    vx = tl.where(take, tl.load(new_v + bh * D + offs, mask=take, other=0.0).to(ring_v.dtype.element_ty), vx)
-                tl.store(ring_v + dst, vx, mask=ok)
+            kx = tl.load(host_k + src, mask=from_host, other=0.0).to(ring_k.dtype.element_ty)
+            vx = tl.load(host_v + src, mask=from_host, other=0.0).to(ring_v.dtype.element_ty)
+            if HAS_NEW:
+                kx = tl.where(take, tl.load(new_k + bh * D + offs, mask=take, other=0.0).to(ring_k.dtype.element_ty), kx)
+                vx = tl.where(take, tl.load(new_v + bh * D + offs, mask=take, other=0.0).to(ring_v.dtype.element_ty), vx)
+            tl.store(ring_k + dst, kx, mask=ok)
+            tl.store(ring_v + dst, vx, mask=ok)
     else:
         if HAS_NEW:
             ok = offs < tl.where((new_pos >= 0) & (new_pos < S), D, 0)
@@ -123,7 +118,7 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
             tl.store(host_v + dst, vn.to(host_v.dtype.element_ty), mask=ok)
 
 
-def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0, values_only=False):
+def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
     B, Hkv, S, D = host_k.shape
     K = idx.shape[2] if idx is not None else 0
     for t in (host_k, host_v, ring_k, ring_v):
@@ -133,88 +128,201 @@ def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_
         host_k, host_v, ring_k, ring_v, idx.contiguous() if idx is not None else any_t,
         new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
         new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off,
-        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, WITH_K=not values_only, WITH_V=True,
-        BLOCK_D=triton.next_power_of_2(D))
+        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_D=triton.next_power_of_2(D))
 
 
-def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0,
-                  values_only=False):
+def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0):
     """The transfer on the current stream: the Triton kernel when the ring is on CUDA, else the reference."""
     if ring_k.is_cuda:
-        transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off, values_only)
+        transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
     else:
-        transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off, values_only)
+        transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
 
 
-def gather_keys_ref(host_k, idx, new_k=None, new_pos=None):
-    """host_k [B,Hkv,S,D] (one layer), idx [B,Hkv,C] -> keys [B,Hkv,C,D]; a row equal to new_pos is
-    new_k's [B,Hkv,1,D] (the step's real token: its host row is written later in the step)."""
-    B, Hkv, C = idx.shape
-    rows = host_k.gather(2, idx.to(host_k.device)[..., None].expand(B, Hkv, C, host_k.shape[-1]))
+# =============================================================================================
+# re-ranking's transfer: torch reference and Triton kernel (one launch per layer, side stream)
+# =============================================================================================
+def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
+                    sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
+    """Of the candidate host rows cand [B,Hkv,C] (cand_valid: real ones), keep the K = ring slots - ring_off
+    whose fp keys score best for the query rows q_rows [B,H,R,D] (lse_rows [B,H,R]; the score of
+    kernels.rerank_exact); write their keys and values to ring slots [ring_off, ...) in descending
+    score, their positions and validity (score >= 0) to fetch_idx/fetch_valid, and the real token
+    (new_*) to host row new_pos, whose candidate copy is taken from new_k/new_v."""
+    C = cand.shape[2]
+    keys = host_k.gather(2, cand[..., None].expand(*cand.shape, host_k.shape[-1]))
     if new_k is not None:
-        rows = torch.where((idx == new_pos)[..., None].to(rows.device), new_k.to(rows.device, rows.dtype), rows)
-    return rows
-
-
-def gather_keys_triton(host_k, out, idx, new_k=None, new_pos=None):
-    """gather_keys_ref into `out` [B,Hkv,C,D] with the transfer kernel: K only, C programs per kv
-    head (none writes the host)."""
-    B, Hkv, S, D = host_k.shape
-    C = idx.shape[2]
-    assert host_k.is_contiguous() and out.is_contiguous()
-    _transfer_rows_kernel[(B * Hkv, C)](
-        host_k, host_k, out, out, idx.contiguous(), new_k.contiguous() if new_k is not None else out, out,
-        new_pos if new_pos is not None else out, S, C, D, C, 0,
-        HAS_IDX=True, HAS_NEW=new_k is not None, WITH_K=True, WITH_V=False, BLOCK_D=triton.next_power_of_2(D))
+        keys = torch.where((cand == new_pos)[..., None], new_k.to(keys.dtype), keys)
+    score, pick = kernels.rerank_exact(q_rows, lse_rows, keys, cand_valid, min(ring_k.shape[2] - ring_off, C), sm_scale)
+    idx = cand.gather(-1, pick)
+    fetch_idx[:, :, ring_off:] = idx
+    fetch_valid[:, :, ring_off:] = score >= 0
+    ring_k[:, :, ring_off:] = keys.gather(2, pick[..., None].expand(-1, -1, -1, keys.shape[-1])).to(ring_k.dtype)
+    transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off, values_only=True)
 
 
 @triton.jit
-def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, HAS_IDX: tl.constexpr,
-                  HAS_NEW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv,): copy one layer's transfer inputs into the prefetcher's staging buffers, one
-    launch on the main stream instead of four copies."""
+def _rerank_rows_kernel(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q, lse, new_k, new_v,
+                        new_pos_ptr, sm_scale, S, C, K, D, M, R: tl.constexpr, RING, OFF, HAS_NEW: tl.constexpr,
+                        DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv,): rerank_rows_ref for one kv head. The C candidate keys are read once (UVA on
+    CUDA) and stay in registers; the M = G*R query rows (row m = g*R + r) score them in one dot; a
+    candidate's slot is its rank (the number of candidates that beat it, ties to the lower index),
+    so the top-K needs no sort; only the K winners' values are read."""
     bh = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_m = tl.arange(0, BLOCK_M)
+    c_ok, d_ok, m_ok = offs_c < C, offs_d < D, offs_m < M
+    idx = tl.load(cand + bh * C + offs_c, mask=c_ok, other=0).to(tl.int64)
+    ok = c_ok & (tl.load(cand_valid + bh * C + offs_c, mask=c_ok, other=0) != 0)
+    in_range = c_ok & (idx >= 0) & (idx < S)
+    new_pos = -1
+    if HAS_NEW:
+        new_pos = tl.load(new_pos_ptr).to(tl.int64)
+    from_new = in_range & (idx == new_pos)
+    rows = (bh * S + idx)[:, None] * D + offs_d[None, :]
+    cd = in_range[:, None] & d_ok[None, :]
+    keys = tl.load(host_k + rows, mask=cd & ~from_new[:, None], other=0.0)
+    if HAS_NEW:
+        nk = tl.load(new_k + bh * D + offs_d, mask=d_ok, other=0.0).to(keys.dtype)
+        keys = tl.where(from_new[:, None], nk[None, :], keys)
+    # score[c] = max over r of sum over g of exp(sm_scale * q_{g,r} . k_c - lse_{g,r})
+    qm = tl.load(q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    logits = tl.dot(qm.to(keys.dtype), tl.trans(keys), input_precision=DOT) * sm_scale  # [BLOCK_M, BLOCK_C] fp32
+    lse_m = tl.load(lse + bh * M + offs_m, mask=m_ok, other=float("inf"))
+    p = tl.exp(logits - lse_m[:, None])
+    score = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for r in tl.static_range(R):
+        score = tl.maximum(score, tl.sum(tl.where(((offs_m % R) == r)[:, None], p, 0.0), 0))
+    score = tl.where(ok, score, -1.0)
+    # rank[c] = #{c' : score[c'] > score[c], or equal with c' < c}
+    s_row = tl.reshape(score, [1, BLOCK_C])
+    s_col = tl.reshape(score, [BLOCK_C, 1])
+    beats = (s_row > s_col) | ((s_row == s_col) & (offs_c[None, :] < offs_c[:, None]))
+    rank = tl.sum((beats & c_ok[None, :]).to(tl.int32), 1)
+    keep = c_ok & (rank < K)
+    slot = bh * RING + OFF + rank
+    tl.store(fetch_idx + slot, idx, mask=keep)
+    tl.store(fetch_valid + slot, (score >= 0).to(tl.int8), mask=keep)
+    dst = slot[:, None] * D + offs_d[None, :]
+    kd = keep[:, None] & d_ok[None, :]
+    tl.store(ring_k + dst, keys.to(ring_k.dtype.element_ty), mask=kd)
+    vals = tl.load(host_v + rows, mask=kd & in_range[:, None] & ~from_new[:, None], other=0.0)
+    if HAS_NEW:
+        nv = tl.load(new_v + bh * D + offs_d, mask=d_ok, other=0.0).to(vals.dtype)
+        vals = tl.where(from_new[:, None], nv[None, :], vals)
+    tl.store(ring_v + dst, vals.to(ring_v.dtype.element_ty), mask=kd)
+    if HAS_NEW:  # the token's own row to the host (read above from new_k/new_v, never from the host)
+        ok_new = offs_d < tl.where((new_pos >= 0) & (new_pos < S), D, 0)  # (scalar limit: see the transfer kernel)
+        tl.store(host_k + (bh * S + new_pos) * D + offs_d, nk.to(host_k.dtype.element_ty), mask=ok_new)
+        tl.store(host_v + (bh * S + new_pos) * D + offs_d, nv.to(host_v.dtype.element_ty), mask=ok_new)
+
+
+def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
+                       sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
+    B, Hkv, S, D = host_k.shape
+    C, (H, R) = cand.shape[2], q_rows.shape[1:3]
+    for t in (host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid):
+        assert t.is_contiguous()
+    any_t = ring_k
+    M = H // Hkv * R
+    _rerank_rows_kernel[(B * Hkv,)](
+        host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid.view(torch.int8), cand.contiguous(),
+        cand_valid.contiguous().view(torch.int8), q_rows.contiguous(), lse_rows.float().contiguous(),
+        new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
+        new_pos if new_pos is not None else any_t, float(sm_scale), S, C, min(ring_k.shape[2] - ring_off, C), D, M, R,
+        ring_k.shape[2], ring_off, HAS_NEW=new_k is not None, DOT=kernels._dot_precision(host_k.dtype),
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_C=max(16, triton.next_power_of_2(C)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)))
+
+
+def rerank_rows(*args, **kw):
+    """The re-ranking transfer on the current stream: the Triton kernel when the ring is on CUDA, else the reference."""
+    (rerank_rows_triton if args[2].is_cuda else rerank_rows_ref)(*args, **kw)
+
+
+@triton.jit
+def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n_sb, n_sh, n_sd,
+                  cand, cand_valid, q, lse, s_cand, s_cand_valid, s_q, s_lse, C, M, q_sb, q_sh, q_sr, q_sd,
+                  l_sb, l_sh, l_sr, HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, HAS_RERANK: tl.constexpr,
+                  R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """Grid (B*Hkv,): copy one layer's transfer inputs into the prefetcher's staging buffers, one
+    launch on the main stream instead of up to eight copies. new_k/new_v [B,Hkv,1,D] and the query
+    rows q [B,Hq,R,D] / lse [B,Hq,R] are read through their strides (slices of the step's tensors:
+    no .contiguous() copies); kv head bh's query rows are heads bh*G .. bh*G+G-1, row m = g*R + r."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
     if HAS_IDX:
         offs_k = tl.arange(0, BLOCK_K)
         tl.store(s_idx + bh * K + offs_k, tl.load(idx + bh * K + offs_k, mask=offs_k < K), mask=offs_k < K)
     if HAS_NEW:
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        tl.store(s_k + bh * D + offs_d, tl.load(new_k + bh * D + offs_d, mask=d_ok), mask=d_ok)
-        tl.store(s_v + bh * D + offs_d, tl.load(new_v + bh * D + offs_d, mask=d_ok), mask=d_ok)
+        src = b * n_sb + h * n_sh + offs_d * n_sd
+        tl.store(s_k + bh * D + offs_d, tl.load(new_k + src, mask=d_ok), mask=d_ok)
+        tl.store(s_v + bh * D + offs_d, tl.load(new_v + src, mask=d_ok), mask=d_ok)
         if bh == 0:
             tl.store(s_pos, tl.load(new_pos))
+    if HAS_RERANK:
+        offs_c = tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        tl.store(s_cand + bh * C + offs_c, tl.load(cand + bh * C + offs_c, mask=c_ok), mask=c_ok)
+        tl.store(s_cand_valid + bh * C + offs_c, tl.load(cand_valid + bh * C + offs_c, mask=c_ok), mask=c_ok)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        head, r = h * (M // R) + offs_m // R, offs_m % R
+        q_src = (b * q_sb + head * q_sh + r * q_sr)[:, None] + offs_d[None, :] * q_sd
+        md = m_ok[:, None] & d_ok[None, :]
+        tl.store(s_q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], tl.load(q + q_src, mask=md), mask=md)
+        tl.store(s_lse + bh * M + offs_m, tl.load(lse + b * l_sb + head * l_sh + r * l_sr, mask=m_ok), mask=m_ok)
 
 
-def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos):
+def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None):
     B, H, K = s_idx.shape
     D = s_k.shape[-1]
     any_t = s_idx
+    if rerank is not None:
+        cand, cand_valid, q, lse = rerank
+        s_cand, s_cand_valid, s_q, s_lse = s_rerank
+        C, (R, M) = cand.shape[2], (q.shape[2], q.shape[1] // H * q.shape[2])
+        assert cand.is_contiguous() and cand_valid.is_contiguous() and q.dtype == s_q.dtype and lse.dtype == s_lse.dtype
+        rr = (cand, cand_valid.view(torch.int8), q, lse, s_cand, s_cand_valid.view(torch.int8), s_q, s_lse, C, M,
+              *q.stride(), *lse.stride())
+    else:
+        R, C, M = 1, 1, 1
+        rr = (any_t,) * 8 + (1, 1) + (0,) * 7
+    n_strides = (new_k.stride(0), new_k.stride(1), new_k.stride(3)) if new_k is not None else (0, 0, 0)
+    assert new_k is None or new_v.stride() == new_k.stride()
     _stage_kernel[(B * H,)](idx.contiguous() if idx is not None else any_t,
-                            new_k.contiguous() if new_k is not None else any_t,
-                            new_v.contiguous() if new_v is not None else any_t,
-                            new_pos if new_pos is not None else any_t, s_idx, s_k, s_v, s_pos, K, D,
-                            HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
-                            BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D))
+                            new_k if new_k is not None else any_t, new_v if new_v is not None else any_t,
+                            new_pos if new_pos is not None else any_t, s_idx, s_k, s_v, s_pos, K, D, H, *n_strides,
+                            *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None, HAS_RERANK=rerank is not None,
+                            R=R, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
+                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M))
 
 
-def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos):
-    """s_* = the transfer's inputs (staging buffers of one layer), on the current stream."""
+def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None):
+    """s_* = the transfer's inputs (staging buffers of one layer), on the current stream; with
+    re-ranking also rerank = (candidates, their validity, query rows, lse) into s_rerank."""
     if s_idx.is_cuda:
-        return stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos)
+        return stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank, s_rerank)
     if idx is not None:
         s_idx.copy_(idx)
     if new_k is not None:
         s_k.copy_(new_k)
         s_v.copy_(new_v)
         s_pos.copy_(new_pos.reshape(()))
+    for dst, src in zip(s_rerank or (), rerank or ()):
+        dst.copy_(src)
 
 
 # =============================================================================================
 # custom ops: what a compiled step calls on the async path (opaque to torch.compile)
 # =============================================================================================
 # They "mutate" the buffers the side stream writes (the rings; with re-ranking also fetch_idx,
-# fetch_valid, cand_k), which orders them against the attention that reads those buffers inside one
+# fetch_valid), which orders them against the attention that reads those buffers inside one
 # fullgraph step; join mutates every layer's, so no fetch can be scheduled after it.
 @torch.library.custom_op("specache::fetch_start", mutates_args=("ring_k", "ring_v"))
 def _fetch_start_op(ring_k: Tensor, ring_v: Tensor, idx: Optional[Tensor], new_k: Optional[Tensor],
@@ -310,7 +418,7 @@ class Prefetcher:
     def register_ring(self, layer, ring_k, ring_v, off=0, rerank_bufs=()):
         """The layer's ring: slots [off, off + k) receive the fetched rows (before off: rows the
         cache keeps on the device itself, attention sinks). With re-ranking, rerank_bufs =
-        (fetch_idx, fetch_valid, cand_k): the side stream writes them too."""
+        (fetch_idx, fetch_valid): the side stream writes them too."""
         self.rings[layer] = [ring_k, ring_v, *rerank_bufs]
         self.ring_off = off
 
@@ -335,12 +443,6 @@ class Prefetcher:
         return (self.host_k[layer, :, :, :p0].to(self.device, non_blocking=True),
                 self.host_v[layer, :, :, :p0].to(self.device, non_blocking=True))
 
-    def _gather_keys_now(self, layer, out, idx, new_k, new_pos):
-        if self.on_cuda:
-            gather_keys_triton(self.host_k[layer], out, idx, new_k, new_pos)
-        else:
-            out.copy_(gather_keys_ref(self.host_k[layer], idx, new_k, new_pos))
-
     def host_keys(self, layer):
         """All host keys of a layer on the device (oracle fetch and the fetch probe only)."""
         return self.host_k[layer].to(self.device, non_blocking=True)
@@ -362,7 +464,7 @@ class Prefetcher:
         """`start` for re-ranking: of the candidate rows cand [B,Hkv,N*k] (cand_valid: real ones),
         fetch the k whose fp keys score best for the selecting query rows q_rows [B,H,R,D] (lse_rows
         [B,H,R]: their softmax normalizers), and record them in the layer's fetch_idx/fetch_valid.
-        bufs: the layer's registered [ring_k, ring_v, fetch_idx, fetch_valid, cand_k]."""
+        bufs: the layer's registered [ring_k, ring_v, fetch_idx, fetch_valid]."""
         if self.async_ops:
             torch.ops.specache.rerank_start(bufs, cand, cand_valid, q_rows, lse_rows, new_k, new_v, new_pos,
                                             float(sm_scale), self.pid, layer)
@@ -391,33 +493,31 @@ class Prefetcher:
 
     def _rerank(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos):
         """Re-ranking and its transfer, on the current stream (the side stream on the async path)."""
-        ring_k, ring_v, fetch_idx, fetch_valid, cand_k = bufs
-        self._gather_keys_now(layer, cand_k, cand, new_k, new_pos)  # the candidates' fp keys: N*k rows
-        score, pick = kernels.rerank_exact(q_rows, lse_rows, cand_k, cand_valid, self.k, sm_scale)
-        idx = cand.gather(-1, pick)
-        fetch_idx[:, :, self.ring_off:] = idx
-        fetch_valid[:, :, self.ring_off:] = score >= 0
-        ring_k[:, :, self.ring_off:] = cand_k.gather(2, pick[..., None].expand(-1, -1, -1, cand_k.shape[-1]))
-        self._transfer(layer, ring_k, ring_v, idx, new_k, new_v, new_pos, values_only=True)
+        if not self.on_cuda and new_k is not None:  # (the Triton kernel writes the token itself)
+            self._append_host(layer, new_k, new_v, new_pos)
+            new_k = new_v = new_pos = None
+        rerank_rows(self.host_k[layer], self.host_v[layer], *bufs, cand, cand_valid, q_rows, lse_rows, sm_scale,
+                    new_k, new_v, new_pos, self.ring_off)
 
-    def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos, values_only=False):
-        """The transfer itself, on the current stream."""
+    def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
+        """The transfer itself, on the current stream (re-ranking's, `_rerank`, reads over UVA with
+        either impl)."""
         if not self.on_cuda:
             if new_k is not None:
                 self._append_host(layer, new_k, new_v, new_pos)
             if idx is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, None, None, None,
-                                  self.ring_off, values_only)
+                                  self.ring_off)
         elif self.impl == "uva":
             transfer_rows(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, new_k, new_v, new_pos,
-                          self.ring_off, values_only)
+                          self.ring_off)
         else:  # staged: indices to the host (one sync: eager only), gather, one non_blocking copy
             if new_k is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, None, new_k, new_v, new_pos)
             if idx is not None:
                 idx_host = idx.to("cpu")
                 pairs = ((self.host_k, self.staging_k, ring_k), (self.host_v, self.staging_v, ring_v))
-                for host, staging, ring in pairs[1:] if values_only else pairs:
+                for host, staging, ring in pairs:
                     torch.gather(host[layer], 2, idx_host[..., None].expand_as(staging), out=staging)
                     ring[:, :, self.ring_off:].copy_(staging, non_blocking=True)
 
@@ -440,27 +540,26 @@ class Prefetcher:
             work()
             self.fetched[layer].record(self.side)
 
-    def _staged(self, layer, idx, new_k, new_v, new_pos):
+    def _staged(self, layer, idx, new_k, new_v, new_pos, rerank=None):
         # Stage the inputs on the main stream: they may be temporaries the graph reuses right after.
-        if idx is not None or new_k is not None:
+        s_rerank = (self.stage_cand[layer], self.stage_cand_valid[layer], self.stage_q[layer],
+                    self.stage_lse[layer]) if rerank is not None else None
+        if idx is not None or new_k is not None or rerank is not None:
             stage(idx, new_k, new_v, new_pos, self.stage_idx[layer], self.stage_k[layer], self.stage_v[layer],
-                  self.stage_pos[layer])
+                  self.stage_pos[layer], rerank, s_rerank)
         s_idx = self.stage_idx[layer] if idx is not None else None
         s_new = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None \
             else (None, None, None)
-        return s_idx, s_new
+        return s_idx, s_new, s_rerank
 
     def _start_async(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
         self._check_ring(layer, [ring_k, ring_v])
-        s_idx, s_new = self._staged(layer, idx, new_k, new_v, new_pos)
+        s_idx, s_new, _ = self._staged(layer, idx, new_k, new_v, new_pos)
         self._run_side(layer, lambda: self._transfer(layer, ring_k, ring_v, s_idx, *s_new))
 
     def _start_rerank_async(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos):
         self._check_ring(layer, bufs)
-        _, s_new = self._staged(layer, None, new_k, new_v, new_pos)
-        staged = (self.stage_cand[layer], self.stage_cand_valid[layer], self.stage_q[layer], self.stage_lse[layer])
-        for dst, src in zip(staged, (cand, cand_valid, q_rows, lse_rows)):
-            dst.copy_(src)
+        _, s_new, staged = self._staged(layer, None, new_k, new_v, new_pos, (cand, cand_valid, q_rows, lse_rows))
         self._run_side(layer, lambda: self._rerank(layer, bufs, *staged, sm_scale, *s_new))
 
     def _wait_async(self, layer):

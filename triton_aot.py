@@ -224,13 +224,23 @@ def cases(quick=False):
             prefetch.transfer_rows_triton(*host, *ring, idx, new, new, pos)
             prefetch.transfer_rows_triton(*host, *ring, idx, None, None, None)
             prefetch.transfer_rows_triton(*host, *ring, None, new, new, pos)
-            prefetch.transfer_rows_triton(*host, *ring, idx, new, new, pos, values_only=True)  # re-ranking
-            prefetch.gather_keys_triton(host[0], torch.zeros(1, 2, 128, D, dtype=dtype), idx.repeat(1, 1, 2), new, pos)
+            for G, R, new_or_none in ((4, 1, new), (3, 2, None)):  # re-ranking: 128 candidates, k 64 after 4 sinks
+                fetch = [torch.zeros(1, 2, 68, D, dtype=dtype), torch.zeros(1, 2, 68, D, dtype=dtype),
+                         torch.zeros(1, 2, 68, dtype=torch.long), torch.zeros(1, 2, 68, dtype=torch.bool)]
+                prefetch.rerank_rows_triton(*host, *fetch, idx.repeat(1, 1, 2), torch.ones(1, 2, 128, dtype=torch.bool),
+                                            torch.zeros(1, 2 * G, R, D, dtype=dtype), torch.zeros(1, 2 * G, R),
+                                            0.125, new_or_none, new_or_none, pos if new_or_none is not None else None,
+                                            ring_off=4)
             staging = [torch.zeros(1, 2, 64, dtype=torch.long), torch.zeros(1, 2, 1, D, dtype=dtype),
                        torch.zeros(1, 2, 1, D, dtype=dtype), torch.zeros((), dtype=torch.long)]
             prefetch.stage_triton(idx, new, new, pos, *staging)
             prefetch.stage_triton(idx, None, None, None, *staging)
             prefetch.stage_triton(None, new, new, pos, *staging)
+            for G, R in ((4, 1), (3, 2)):  # re-ranking's inputs: 128 candidates, R query tokens of G heads each
+                rerank = (torch.zeros(1, 2, 128, dtype=torch.long), torch.zeros(1, 2, 128, dtype=torch.bool),
+                          torch.zeros(1, 2 * G, 2, D, dtype=dtype)[:, :, -R:], torch.zeros(1, 2 * G, 2)[:, :, -R:])
+                prefetch.stage_triton(None, new, new, pos, *staging, rerank,
+                                      tuple(torch.zeros(t.shape, dtype=t.dtype) for t in rerank))
         return run
 
     out = []

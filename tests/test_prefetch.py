@@ -168,8 +168,7 @@ def make_rerank_prefetcher(C=5, k=2, sinks=1, **kw):
     for layer in range(2):
         ring = [torch.zeros(1, 2, sinks + k, 4) for _ in range(2)]
         p.register_ring(layer, *ring, off=sinks, rerank_bufs=(torch.full((1, 2, sinks + k), -1),
-                                                               torch.zeros(1, 2, sinks + k, dtype=torch.bool),
-                                                               torch.zeros(1, 2, C, 4)))
+                                                               torch.zeros(1, 2, sinks + k, dtype=torch.bool)))
     return p
 
 
@@ -181,7 +180,7 @@ def test_rerank_transfer_keeps_the_best_candidates():
     torch.manual_seed(0)
     p = make_rerank_prefetcher()
     bufs = p.rings[1]
-    ring_k, ring_v, fetch_idx, fetch_valid, cand_k = bufs
+    ring_k, ring_v, fetch_idx, fetch_valid = bufs
     cand = torch.tensor([[[5, 0, 31, 9, 7], [7, 3, 2, 11, 12]]])
     valid = torch.tensor([[[True, True, True, True, True], [True, True, True, False, False]]])
     q, lse = torch.randn(1, 4, 1, 4), torch.randn(1, 4, 1).abs() + 3
@@ -225,36 +224,61 @@ def test_rerank_on_the_side_stream_lands_late_and_reads_staged_inputs():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("with_new", [True, False])
-def test_triton_key_gather_and_values_only_transfer_match_reference(with_new):
+@pytest.mark.parametrize("with_new,R,off", [(True, 1, 4), (False, 2, 0)])
+def test_triton_rerank_matches_reference(with_new, R, off):
+    """The fused re-ranking kernel (one program per kv head: candidate keys, scores, rank-as-slot
+    top-k, values) against the torch reference: same rows in the same slots, the same positions
+    and validity, the token written to the host; one kv head with 6 valid candidates for 8 slots,
+    one candidate the token."""
     g = torch.Generator().manual_seed(0)
-    host = [torch.randn(2, 3, 64, 40, generator=g) for _ in range(2)]
-    idx = torch.randint(0, 64, (2, 3, 16), generator=g)
-    idx[1, 2, 5] = 17
-    new = [torch.randn(2, 3, 1, 40, generator=g) for _ in range(2)] if with_new else [None, None]
+    B, Hkv, G, S, D, C, K = 2, 3, 3, 64, 40, 16, 8
+    host = [torch.randn(B, Hkv, S, D, generator=g) for _ in range(2)]
+    cand = torch.stack([torch.randperm(S, generator=g)[:C] for _ in range(B * Hkv)]).view(B, Hkv, C)
+    cand[1, 2, 5] = 17
+    valid = torch.ones(B, Hkv, C, dtype=torch.bool)
+    valid[0, 1, 6:] = False
+    cand[0, 1, 6:] = 0  # as topk_lowbit leaves them
+    q, lse = torch.randn(B, Hkv * G, R, D, generator=g), torch.rand(B, Hkv * G, R, generator=g) + 3
+    new = [torch.randn(B, Hkv, 1, D, generator=g) for _ in range(2)] if with_new else [None, None]
     pos = torch.tensor(17) if with_new else None
-    out = torch.zeros(2, 3, 16, 40)
-    prefetch.gather_keys_triton(host[0], out, idx, new[0], pos)
-    assert torch.equal(out, prefetch.gather_keys_ref(host[0], idx, new[0], pos))
-    ref = [[h.clone() for h in host], [torch.full((2, 3, 16, 40), 3.0) for _ in range(2)]]
-    tri = [[h.clone() for h in host], [torch.full((2, 3, 16, 40), 3.0) for _ in range(2)]]
-    prefetch.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos, values_only=True)
-    prefetch.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos, values_only=True)
-    assert (tri[1][0] == 3.0).all()
-    for a, b in zip(ref[0] + ref[1], tri[0] + tri[1]):
-        assert torch.equal(a, b)
+    outs = []
+    for fn in (prefetch.rerank_rows_ref, prefetch.rerank_rows_triton):
+        hk, hv = (h.clone() for h in host)
+        bufs = [torch.zeros(B, Hkv, off + K, D), torch.zeros(B, Hkv, off + K, D),
+                torch.full((B, Hkv, off + K), -1), torch.zeros(B, Hkv, off + K, dtype=torch.bool)]
+        fn(hk, hv, *bufs, cand, valid, q, lse, 0.2, *new, pos, ring_off=off)
+        outs.append((hk, hv, *bufs))
+    (rk, rv, ref_k, ref_v, ref_idx, ref_ok), (tk, tv, tri_k, tri_v, tri_idx, tri_ok) = outs
+    assert torch.equal(rk, tk) and torch.equal(rv, tv)
+    assert torch.equal(ref_ok, tri_ok) and int(ref_ok.sum()) == B * Hkv * K - 2
+    assert torch.equal(ref_idx[ref_ok], tri_idx[tri_ok]) and (tri_idx[:, :, :off] == -1).all()
+    assert torch.equal(ref_k[ref_ok], tri_k[tri_ok]) and torch.equal(ref_v[ref_ok], tri_v[tri_ok])
+    if with_new:
+        assert torch.equal(tk[:, :, 17], new[0][:, :, 0])
 
 
 @needs_interpreter
-def test_triton_staging_copies_the_transfer_inputs():
+@pytest.mark.parametrize("R", [0, 1, 2])
+def test_triton_staging_copies_the_transfer_inputs(R):
+    """One launch stages the transfer's inputs; the step's K/V and (re-ranking, R query tokens) the
+    selecting query rows are slices of the step's tensors, read through their strides."""
     g = torch.Generator().manual_seed(0)
-    idx, new_k, new_v = torch.randint(0, 99, (2, 3, 8), generator=g), torch.randn(2, 3, 1, 40), torch.randn(2, 3, 1, 40)
+    step_k, step_v = torch.randn(2, 3, 2, 40, generator=g), torch.randn(2, 3, 2, 40, generator=g)
+    idx, new_k, new_v = torch.randint(0, 99, (2, 3, 8), generator=g), step_k[:, :, :1], step_v[:, :, :1]
     pos = torch.tensor(41)
     staged = [torch.zeros(2, 3, 8, dtype=torch.long), torch.zeros(2, 3, 1, 40), torch.zeros(2, 3, 1, 40),
               torch.zeros((), dtype=torch.long)]
-    prefetch.stage_triton(idx, new_k, new_v, pos, *staged)
-    for a, b in zip(staged, (idx, new_k, new_v, pos)):
+    rerank = s_rerank = None
+    if R:
+        q, lse = torch.randn(2, 9, 3, 40, generator=g), torch.randn(2, 9, 3, generator=g)
+        rerank = (torch.randint(0, 99, (2, 3, 16), generator=g), torch.rand(2, 3, 16, generator=g) > 0.3,
+                  q[:, :, -R:], lse[:, :, -R:])
+        s_rerank = (torch.zeros(2, 3, 16, dtype=torch.long), torch.zeros(2, 3, 16, dtype=torch.bool),
+                    torch.zeros(2, 9, R, 40), torch.zeros(2, 9, R))
+    prefetch.stage_triton(None if R else idx, new_k, new_v, pos, *staged, rerank, s_rerank)
+    for a, b in zip(staged[1:] + list(s_rerank or ()), (new_k, new_v, pos) + (rerank or ())):
         assert torch.equal(a, b)
+    assert torch.equal(staged[0], torch.zeros_like(idx) if R else idx)
 
 
 def test_wait_blocks_until_the_delayed_copy_landed():
