@@ -16,9 +16,10 @@ kernel for K and V together:
 Re-ranking (`rerank` > 1, name part rrN), `start_rerank`: the selecting token's low-bit top-(N*k)
 are candidates; one kernel per layer on the side stream (`rerank_rows`) reads their fp keys, keeps
 the k whose exact scores are best (the score of kernels.rerank_exact), writes those keys into the
-ring and their positions into the layer's fetch_idx/fetch_valid, and reads only their values. Bus bytes per layer and kv head: N*k keys + k values instead of
-k keys + k values (N = 2: 1.5x), all on the side stream; the main stream only stages the selecting
-query rows, their lse and the candidates.
+ring and their positions into the layer's fetch_idx/fetch_valid, and reads only their values.
+Bus bytes per layer and kv head: N*k keys + k values instead of k keys + k values (N = 2: 1.5x),
+all on the side stream; the main stream only stages the candidates and the selecting query rows
+and their lse.
 
 On CUDA the transfer runs on a side stream and overlaps the rest of the step:
   main stream: copy idx and the token's K/V into this layer's staging buffers, record consumed[l]
@@ -27,10 +28,10 @@ On CUDA the transfer runs on a side stream and overlaps the rest of the step:
                record fetched[l].
 The side stream reads only memory this module owns (staging, host store) and writes only the
 layer's buffers registered with `register_ring` (the ring; with re-ranking also fetch_idx and
-fetch_valid), so graph-internal temporaries that a compiled step frees and
-reuses while the side stream still runs never cross streams (the side stream's own temporaries
-come from its own allocator pool). The custom ops check that they were handed the layer's own ring buffers, not
-copies made by functionalization (which would make the side stream write a temporary).
+fetch_valid), so graph-internal temporaries that a compiled step frees and reuses while the side
+stream still runs never cross streams (the side stream's own temporaries come from its own
+allocator pool). The custom ops check that they were handed the layer's own buffers, not copies
+made by functionalization (which would make the side stream write a temporary).
 
 A CUDA graph must join every stream it forks before its capture ends, so by default
 (`join_each_step`) the last layer joins the side stream (`end_step`), and `wait(l)` has nothing to

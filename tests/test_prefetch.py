@@ -162,10 +162,8 @@ def test_triton_transfer_matches_reference(with_idx, with_new):
 
 def make_rerank_prefetcher(C=5, k=2, sinks=1, **kw):
     """2 layers, 1 x 2 kv heads, 4 query heads, 32 rows of D 4: k of C candidates, after `sinks` ring slots."""
-    p = Prefetcher(2, 1, 2, 32, 4, k, torch.float32, CPU, key_rows=C, select_rows=(4, 1), **kw)
-    p.host_k.copy_(torch.randn_like(p.host_k))
-    p.host_v.copy_(torch.randn_like(p.host_v))
-    for layer in range(2):
+    p = make_prefetcher(k=k, key_rows=C, select_rows=(4, 1), **kw)
+    for layer in range(2):  # rings with `sinks` slots before the fetched rows, and re-ranking's buffers
         ring = [torch.zeros(1, 2, sinks + k, 4) for _ in range(2)]
         p.register_ring(layer, *ring, off=sinks, rerank_bufs=(torch.full((1, 2, sinks + k), -1),
                                                                torch.zeros(1, 2, sinks + k, dtype=torch.bool)))
