@@ -649,10 +649,7 @@ class SpeCache(LowBitCache):
     def _quantize_into(self, k, v, row0, saliency=None):
         super()._quantize_into(k, v, row0, saliency)
         if self.sinks:  # the first block quantized: its first tokens stay in fp16 on the device
-            first = row0 == 0
-            for ring, x in ((self.ring_k, k), (self.ring_v, v)):
-                ring[:, :, :self.sinks] = torch.where(first, x[:, :, :self.sinks].to(ring.dtype), ring[:, :, :self.sinks])
-            self.fetch_valid[:, :, :self.sinks] |= first
+            self.prefetcher.keep_sinks([self.ring_k, self.ring_v, self.fetch_valid], k, v, row0 == 0, self.sinks)
 
     def fetched(self) -> Fetched:
         """The rows in the ring and the quantized positions they replace in attention (eq. 1)."""

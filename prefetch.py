@@ -369,6 +369,27 @@ def _(bufs, pid):
     return None
 
 
+def keep_sink_rows(bufs: list[Tensor], k: Tensor, v: Tensor, first: Tensor, n: int) -> None:
+    """Where `first` (0-d bool: the first block was just quantized), copy the first n rows of
+    k, v [B,H,>=n,D] into ring slots [0, n) and mark them valid. bufs: [ring_k, ring_v, fetch_valid]."""
+    ring_k, ring_v, valid = bufs
+    for ring, x in ((ring_k, k), (ring_v, v)):
+        ring[:, :, :n] = torch.where(first, x[:, :, :n].to(ring.dtype), ring[:, :, :n])
+    valid[:, :, :n] |= first
+
+
+# A graph that wrote the ring itself would hand the transfer ops a functionalized copy of it
+# (seen on an H100 with sink4: the ring check fired), so on the async path this write is an op too.
+@torch.library.custom_op("specache::keep_sinks", mutates_args=("bufs",))
+def _keep_sinks_op(bufs: list[Tensor], k: Tensor, v: Tensor, first: Tensor, n: int) -> None:
+    keep_sink_rows(bufs, k, v, first, n)
+
+
+@_keep_sinks_op.register_fake
+def _(bufs, k, v, first, n):
+    return None
+
+
 # =============================================================================================
 # the prefetcher
 # =============================================================================================
@@ -477,6 +498,13 @@ class Prefetcher:
         on the async path without step joins, or always with `now` (a fetch the same step needs)."""
         if self.async_ops and (now or not self.join_each_step):
             torch.ops.specache.fetch_wait(bufs, self.pid, layer)
+
+    def keep_sinks(self, bufs, k, v, first, n):
+        """The attention sinks' fp rows into the ring's first n slots (keep_sink_rows)."""
+        if self.async_ops:
+            torch.ops.specache.keep_sinks(bufs, k, v, first, n)
+        else:
+            keep_sink_rows(bufs, k, v, first, n)
 
     def end_step(self):
         """Called by the last layer: join the side stream (see the module docstring)."""

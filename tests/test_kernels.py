@@ -327,15 +327,17 @@ def test_topk_exact_is_the_reference_on_full_precision_keys():
 
 
 def assert_same_topk(got, want, rtol=1e-5):
-    """Same scores within rtol, and the same positions wherever a score clears the k-th by more than
-    the tolerance (near-ties may swap). 16-bit inputs (against an fp32 reference over the same
-    values): rtol ~2e-2, since the kernel dots exact integer codes against a 16-bit query."""
+    """Same scores within rtol, and every position that either side scores clear of the k-th by more
+    than the tolerance is picked by the other (near-ties may swap). 16-bit inputs (against an fp32
+    reference over the same values): rtol ~2e-2, since the kernel dots exact integer codes against a
+    16-bit query. (Comparing the two sides' clear sets for equality failed on an H100: a score just
+    above the margin on one side and just below it on the other.)"""
     (gs, gi), (ws, wi) = got, want
     torch.testing.assert_close(gs.sort(-1, descending=True).values, ws, atol=1e-5, rtol=rtol)
     kth = ws[..., -1:]
     for a, b, sa, sb, kk in zip(gi.flatten(0, 1), wi.flatten(0, 1), gs.flatten(0, 1), ws.flatten(0, 1), kth.flatten()):
         sure = lambda i, s: set(i[s > kk * (1 + 2 * rtol) + 1e-5].tolist())  # noqa: E731 (ties aside)
-        assert sure(a, sa) == sure(b, sb)
+        assert sure(b, sb) <= set(a.tolist()) and sure(a, sa) <= set(b.tolist())
         assert set(a[sa < 0].tolist()) <= {0}
 
 

@@ -302,12 +302,12 @@ def test_a_copy_of_the_ring_is_refused():
         p.start(0, ring_k.clone(), ring_v, torch.zeros(1, 2, 3, dtype=torch.long))
 
 
-def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=1):
+def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=1, sinks=0):
     """A tiny SpeCache generation twice: synchronous CPU fetches, then every fetch landing late on
     fake streams. Returns (reference tokens, tokens, the fake streams' log)."""
     model = tiny_model()
     prompt = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
-    kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8, rerank=rerank)
+    kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8, rerank=rerank, sinks=sinks)
     setup(model, "specache", **kw)
     ref, _ = generate(model, prompt, new_tokens, speculative=True)
     _, prefetcher, _ = setup(model, "specache", **kw)
@@ -346,19 +346,20 @@ def test_joined_steps_match_synchronous(rerank):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rerank", [1, 2])
-def test_compiled_step_on_the_async_path_with_late_fetches(rerank):
+@pytest.mark.parametrize("rerank,sinks", [(1, 0), (1, 4), (2, 4)])
+def test_compiled_step_on_the_async_path_with_late_fetches(rerank, sinks):
     """The CUDA-graph schedule compiled by inductor (fullgraph), with the custom ops and fetches
     that land late: the ops get the rings themselves (checked in the op), nothing is reordered
-    around them, and the tokens equal the synchronous eager path's (H100 finding: the compiled
-    SpeCache step left tensors in the cudagraph pool)."""
+    around them, and the tokens equal the synchronous eager path's (H100 findings: the compiled
+    SpeCache step left tensors in the cudagraph pool; with sinks, the graph's own write of the sink
+    rows made it hand the transfer a copy of the ring)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(decode_step, fullgraph=True)
     with kernels.custom_ops_on_cpu():  # the CUDA step's graph: attention and top-k are opaque ops too
-        ref, got, log = generate_with_late_fetches(12, join_each_step=True, step_fn=step, rerank=rerank)
+        ref, got, log = generate_with_late_fetches(12, join_each_step=True, step_fn=step, rerank=rerank, sinks=sinks)
     assert torch.equal(got, ref)
     assert counters["stats"]["unique_graphs"] == 1
     assert log.count("joined") >= 11
