@@ -629,14 +629,12 @@ class SpeCache(LowBitCache):
         self.register_buffer("fetch_idx", idx, persistent=False)
         self.register_buffer("fetch_valid", torch.zeros(B, H, n, dtype=torch.bool, device=dev), persistent=False)
         self.n_cand = prefetcher.key_rows  # re-ranking: low-bit candidates whose fp keys pick the k
-        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v, off=self.sinks, rerank_bufs=self._rerank_bufs())
-
-    def _rerank_bufs(self):
-        return (self.fetch_idx, self.fetch_valid) if self.rerank > 1 else ()
+        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v, off=self.sinks,
+                                 index_bufs=(self.fetch_idx, self.fetch_valid))
 
     def fetch_bufs(self) -> list:
-        """The buffers this layer's transfer writes (the side stream's, on the async path)."""
-        return [self.ring_k, self.ring_v, *self._rerank_bufs()]
+        """The buffers this layer's transfer writes: the ring and which positions it holds."""
+        return [self.ring_k, self.ring_v, self.fetch_idx, self.fetch_valid]
 
     # The host store holds every real token's fp16 k/v, by absolute position.
     def prefix_kv(self, p0):
@@ -681,9 +679,7 @@ class SpeCache(LowBitCache):
         if rerank_by is not None:
             self.prefetcher.start_rerank(self.layer_idx, self.fetch_bufs(), idx, valid, *rerank_by, self.sm_scale, *new)
             return
-        self.fetch_idx[:, :, self.sinks:] = idx
-        self.fetch_valid[:, :, self.sinks:] = valid
-        self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, idx, *new)
+        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), idx, valid, *new)
 
     # ---- the policies --------------------------------------------------------------------------
     def speculative(self, q, new, keep, rows=slice(-1, None)):
@@ -714,7 +710,7 @@ class SpeCache(LowBitCache):
         out, _ = self.attend(q, self.fetched())
         if keep:
             self.commit_step(keep=1)
-            self.prefetcher.start(self.layer_idx, self.ring_k, self.ring_v, None, *new)
+            self.prefetcher.start(self.layer_idx, self.fetch_bufs(), None, None, *new)
         return out
 
     oracle = sequential  # same schedule; select() takes the exact top-k

@@ -54,8 +54,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / ".cache" / "gpu-check", help="where the JSON/markdown results go")
     p.add_argument("--budget-s", type=float, default=600,
-                   help="stop starting speed runs past this many seconds (on an H100, 2026-11-22: the CUDA tests took "
-                        "155 s, the kernels ~35 s, each compiled Llama-3.1-8B step at 32k ~100 s, most of it compiling)")
+                   help="stop starting speed runs past this many seconds (on an H100: the CUDA tests took 155-225 s, "
+                        "the kernels ~35 s, each compiled Llama-3.1-8B step at 32k ~100-200 s, most of it compiling)")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--dry-run-cpu", action="store_true", help="run the same plumbing on CPU at toy sizes (tests the "
                    "script on a machine without a GPU; its numbers mean nothing)")

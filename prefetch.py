@@ -5,8 +5,8 @@ K/V, pinned on CUDA so the device can read it directly. The device end of a fetc
 layer's SpeCache module: the ring of fetched rows ring_k/ring_v [B, Hkv, k, D] is a module buffer,
 so a compiled step sees it as a static input (a CUDA graph replays on fixed addresses).
 
-One transfer per layer and step, `start(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)`, one
-kernel for K and V together:
+One transfer per layer and step, `start(layer, bufs, idx, valid, new_k, new_v, new_pos)` (bufs: the
+layer's ring and its fetch_idx/fetch_valid, which record idx and valid), one kernel for K and V together:
   - writes the step's real token (new_k/new_v [B,Hkv,1,D]) to host row new_pos (it may be picked
     from the next flush on), and
   - gathers host rows idx [B,Hkv,k] into the ring (a row equal to new_pos is taken from new_k/new_v:
@@ -22,7 +22,8 @@ all on the side stream; the main stream only stages the candidates and the selec
 and their lse.
 
 On CUDA the transfer runs on a side stream and overlaps the rest of the step:
-  main stream: copy idx and the token's K/V into this layer's staging buffers, record consumed[l]
+  main stream: copy idx and the token's K/V into this layer's staging buffers and record idx and
+               valid in fetch_idx/fetch_valid (one launch), record consumed[l]
   side stream: wait consumed[l], run the kernel (it reads pinned host memory through unified
                virtual addressing, so the indices never leave the device and nothing syncs),
                record fetched[l].
@@ -245,21 +246,28 @@ def rerank_rows(*args, **kw):
 
 @triton.jit
 def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n_sb, n_sh, n_sd,
+                  valid, rec_idx, rec_valid, RING, OFF,
                   cand, cand_valid, q, lse, s_cand, s_cand_valid, s_q, s_lse, C, M, q_sb, q_sh, q_sr, q_sd,
-                  l_sb, l_sh, l_sr, HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, HAS_RERANK: tl.constexpr,
-                  R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
+                  l_sb, l_sh, l_sr, HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, HAS_RECORD: tl.constexpr,
+                  HAS_RERANK: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
     """Grid (B*Hkv,): copy one layer's transfer inputs into the prefetcher's staging buffers, one
     launch on the main stream instead of up to eight copies. new_k/new_v [B,Hkv,1,D] and the query
     rows q [B,Hq,R,D] / lse [B,Hq,R] are read through their strides (slices of the step's tensors:
-    no .contiguous() copies); kv head bh's query rows are heads bh*G .. bh*G+G-1, row m = g*R + r."""
+    no .contiguous() copies); kv head bh's query rows are heads bh*G .. bh*G+G-1, row m = g*R + r.
+    HAS_RECORD: also record idx and valid in the cache's fetch_idx/fetch_valid [.., RING] from slot OFF."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // H, bh % H
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     if HAS_IDX:
         offs_k = tl.arange(0, BLOCK_K)
-        tl.store(s_idx + bh * K + offs_k, tl.load(idx + bh * K + offs_k, mask=offs_k < K), mask=offs_k < K)
+        k_ok = offs_k < K
+        i = tl.load(idx + bh * K + offs_k, mask=k_ok)
+        tl.store(s_idx + bh * K + offs_k, i, mask=k_ok)
+        if HAS_RECORD:
+            tl.store(rec_idx + bh * RING + OFF + offs_k, i, mask=k_ok)
+            tl.store(rec_valid + bh * RING + OFF + offs_k, tl.load(valid + bh * K + offs_k, mask=k_ok), mask=k_ok)
     if HAS_NEW:
         src = b * n_sb + h * n_sh + offs_d * n_sd
         tl.store(s_k + bh * D + offs_d, tl.load(new_k + src, mask=d_ok), mask=d_ok)
@@ -280,10 +288,22 @@ def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n
         tl.store(s_lse + bh * M + offs_m, tl.load(lse + b * l_sb + head * l_sh + r * l_sr, mask=m_ok), mask=m_ok)
 
 
-def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None):
+def record_rows(idx, valid, fetch_idx, fetch_valid, off):
+    """Which positions the ring's slots [off, ..) will hold: fetch_idx/fetch_valid [B,Hkv,off+k]."""
+    fetch_idx[:, :, off:] = idx
+    fetch_valid[:, :, off:] = valid
+
+
+def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
     B, H, K = s_idx.shape
     D = s_k.shape[-1]
     any_t = s_idx
+    if record is not None:
+        valid, fetch_idx, fetch_valid, off = record
+        assert idx is not None and fetch_idx.is_contiguous() and fetch_valid.is_contiguous()
+        rec = (valid.contiguous().view(torch.int8), fetch_idx, fetch_valid.view(torch.int8), fetch_idx.shape[2], off)
+    else:
+        rec = (any_t,) * 3 + (0, 0)
     if rerank is not None:
         cand, cand_valid, q, lse = rerank
         s_cand, s_cand_valid, s_q, s_lse = s_rerank
@@ -299,16 +319,19 @@ def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None
     _stage_kernel[(B * H,)](idx.contiguous() if idx is not None else any_t,
                             new_k if new_k is not None else any_t, new_v if new_v is not None else any_t,
                             new_pos if new_pos is not None else any_t, s_idx, s_k, s_v, s_pos, K, D, H, *n_strides,
-                            *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None, HAS_RERANK=rerank is not None,
-                            R=R, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
+                            *rec, *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
+                            HAS_RECORD=record is not None, HAS_RERANK=rerank is not None, R=R, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
                             BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M))
 
 
-def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None):
+def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
     """s_* = the transfer's inputs (staging buffers of one layer), on the current stream; with
-    re-ranking also rerank = (candidates, their validity, query rows, lse) into s_rerank."""
+    re-ranking also rerank = (candidates, their validity, query rows, lse) into s_rerank; with
+    record = (valid, fetch_idx, fetch_valid, off), idx and valid into the cache's fetch_idx/fetch_valid."""
     if s_idx.is_cuda:
-        return stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank, s_rerank)
+        return stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank, s_rerank, record)
+    if record is not None:
+        record_rows(idx, *record)
     if idx is not None:
         s_idx.copy_(idx)
     if new_k is not None:
@@ -325,14 +348,14 @@ def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rer
 # They "mutate" the buffers the side stream writes (the rings; with re-ranking also fetch_idx,
 # fetch_valid), which orders them against the attention that reads those buffers inside one
 # fullgraph step; join mutates every layer's, so no fetch can be scheduled after it.
-@torch.library.custom_op("specache::fetch_start", mutates_args=("ring_k", "ring_v"))
-def _fetch_start_op(ring_k: Tensor, ring_v: Tensor, idx: Optional[Tensor], new_k: Optional[Tensor],
+@torch.library.custom_op("specache::fetch_start", mutates_args=("bufs",))
+def _fetch_start_op(bufs: list[Tensor], idx: Optional[Tensor], valid: Optional[Tensor], new_k: Optional[Tensor],
                     new_v: Optional[Tensor], new_pos: Optional[Tensor], pid: int, layer: int) -> None:
-    _PREFETCHERS[pid]._start_async(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)
+    _PREFETCHERS[pid]._start_async(layer, bufs, idx, valid, new_k, new_v, new_pos)
 
 
 @_fetch_start_op.register_fake
-def _(ring_k, ring_v, idx, new_k, new_v, new_pos, pid, layer):
+def _(bufs, idx, valid, new_k, new_v, new_pos, pid, layer):
     return None
 
 
@@ -437,11 +460,11 @@ class Prefetcher:
             self.staging_k = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
             self.staging_v = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
 
-    def register_ring(self, layer, ring_k, ring_v, off=0, rerank_bufs=()):
+    def register_ring(self, layer, ring_k, ring_v, off=0, index_bufs=()):
         """The layer's ring: slots [off, off + k) receive the fetched rows (before off: rows the
-        cache keeps on the device itself, attention sinks). With re-ranking, rerank_bufs =
-        (fetch_idx, fetch_valid): the side stream writes them too."""
-        self.rings[layer] = [ring_k, ring_v, *rerank_bufs]
+        cache keeps on the device itself, attention sinks). index_bufs = (fetch_idx, fetch_valid):
+        which positions the slots hold, recorded by the transfer (re-ranking: by the side stream)."""
+        self.rings[layer] = [ring_k, ring_v, *index_bufs]
         self.ring_off = off
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -473,13 +496,18 @@ class Prefetcher:
         return self.host_v[layer].to(self.device, non_blocking=True)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def start(self, layer, ring_k, ring_v, idx=None, new_k=None, new_v=None, new_pos=None):
+    def start(self, layer, bufs, idx=None, valid=None, new_k=None, new_v=None, new_pos=None):
         """Write the real token's K/V [B,Hkv,1,D] to host row new_pos (a 0-d device tensor) and fetch
-        host rows idx [B,Hkv,k] into the ring, asynchronously on the async path."""
+        host rows idx [B,Hkv,k] into the ring, asynchronously on the async path. bufs: the layer's
+        registered [ring_k, ring_v] or [ring_k, ring_v, fetch_idx, fetch_valid]; with the latter, idx
+        and valid (real rows) are recorded there (record_rows; on the async path by the main stream's
+        staging launch, so the compiled step has no copy kernels of its own for them)."""
         if self.async_ops:
-            torch.ops.specache.fetch_start(ring_k, ring_v, idx, new_k, new_v, new_pos, self.pid, layer)
+            torch.ops.specache.fetch_start(bufs, idx, valid, new_k, new_v, new_pos, self.pid, layer)
         else:
-            self._transfer(layer, ring_k, ring_v, idx, new_k, new_v, new_pos)
+            if idx is not None and len(bufs) > 2:
+                record_rows(idx, valid, *bufs[2:], self.ring_off)
+            self._transfer(layer, bufs[0], bufs[1], idx, new_k, new_v, new_pos)
 
     def start_rerank(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k=None, new_v=None,
                      new_pos=None):
@@ -569,22 +597,23 @@ class Prefetcher:
             work()
             self.fetched[layer].record(self.side)
 
-    def _staged(self, layer, idx, new_k, new_v, new_pos, rerank=None):
+    def _staged(self, layer, idx, new_k, new_v, new_pos, rerank=None, record=None):
         # Stage the inputs on the main stream: they may be temporaries the graph reuses right after.
         s_rerank = (self.stage_cand[layer], self.stage_cand_valid[layer], self.stage_q[layer],
                     self.stage_lse[layer]) if rerank is not None else None
         if idx is not None or new_k is not None or rerank is not None:
             stage(idx, new_k, new_v, new_pos, self.stage_idx[layer], self.stage_k[layer], self.stage_v[layer],
-                  self.stage_pos[layer], rerank, s_rerank)
+                  self.stage_pos[layer], rerank, s_rerank, record)
         s_idx = self.stage_idx[layer] if idx is not None else None
         s_new = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None \
             else (None, None, None)
         return s_idx, s_new, s_rerank
 
-    def _start_async(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
-        self._check_ring(layer, [ring_k, ring_v])
-        s_idx, s_new, _ = self._staged(layer, idx, new_k, new_v, new_pos)
-        self._run_side(layer, lambda: self._transfer(layer, ring_k, ring_v, s_idx, *s_new))
+    def _start_async(self, layer, bufs, idx, valid, new_k, new_v, new_pos):
+        self._check_ring(layer, bufs)
+        record = (valid, *bufs[2:], self.ring_off) if idx is not None and len(bufs) > 2 else None
+        s_idx, s_new, _ = self._staged(layer, idx, new_k, new_v, new_pos, record=record)
+        self._run_side(layer, lambda: self._transfer(layer, bufs[0], bufs[1], s_idx, *s_new))
 
     def _start_rerank_async(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos):
         self._check_ring(layer, bufs)

@@ -233,8 +233,10 @@ def cases(quick=False):
                                             ring_off=4)
             staging = [torch.zeros(1, 2, 64, dtype=torch.long), torch.zeros(1, 2, 1, D, dtype=dtype),
                        torch.zeros(1, 2, 1, D, dtype=dtype), torch.zeros((), dtype=torch.long)]
-            prefetch.stage_triton(idx, new, new, pos, *staging)
-            prefetch.stage_triton(idx, None, None, None, *staging)
+            record = (torch.ones(1, 2, 64, dtype=torch.bool), torch.zeros(1, 2, 68, dtype=torch.long),
+                      torch.zeros(1, 2, 68, dtype=torch.bool), 4)  # a SpeCache transfer records idx after 4 sinks
+            prefetch.stage_triton(idx, new, new, pos, *staging, record=record)
+            prefetch.stage_triton(idx, None, None, None, *staging, record=record)
             prefetch.stage_triton(None, new, new, pos, *staging)
             for G, R in ((4, 1), (3, 2)):  # re-ranking's inputs: 128 candidates, R query tokens of G heads each
                 rerank = (torch.zeros(1, 2, 128, dtype=torch.long), torch.zeros(1, 2, 128, dtype=torch.bool),

@@ -135,7 +135,7 @@ def test_transfer_writes_the_token_and_gathers_rows():
     ring_k, ring_v = p.rings[1]
     idx = torch.tensor([[[5, 0, 31], [7, 7, 2]]])
     new_k, new_v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
-    p.start(1, ring_k, ring_v, idx, new_k, new_v, torch.tensor(7))
+    p.start(1, [ring_k, ring_v], idx, None, new_k, new_v, torch.tensor(7))
     assert torch.equal(p.host_k[1, :, :, 7], new_k[:, :, 0]) and torch.equal(p.host_v[1, :, :, 7], new_v[:, :, 0])
     assert torch.equal(ring_k[0, 0], p.host_k[1, 0, 0, idx[0, 0]])
     assert torch.equal(ring_k[0, 1, 0], new_k[0, 1, 0]) and torch.equal(ring_v[0, 1, 1], new_v[0, 1, 0])
@@ -165,8 +165,8 @@ def make_rerank_prefetcher(C=5, k=2, sinks=1, **kw):
     p = make_prefetcher(k=k, key_rows=C, select_rows=(4, 1), **kw)
     for layer in range(2):  # rings with `sinks` slots before the fetched rows, and re-ranking's buffers
         ring = [torch.zeros(1, 2, sinks + k, 4) for _ in range(2)]
-        p.register_ring(layer, *ring, off=sinks, rerank_bufs=(torch.full((1, 2, sinks + k), -1),
-                                                               torch.zeros(1, 2, sinks + k, dtype=torch.bool)))
+        p.register_ring(layer, *ring, off=sinks, index_bufs=(torch.full((1, 2, sinks + k), -1),
+                                                             torch.zeros(1, 2, sinks + k, dtype=torch.bool)))
     return p
 
 
@@ -259,24 +259,34 @@ def test_triton_rerank_matches_reference(with_new, R, off):
 @pytest.mark.parametrize("R", [0, 1, 2])
 def test_triton_staging_copies_the_transfer_inputs(R):
     """One launch stages the transfer's inputs; the step's K/V and (re-ranking, R query tokens) the
-    selecting query rows are slices of the step's tensors, read through their strides."""
+    selecting query rows are slices of the step's tensors, read through their strides. Without
+    re-ranking the same launch records idx and valid in fetch_idx/fetch_valid after the sinks."""
     g = torch.Generator().manual_seed(0)
     step_k, step_v = torch.randn(2, 3, 2, 40, generator=g), torch.randn(2, 3, 2, 40, generator=g)
     idx, new_k, new_v = torch.randint(0, 99, (2, 3, 8), generator=g), step_k[:, :, :1], step_v[:, :, :1]
     pos = torch.tensor(41)
     staged = [torch.zeros(2, 3, 8, dtype=torch.long), torch.zeros(2, 3, 1, 40), torch.zeros(2, 3, 1, 40),
               torch.zeros((), dtype=torch.long)]
-    rerank = s_rerank = None
-    if R:
+    rerank = s_rerank = record = None
+    valid = torch.rand(2, 3, 8, generator=g) > 0.3
+    fetch_idx, fetch_valid = torch.full((2, 3, 11), -1), torch.zeros(2, 3, 11, dtype=torch.bool)
+    if not R:
+        record = (valid, fetch_idx, fetch_valid, 3)
+    else:
         q, lse = torch.randn(2, 9, 3, 40, generator=g), torch.randn(2, 9, 3, generator=g)
         rerank = (torch.randint(0, 99, (2, 3, 16), generator=g), torch.rand(2, 3, 16, generator=g) > 0.3,
                   q[:, :, -R:], lse[:, :, -R:])
         s_rerank = (torch.zeros(2, 3, 16, dtype=torch.long), torch.zeros(2, 3, 16, dtype=torch.bool),
                     torch.zeros(2, 9, R, 40), torch.zeros(2, 9, R))
-    prefetch.stage_triton(None if R else idx, new_k, new_v, pos, *staged, rerank, s_rerank)
+    prefetch.stage_triton(None if R else idx, new_k, new_v, pos, *staged, rerank, s_rerank, record)
     for a, b in zip(staged[1:] + list(s_rerank or ()), (new_k, new_v, pos) + (rerank or ())):
         assert torch.equal(a, b)
     assert torch.equal(staged[0], torch.zeros_like(idx) if R else idx)
+    want_idx, want_valid = torch.full((2, 3, 11), -1), torch.zeros(2, 3, 11, dtype=torch.bool)
+    if not R:
+        prefetch.record_rows(idx, valid, want_idx, want_valid, 3)
+        assert (want_idx[:, :, 3:] == idx).all() and (want_idx[:, :, :3] == -1).all()
+    assert torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
 
 
 def test_wait_blocks_until_the_delayed_copy_landed():
@@ -285,7 +295,7 @@ def test_wait_blocks_until_the_delayed_copy_landed():
     ring_k, ring_v = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)
     p.register_ring(0, ring_k, ring_v)
     idx = torch.tensor([[[1, 2, 3], [4, 5, 6]]])
-    p.start(0, ring_k, ring_v, idx)
+    p.start(0, [ring_k, ring_v], idx)
     idx.fill_(0)  # the caller's tensor may change right away: the transfer reads the staged copy
     assert not torch.equal(ring_k[0, 0, 0], p.host_k[0, 0, 0, 1])  # still in flight
     p.wait(0, [ring_k, ring_v])
@@ -299,7 +309,7 @@ def test_a_copy_of_the_ring_is_refused():
     p = make_prefetcher(async_ops=True)
     ring_k, ring_v = p.rings[0]
     with pytest.raises(RuntimeError, match="copy of its ring"):
-        p.start(0, ring_k.clone(), ring_v, torch.zeros(1, 2, 3, dtype=torch.long))
+        p.start(0, [ring_k.clone(), ring_v], torch.zeros(1, 2, 3, dtype=torch.long))
 
 
 def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=1, sinks=0):
