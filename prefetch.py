@@ -320,7 +320,8 @@ def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None
                             new_k if new_k is not None else any_t, new_v if new_v is not None else any_t,
                             new_pos if new_pos is not None else any_t, s_idx, s_k, s_v, s_pos, K, D, H, *n_strides,
                             *rec, *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
-                            HAS_RECORD=record is not None, HAS_RERANK=rerank is not None, R=R, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
+                            HAS_RECORD=record is not None, HAS_RERANK=rerank is not None, R=R,
+                            BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
                             BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M))
 
 
@@ -345,8 +346,8 @@ def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rer
 # =============================================================================================
 # custom ops: what a compiled step calls on the async path (opaque to torch.compile)
 # =============================================================================================
-# They "mutate" the buffers the side stream writes (the rings; with re-ranking also fetch_idx,
-# fetch_valid), which orders them against the attention that reads those buffers inside one
+# They "mutate" each layer's registered buffers (the ring, fetch_idx, fetch_valid), which the
+# transfer writes; that orders them against the attention that reads those buffers inside one
 # fullgraph step; join mutates every layer's, so no fetch can be scheduled after it.
 @torch.library.custom_op("specache::fetch_start", mutates_args=("bufs",))
 def _fetch_start_op(bufs: list[Tensor], idx: Optional[Tensor], valid: Optional[Tensor], new_k: Optional[Tensor],
@@ -505,9 +506,14 @@ class Prefetcher:
         if self.async_ops:
             torch.ops.specache.fetch_start(bufs, idx, valid, new_k, new_v, new_pos, self.pid, layer)
         else:
-            if idx is not None and len(bufs) > 2:
-                record_rows(idx, valid, *bufs[2:], self.ring_off)
+            record = self._record(bufs, idx, valid)
+            if record is not None:
+                record_rows(idx, *record)
             self._transfer(layer, bufs[0], bufs[1], idx, new_k, new_v, new_pos)
+
+    def _record(self, bufs, idx, valid):
+        """record_rows' arguments after idx, or None when there is nothing to record."""
+        return (valid, *bufs[2:], self.ring_off) if idx is not None and len(bufs) > 2 else None
 
     def start_rerank(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k=None, new_v=None,
                      new_pos=None):
@@ -611,8 +617,7 @@ class Prefetcher:
 
     def _start_async(self, layer, bufs, idx, valid, new_k, new_v, new_pos):
         self._check_ring(layer, bufs)
-        record = (valid, *bufs[2:], self.ring_off) if idx is not None and len(bufs) > 2 else None
-        s_idx, s_new, _ = self._staged(layer, idx, new_k, new_v, new_pos, record=record)
+        s_idx, s_new, _ = self._staged(layer, idx, new_k, new_v, new_pos, record=self._record(bufs, idx, valid))
         self._run_side(layer, lambda: self._transfer(layer, bufs[0], bufs[1], s_idx, *s_new))
 
     def _start_rerank_async(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos):
