@@ -316,6 +316,16 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     pos = torch.tensor(context - 1, device=device)
     add(f"fetch {K} rows of K and V per kv head (+ write 1)", lambda: prefetch.transfer_rows(hk, hv, rk, rv, idx, new, new, pos),
         rk.nbytes + rv.nbytes, "host -> device over PCIe on CUDA")
+    # re-ranking's transfer (rr2): the keys of 2k low-bit candidates, the k best by exact score, their values
+    C = min(2 * K, context)
+    cand = torch.stack([torch.randperm(context, generator=g, device=device)[:C] for _ in range(Hkv)])[None]
+    fetch_idx, fetch_valid = torch.zeros_like(idx), torch.zeros(1, Hkv, K, dtype=torch.bool, device=device)
+    q_rows, lse_rows = q1, torch.full((1, Hkv * G, 1), 4.0, device=device)
+    scratch = prefetch.rerank_scratch(1, Hkv, C, D, dtype, device)
+    add(f"re-rank {C} candidate keys, fetch the {K} best's values (+ write 1)",
+        lambda: prefetch.rerank_rows(hk, hv, rk, rv, fetch_idx, fetch_valid, cand, torch.ones_like(cand, dtype=torch.bool),
+                                     q_rows, lse_rows, 1 / D ** 0.5, new, new, pos, scratch=scratch),
+        rk.nbytes * (C + K) // K, "host -> device over PCIe on CUDA: 2k keys + k values per kv head")
     return rows
 
 

@@ -10,8 +10,9 @@
 2. speed: each kernel alone against its byte floor (bench.py --kernels: CUDA-graph replays after an L2
    flush), then whole compiled decode steps of Llama-3.1-8B shapes with random bf16 weights (bench.py
    --model Llama-3.1-8B --random-weights --compile; full, KIVI, SpeCache paper and best presets,
-   ZipCache mixed; one process each) at 32k, QuantSpec rounds (gamma 0 and 4) at 8k, then the steps
-   at 8k, while the time budget lasts. Each run's output is kept beside its JSON (.log).
+   the best preset with equal-bytes re-ranking, ZipCache mixed; one process each) at 32k, QuantSpec
+   rounds (gamma 0 and 4) at 8k, then the steps at 8k, while the time budget lasts. Each run's
+   output is kept beside its JSON (.log).
 Prints one summary table (then the speed tables) and exits non-zero on any failure. It needs only
 the machine's Python with torch and Triton: no network, no package installs, no virtual environment.
 """
@@ -100,7 +101,9 @@ def main(argv=None):
                      "--device", "cpu", "--kernel-reps", "2", "--bandwidth-mb", "8"]
             big, small, steps = "512", "256", ["--warmup", "1", "--steps", "2"]
         # one process per cache (each compiles its own graph): a slow compile costs one row, not the rest
-        caches = ["full", "kivi", "specache", "specache-1bit-best", "kivi-2bit-zipcache-s40-hi4"]
+        # (the preset's equal-bus-bytes re-ranking variant beside it: issue #11 waits on its step time)
+        caches = ["full", "kivi", "specache", "specache-1bit-best", "specache-1bit-best-rr2-k64-r64",
+                  "kivi-2bit-zipcache-s40-hi4"]
         plans = [(f"kernels alone, {big}", bench + ["--kernels", "--contexts", big], "kernels.json")]
         plans += [(f"compiled step {c}, {big}", bench + ["--compile", "--contexts", big, "--caches", c, *steps],
                    f"steps-{big}-{c}.json") for c in caches]

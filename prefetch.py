@@ -14,9 +14,11 @@ layer's ring and its fetch_idx/fetch_valid, which record idx and valid), one ker
 `idx=None` only writes the token; `new_k=None` only gathers.
 
 Re-ranking (`rerank` > 1, name part rrN), `start_rerank`: the selecting token's low-bit top-(N*k)
-are candidates; one kernel per layer on the side stream (`rerank_rows`) reads their fp keys, keeps
-the k whose exact scores are best (the score of kernels.rerank_exact), writes those keys into the
-ring and their positions into the layer's fetch_idx/fetch_valid, and reads only their values.
+are candidates; two launches per layer on the side stream (`rerank_rows`), one program per
+candidate in each (like the transfer's one per row): the first reads a candidate's fp key and
+scores it (the score of kernels.rerank_exact), the second ranks it among its kv head's and, if it
+is among the k best, writes its key to the ring, its position to the layer's fetch_idx/fetch_valid
+and reads its value.
 Bus bytes per layer and kv head: N*k keys + k values instead of k keys + k values (N = 2: 1.5x),
 all on the side stream; the main stream only stages the candidates and the selecting query rows
 and their lse.
@@ -164,84 +166,122 @@ def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand
 
 
 @triton.jit
-def _rerank_rows_kernel(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q, lse, new_k, new_v,
-                        new_pos_ptr, sm_scale, S, C, K, D, M, R: tl.constexpr, RING, OFF, HAS_NEW: tl.constexpr,
-                        DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv,): rerank_rows_ref for one kv head. The C candidate keys are read once (UVA on
-    CUDA) and stay in registers; the M = G*R query rows (row m = g*R + r) score them in one dot; a
-    candidate's slot is its rank (the number of candidates that beat it, ties to the lower index),
-    so the top-K needs no sort; only the K winners' values are read."""
+def _rerank_score_kernel(host_k, cand, cand_valid, q, lse, new_k, new_pos_ptr, keys, score, sm_scale, S, C, D, M,
+                         R: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, C): program (bh, c) reads candidate c's fp key (UVA on CUDA; the token's own row
+    from new_k), keeps it in the device scratch keys [B*Hkv, C, D] and writes its score
+    score[bh, c] = max over r of sum over g of exp(sm_scale * q_{g,r} . k_c - lse_{g,r}) (-1: not
+    a candidate) for the kv head's M = G*R query rows (row m = g*R + r). One host row per program,
+    as in the transfer: the reads are in flight together instead of one kv head's C rows in turn."""
     bh = tl.program_id(0).to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_C)
+    c = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     offs_m = tl.arange(0, BLOCK_M)
-    c_ok, d_ok, m_ok = offs_c < C, offs_d < D, offs_m < M
-    idx = tl.load(cand + bh * C + offs_c, mask=c_ok, other=0).to(tl.int64)
-    ok = c_ok & (tl.load(cand_valid + bh * C + offs_c, mask=c_ok, other=0) != 0)
-    in_range = c_ok & (idx >= 0) & (idx < S)
+    d_ok, m_ok = offs_d < D, offs_m < M
+    i = tl.load(cand + bh * C + c).to(tl.int64)
+    ok = tl.load(cand_valid + bh * C + c) != 0
+    in_range = (i >= 0) & (i < S)
     new_pos = -1
     if HAS_NEW:
         new_pos = tl.load(new_pos_ptr).to(tl.int64)
-    from_new = in_range & (idx == new_pos)
-    rows = (bh * S + idx)[:, None] * D + offs_d[None, :]
-    cd = in_range[:, None] & d_ok[None, :]
-    keys = tl.load(host_k + rows, mask=cd & ~from_new[:, None], other=0.0)
+    # (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)
+    key = tl.load(host_k + (bh * S + i) * D + offs_d, mask=offs_d < tl.where(in_range & (i != new_pos), D, 0),
+                  other=0.0)
     if HAS_NEW:
-        nk = tl.load(new_k + bh * D + offs_d, mask=d_ok, other=0.0).to(keys.dtype)
-        keys = tl.where(from_new[:, None], nk[None, :], keys)
-    # score[c] = max over r of sum over g of exp(sm_scale * q_{g,r} . k_c - lse_{g,r})
+        take = offs_d < tl.where(in_range & (i == new_pos), D, 0)
+        key = tl.where(take, tl.load(new_k + bh * D + offs_d, mask=take, other=0.0).to(key.dtype), key)
+    key = key.to(keys.dtype.element_ty)  # the ring's dtype: what gets scored is what gets fetched
+    tl.store(keys + (bh * C + c) * D + offs_d, key, mask=d_ok)
     qm = tl.load(q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    logits = tl.dot(qm.to(keys.dtype), tl.trans(keys), input_precision=DOT) * sm_scale  # [BLOCK_M, BLOCK_C] fp32
-    lse_m = tl.load(lse + bh * M + offs_m, mask=m_ok, other=float("inf"))
-    p = tl.exp(logits - lse_m[:, None])
-    score = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for r in tl.static_range(R):
-        score = tl.maximum(score, tl.sum(tl.where(((offs_m % R) == r)[:, None], p, 0.0), 0))
-    score = tl.where(ok, score, -1.0)
-    # rank[c] = #{c' : score[c'] > score[c], or equal with c' < c}
-    s_row = tl.reshape(score, [1, BLOCK_C])
-    s_col = tl.reshape(score, [BLOCK_C, 1])
-    beats = (s_row > s_col) | ((s_row == s_col) & (offs_c[None, :] < offs_c[:, None]))
-    rank = tl.sum((beats & c_ok[None, :]).to(tl.int32), 1)
-    keep = c_ok & (rank < K)
-    slot = bh * RING + OFF + rank
-    tl.store(fetch_idx + slot, idx, mask=keep)
-    tl.store(fetch_valid + slot, (score >= 0).to(tl.int8), mask=keep)
-    dst = slot[:, None] * D + offs_d[None, :]
-    kd = keep[:, None] & d_ok[None, :]
-    tl.store(ring_k + dst, keys.to(ring_k.dtype.element_ty), mask=kd)
-    vals = tl.load(host_v + rows, mask=kd & in_range[:, None] & ~from_new[:, None], other=0.0)
+    logits = tl.sum(qm.to(tl.float32) * key.to(tl.float32)[None, :], 1) * sm_scale  # [BLOCK_M]
+    p = tl.exp(logits - tl.load(lse + bh * M + offs_m, mask=m_ok, other=float("inf")))
+    best = tl.sum(tl.where((offs_m % R) == 0, p, 0.0), 0)
+    for r in tl.static_range(1, R):
+        best = tl.maximum(best, tl.sum(tl.where((offs_m % R) == r, p, 0.0), 0))
+    tl.store(score + bh * C + c, tl.where(ok, best, -1.0))
+
+
+@triton.jit
+def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, keys, score, new_k, new_v,
+                        new_pos_ptr, S, C, K, D, RING, OFF, HAS_NEW: tl.constexpr, BLOCK_C: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, C + 1): program (bh, c < C) ranks candidate c among its kv head's C scores (the
+    number of candidates that beat it, ties to the lower index), so the top-K needs no sort; if its
+    rank is below K it writes ring slot OFF + rank: the key from the scratch, the value from the
+    host (UVA; the token's own row from new_v), its position and validity (score >= 0). Only the K
+    winners' values cross the bus. Program C writes the step's token to host row new_pos."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    new_pos = -1
     if HAS_NEW:
-        nv = tl.load(new_v + bh * D + offs_d, mask=d_ok, other=0.0).to(vals.dtype)
-        vals = tl.where(from_new[:, None], nv[None, :], vals)
-    tl.store(ring_v + dst, vals.to(ring_v.dtype.element_ty), mask=kd)
-    if HAS_NEW:  # the token's own row to the host (read above from new_k/new_v, never from the host)
-        ok_new = offs_d < tl.where((new_pos >= 0) & (new_pos < S), D, 0)  # (scalar limit: see the transfer kernel)
-        tl.store(host_k + (bh * S + new_pos) * D + offs_d, nk.to(host_k.dtype.element_ty), mask=ok_new)
-        tl.store(host_v + (bh * S + new_pos) * D + offs_d, nv.to(host_v.dtype.element_ty), mask=ok_new)
+        new_pos = tl.load(new_pos_ptr).to(tl.int64)
+    if c < C:
+        offs_c = tl.arange(0, BLOCK_C)
+        mine = tl.load(score + bh * C + c)
+        others = tl.load(score + bh * C + offs_c, mask=offs_c < C, other=-2.0)  # (-2 beats nothing)
+        rank = tl.sum(((others > mine) | ((others == mine) & (offs_c < c))).to(tl.int32), 0)
+        if rank < K:
+            i = tl.load(cand + bh * C + c).to(tl.int64)
+            in_range = (i >= 0) & (i < S)
+            slot = bh * RING + OFF + rank
+            tl.store(fetch_idx + slot, i)
+            tl.store(fetch_valid + slot, (mine >= 0).to(tl.int8))
+            dst = slot * D + offs_d
+            tl.store(ring_k + dst, tl.load(keys + (bh * C + c) * D + offs_d, mask=d_ok), mask=d_ok)
+            val = tl.load(host_v + (bh * S + i) * D + offs_d, mask=offs_d < tl.where(in_range & (i != new_pos), D, 0),
+                          other=0.0).to(ring_v.dtype.element_ty)
+            if HAS_NEW:
+                take = offs_d < tl.where(in_range & (i == new_pos), D, 0)
+                val = tl.where(take, tl.load(new_v + bh * D + offs_d, mask=take, other=0.0).to(val.dtype), val)
+            tl.store(ring_v + dst, val, mask=d_ok)
+    else:
+        if HAS_NEW:  # the token's own row to the host (its candidate copies came from new_k/new_v)
+            ok = offs_d < tl.where((new_pos >= 0) & (new_pos < S), D, 0)
+            dst = (bh * S + new_pos) * D + offs_d
+            tl.store(host_k + dst, tl.load(new_k + bh * D + offs_d, mask=ok, other=0.0).to(host_k.dtype.element_ty),
+                     mask=ok)
+            tl.store(host_v + dst, tl.load(new_v + bh * D + offs_d, mask=ok, other=0.0).to(host_v.dtype.element_ty),
+                     mask=ok)
+
+
+def rerank_scratch(B, Hkv, C, D, dtype, device):
+    """Device scratch of the two re-ranking launches: the candidates' fp keys and their scores."""
+    return (torch.empty(B, Hkv, C, D, dtype=dtype, device=device),
+            torch.empty(B, Hkv, C, dtype=torch.float32, device=device))
 
 
 def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
-                       sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
+                       sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0, scratch=None):
+    """rerank_rows_ref in two launches with one program per candidate (score, then rank and pick).
+    scratch: rerank_scratch(...) (the Prefetcher preallocates one, shared by its layers: the side
+    stream runs them in turn); allocated here when None."""
     B, Hkv, S, D = host_k.shape
     C, (H, R) = cand.shape[2], q_rows.shape[1:3]
     for t in (host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid):
         assert t.is_contiguous()
-    any_t = ring_k
-    M = H // Hkv * R
-    _rerank_rows_kernel[(B * Hkv,)](
-        host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid.view(torch.int8), cand.contiguous(),
-        cand_valid.contiguous().view(torch.int8), q_rows.contiguous(), lse_rows.float().contiguous(),
-        new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
-        new_pos if new_pos is not None else any_t, float(sm_scale), S, C, min(ring_k.shape[2] - ring_off, C), D, M, R,
-        ring_k.shape[2], ring_off, HAS_NEW=new_k is not None, DOT=kernels._dot_precision(host_k.dtype),
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_C=max(16, triton.next_power_of_2(C)),
-        BLOCK_D=max(16, triton.next_power_of_2(D)))
+    keys, score = scratch if scratch is not None else rerank_scratch(B, Hkv, C, D, ring_k.dtype, ring_k.device)
+    assert keys.shape == (B, Hkv, C, D) and keys.dtype == ring_k.dtype and score.shape == (B, Hkv, C)
+    has_new, any_t = new_k is not None, ring_k  # absent inputs: any valid pointer
+    new_k, new_v, pos = (new_k.contiguous(), new_v.contiguous(), new_pos) if has_new else (any_t, any_t, any_t)
+    cand, M, BLOCK_D = cand.contiguous(), H // Hkv * R, triton.next_power_of_2(D)
+    _rerank_score_kernel[(B * Hkv, C)](
+        host_k, cand, cand_valid.contiguous().view(torch.int8), q_rows.contiguous(), lse_rows.float().contiguous(),
+        new_k, pos, keys, score, float(sm_scale), S, C, D, M, R,
+        HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D)
+    _rerank_pick_kernel[(B * Hkv, C + 1)](
+        host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid.view(torch.int8), cand, keys, score, new_k, new_v, pos,
+        S, C, min(ring_k.shape[2] - ring_off, C), D, ring_k.shape[2], ring_off,
+        HAS_NEW=has_new, BLOCK_C=triton.next_power_of_2(C), BLOCK_D=BLOCK_D)
 
 
-def rerank_rows(*args, **kw):
-    """The re-ranking transfer on the current stream: the Triton kernel when the ring is on CUDA, else the reference."""
-    (rerank_rows_triton if args[2].is_cuda else rerank_rows_ref)(*args, **kw)
+def rerank_rows(*args, scratch=None, **kw):
+    """The re-ranking transfer on the current stream: the Triton kernels when the ring is on CUDA, else the reference."""
+    if args[2].is_cuda:
+        rerank_rows_triton(*args, scratch=scratch, **kw)
+    else:
+        rerank_rows_ref(*args, **kw)
 
 
 @triton.jit
@@ -434,6 +474,9 @@ class Prefetcher:
         self.host_k, self.host_v = torch.zeros(shape, **host), torch.zeros(shape, **host)
         self.rings = [None] * n_layers  # [ring_k, ring_v, ...]: what the side stream writes, per layer
         self.ring_off = 0
+        self.rerank_scratch = None  # re-ranking's device scratch (CUDA), one for all layers: they run in turn
+        if self.on_cuda and select_rows is not None:
+            self.rerank_scratch = rerank_scratch(batch, n_kv_heads, self.key_rows, head_dim, dtype, device)
         self.pid = next(_ids)
         _PREFETCHERS[self.pid] = self
         if self.async_ops:
@@ -560,7 +603,7 @@ class Prefetcher:
             self._append_host(layer, new_k, new_v, new_pos)
             new_k = new_v = new_pos = None
         rerank_rows(self.host_k[layer], self.host_v[layer], *bufs, cand, cand_valid, q_rows, lse_rows, sm_scale,
-                    new_k, new_v, new_pos, self.ring_off)
+                    new_k, new_v, new_pos, self.ring_off, scratch=self.rerank_scratch)
 
     def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
         """The transfer itself, on the current stream (re-ranking's, `_rerank`, reads over UVA with

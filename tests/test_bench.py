@@ -213,7 +213,7 @@ def test_random_weights_of_a_known_config_and_kernel_table(tmp_path):
                       "--kernel-bits", "1", "--kernel-reps", "2", "--bandwidth-mb", "8", "--threads", "1"])
     names = [r["kernel"] for r in res["kernels"]]
     assert names[0].startswith("full-cache SDPA") and any("1-bit attention" in n for n in names)
-    assert any("top-k" in n for n in names) and any("fetch" in n for n in names)
+    assert any("top-k" in n for n in names) and any("fetch" in n for n in names) and any("re-rank" in n for n in names)
     for r in res["kernels"]:
         assert r["bytes"] > 0 and r["us"] > 0 and r["floor_us_h100"] == pytest.approx(r["bytes"] / 3350e9 * 1e6)
 

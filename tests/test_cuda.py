@@ -111,6 +111,50 @@ def test_transfer_from_pinned_host_memory_is_exact(with_new):
         assert torch.equal(a.cpu(), b)
 
 
+@pytest.mark.parametrize("R", [1, 2])
+def test_rerank_from_pinned_host_memory_keeps_the_best_candidates(R):
+    """Re-ranking's two launches at Llama-3.1-8B shapes (bf16; 8 kv heads of 4 query heads, R
+    selecting tokens; 128 candidates for 64 slots after 4 sinks) reading pinned host memory: the
+    reference's picks (near-ties may swap), each slot holding the key and value of the position it
+    records (the token's from new_k/new_v), the token written to the host."""
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, G, S, D, C, K, off = 1, 8, 4, 4096, 128, 128, 64, 4
+    host = [torch.randn(B, Hkv, S, D, generator=g).to(torch.bfloat16) for _ in range(2)]
+    cand = torch.stack([torch.randperm(S, generator=g)[:C] for _ in range(B * Hkv)]).view(B, Hkv, C)
+    cand[0, 0, 3] = 77
+    valid = torch.ones(B, Hkv, C, dtype=torch.bool)
+    valid[0, 1, 40:], cand[0, 1, 40:] = False, 0  # 40 valid candidates for 64 slots
+    q = torch.randn(B, Hkv * G, R, D, generator=g).to(torch.bfloat16)
+    lse = torch.rand(B, Hkv * G, R, generator=g) + 3
+    new = [torch.randn(B, Hkv, 1, D, generator=g).to(torch.bfloat16) for _ in range(2)]
+    new[0][0, 0, 0] = q[0, 0, 0]  # the token's candidate scores high: its copy must come from new_k/new_v
+    pos, sm = torch.tensor(77), D ** -0.5
+    keys = host[0].gather(2, cand[..., None].expand(-1, -1, -1, D))
+    keys[0, 0, 3] = new[0][0, 0, 0]
+    score = torch.where(valid, kernels._fp_row_scores(q, lse, keys, sm), -1.0)  # every candidate's exact score
+    want = score.topk(K, dim=-1)
+    fetch = [torch.zeros(B, Hkv, off + K, D, dtype=torch.bfloat16, device=DEV) for _ in range(2)] + \
+            [torch.full((B, Hkv, off + K), -1, device=DEV), torch.zeros(B, Hkv, off + K, dtype=torch.bool, device=DEV)]
+    pinned = [h.pin_memory() for h in host] if ON_GPU else [h.clone() for h in host]
+    (prefetch.rerank_rows if ON_GPU else prefetch.rerank_rows_triton)(
+        *pinned, *fetch, on(cand), on(valid), on(q), on(lse), sm, *on(tuple(new)), on(pos), ring_off=off)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    ring_k, ring_v, idx, ok = (t[:, :, off:].cpu() for t in fetch)
+    assert torch.equal(pinned[0][:, :, 77], new[0][:, :, 0]) and torch.equal(pinned[1][:, :, 77], new[1][:, :, 0])
+    # (candidate of each picked position: positions are distinct within a kv head)
+    which = (idx[..., :, None] == cand[..., None, :]).float().argmax(-1)
+    got_score = score.gather(-1, which)
+    no_pick = lambda s, i: torch.where(s >= 0, i, 0)  # noqa: E731 (invalid candidates: index 0, as in topk_lowbit)
+    assert_same_topk((got_score, no_pick(got_score, which)), (want.values, no_pick(*want)), rtol=1e-4)
+    assert torch.equal(ok, got_score >= 0) and int(ok.sum()) == B * Hkv * K - 24
+    for h, ring in zip(host, (ring_k, ring_v)):
+        rows = h.gather(2, idx[..., None].expand(-1, -1, -1, D))
+        rows[idx == 77] = (new[0] if ring is ring_k else new[1])[0, 0, 0]
+        assert torch.equal(ring[ok], rows[ok])
+    assert (idx == 77).sum() == 1
+
+
 # ---- end to end: tiny random model ---------------------------------------------------------------
 def run_tiny(cache: str, device, dtype=torch.float32, new=24, step_fn=decode_step, seed=3, logits=None):
     model = tiny_model().to(device=device, dtype=dtype)

@@ -224,10 +224,10 @@ def test_rerank_on_the_side_stream_lands_late_and_reads_staged_inputs():
 @needs_interpreter
 @pytest.mark.parametrize("with_new,R,off", [(True, 1, 4), (False, 2, 0)])
 def test_triton_rerank_matches_reference(with_new, R, off):
-    """The fused re-ranking kernel (one program per kv head: candidate keys, scores, rank-as-slot
-    top-k, values) against the torch reference: same rows in the same slots, the same positions
-    and validity, the token written to the host; one kv head with 6 valid candidates for 8 slots,
-    one candidate the token."""
+    """The re-ranking kernels (one program per candidate: its key and score into the scratch, then
+    its rank as its slot and, for the k best, its value) against the torch reference: same rows in
+    the same slots, the same positions and validity, the token written to the host; one kv head
+    with 6 valid candidates for 8 slots, one candidate the token."""
     g = torch.Generator().manual_seed(0)
     B, Hkv, G, S, D, C, K = 2, 3, 3, 64, 40, 16, 8
     host = [torch.randn(B, Hkv, S, D, generator=g) for _ in range(2)]
@@ -239,6 +239,8 @@ def test_triton_rerank_matches_reference(with_new, R, off):
     q, lse = torch.randn(B, Hkv * G, R, D, generator=g), torch.rand(B, Hkv * G, R, generator=g) + 3
     new = [torch.randn(B, Hkv, 1, D, generator=g) for _ in range(2)] if with_new else [None, None]
     pos = torch.tensor(17) if with_new else None
+    if with_new:  # the token's candidate wins its kv head: its key and value must come from new_k/new_v
+        new[0][1, 2, 0] = 3 * q[1, 2 * G, 0]
     outs = []
     for fn in (prefetch.rerank_rows_ref, prefetch.rerank_rows_triton):
         hk, hv = (h.clone() for h in host)
@@ -251,8 +253,10 @@ def test_triton_rerank_matches_reference(with_new, R, off):
     assert torch.equal(ref_ok, tri_ok) and int(ref_ok.sum()) == B * Hkv * K - 2
     assert torch.equal(ref_idx[ref_ok], tri_idx[tri_ok]) and (tri_idx[:, :, :off] == -1).all()
     assert torch.equal(ref_k[ref_ok], tri_k[tri_ok]) and torch.equal(ref_v[ref_ok], tri_v[tri_ok])
+    assert (tri_idx[:, :, off:] >= 0).all()  # every slot written: tied (invalid) candidates take distinct ranks
     if with_new:
         assert torch.equal(tk[:, :, 17], new[0][:, :, 0])
+        assert tri_idx[1, 2, off] == 17 and torch.equal(tri_v[1, 2, off], new[1][1, 2, 0])
 
 
 @needs_interpreter
