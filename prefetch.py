@@ -83,6 +83,28 @@ def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos
                 ring.copy_(rows)
 
 
+# (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)
+@triton.jit
+def _host_row(host, new, bh, i, new_pos, S, D, offs, HAS_NEW: tl.constexpr):
+    """Row i of kv head bh of one layer's host store [B*Hkv, S, D] (UVA on CUDA), zeros when out of
+    range; the step's token (i == new_pos) from new [B*Hkv, D]: its host row may not be written yet."""
+    in_range = (i >= 0) & (i < S)
+    row = tl.load(host + (bh * S + i) * D + offs, mask=offs < tl.where(in_range & (i != new_pos), D, 0), other=0.0)
+    if HAS_NEW:
+        take = offs < tl.where(in_range & (i == new_pos), D, 0)
+        row = tl.where(take, tl.load(new + bh * D + offs, mask=take, other=0.0).to(row.dtype), row)
+    return row
+
+
+@triton.jit
+def _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs):
+    """The step's token new_k/new_v [B*Hkv, D] to host row new_pos of kv head bh (none when out of range)."""
+    ok = offs < tl.where((new_pos >= 0) & (new_pos < S), D, 0)
+    dst = (bh * S + new_pos) * D + offs
+    tl.store(host_k + dst, tl.load(new_k + bh * D + offs, mask=ok, other=0.0).to(host_k.dtype.element_ty), mask=ok)
+    tl.store(host_v + dst, tl.load(new_v + bh * D + offs, mask=ok, other=0.0).to(host_v.dtype.element_ty), mask=ok)
+
+
 @triton.jit
 def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF,
                           HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -91,35 +113,21 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
     bh = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
-    new_pos = -1
+    new_pos = -1  # (no row is the token without HAS_NEW)
     if HAS_NEW:
         new_pos = tl.load(new_pos_ptr).to(tl.int64)
-    # (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)
     if j < K:
         if HAS_IDX:
             i = tl.load(idx + bh * K + j).to(tl.int64)
-            valid = (i >= 0) & (i < S)
-            from_new = i == new_pos  # never true without HAS_NEW (new_pos = -1)
-            ok = offs < tl.where(valid, D, 0)
-            src = (bh * S + i) * D + offs
-            from_host = offs < tl.where(valid & (i != new_pos), D, 0)
-            take = offs < tl.where(from_new, D, 0)
+            ok = offs < tl.where((i >= 0) & (i < S), D, 0)
             dst = (bh * RING + OFF + j) * D + offs
-            kx = tl.load(host_k + src, mask=from_host, other=0.0).to(ring_k.dtype.element_ty)
-            vx = tl.load(host_v + src, mask=from_host, other=0.0).to(ring_v.dtype.element_ty)
-            if HAS_NEW:
-                kx = tl.where(take, tl.load(new_k + bh * D + offs, mask=take, other=0.0).to(ring_k.dtype.element_ty), kx)
-                vx = tl.where(take, tl.load(new_v + bh * D + offs, mask=take, other=0.0).to(ring_v.dtype.element_ty), vx)
-            tl.store(ring_k + dst, kx, mask=ok)
-            tl.store(ring_v + dst, vx, mask=ok)
+            kx = _host_row(host_k, new_k, bh, i, new_pos, S, D, offs, HAS_NEW)
+            vx = _host_row(host_v, new_v, bh, i, new_pos, S, D, offs, HAS_NEW)
+            tl.store(ring_k + dst, kx.to(ring_k.dtype.element_ty), mask=ok)
+            tl.store(ring_v + dst, vx.to(ring_v.dtype.element_ty), mask=ok)
     else:
         if HAS_NEW:
-            ok = offs < tl.where((new_pos >= 0) & (new_pos < S), D, 0)
-            dst = (bh * S + new_pos) * D + offs
-            kn = tl.load(new_k + bh * D + offs, mask=ok, other=0.0)
-            vn = tl.load(new_v + bh * D + offs, mask=ok, other=0.0)
-            tl.store(host_k + dst, kn.to(host_k.dtype.element_ty), mask=ok)
-            tl.store(host_v + dst, vn.to(host_v.dtype.element_ty), mask=ok)
+            _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs)
 
 
 def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
@@ -144,7 +152,7 @@ def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, n
 
 
 # =============================================================================================
-# re-ranking's transfer: torch reference and Triton kernel (one launch per layer, side stream)
+# re-ranking's transfer: torch reference and Triton kernels (two launches per layer, side stream)
 # =============================================================================================
 def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
                     sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
@@ -180,17 +188,11 @@ def _rerank_score_kernel(host_k, cand, cand_valid, q, lse, new_k, new_pos_ptr, k
     d_ok, m_ok = offs_d < D, offs_m < M
     i = tl.load(cand + bh * C + c).to(tl.int64)
     ok = tl.load(cand_valid + bh * C + c) != 0
-    in_range = (i >= 0) & (i < S)
     new_pos = -1
     if HAS_NEW:
         new_pos = tl.load(new_pos_ptr).to(tl.int64)
-    # (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)
-    key = tl.load(host_k + (bh * S + i) * D + offs_d, mask=offs_d < tl.where(in_range & (i != new_pos), D, 0),
-                  other=0.0)
-    if HAS_NEW:
-        take = offs_d < tl.where(in_range & (i == new_pos), D, 0)
-        key = tl.where(take, tl.load(new_k + bh * D + offs_d, mask=take, other=0.0).to(key.dtype), key)
-    key = key.to(keys.dtype.element_ty)  # the ring's dtype: what gets scored is what gets fetched
+    # the ring's dtype: what gets scored is what gets fetched
+    key = _host_row(host_k, new_k, bh, i, new_pos, S, D, offs_d, HAS_NEW).to(keys.dtype.element_ty)
     tl.store(keys + (bh * C + c) * D + offs_d, key, mask=d_ok)
     qm = tl.load(q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     logits = tl.sum(qm.to(tl.float32) * key.to(tl.float32)[None, :], 1) * sm_scale  # [BLOCK_M]
@@ -224,26 +226,16 @@ def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, 
         rank = tl.sum(((others > mine) | ((others == mine) & (offs_c < c))).to(tl.int32), 0)
         if rank < K:
             i = tl.load(cand + bh * C + c).to(tl.int64)
-            in_range = (i >= 0) & (i < S)
             slot = bh * RING + OFF + rank
             tl.store(fetch_idx + slot, i)
             tl.store(fetch_valid + slot, (mine >= 0).to(tl.int8))
             dst = slot * D + offs_d
             tl.store(ring_k + dst, tl.load(keys + (bh * C + c) * D + offs_d, mask=d_ok), mask=d_ok)
-            val = tl.load(host_v + (bh * S + i) * D + offs_d, mask=offs_d < tl.where(in_range & (i != new_pos), D, 0),
-                          other=0.0).to(ring_v.dtype.element_ty)
-            if HAS_NEW:
-                take = offs_d < tl.where(in_range & (i == new_pos), D, 0)
-                val = tl.where(take, tl.load(new_v + bh * D + offs_d, mask=take, other=0.0).to(val.dtype), val)
-            tl.store(ring_v + dst, val, mask=d_ok)
+            val = _host_row(host_v, new_v, bh, i, new_pos, S, D, offs_d, HAS_NEW)
+            tl.store(ring_v + dst, val.to(ring_v.dtype.element_ty), mask=d_ok)
     else:
         if HAS_NEW:  # the token's own row to the host (its candidate copies came from new_k/new_v)
-            ok = offs_d < tl.where((new_pos >= 0) & (new_pos < S), D, 0)
-            dst = (bh * S + new_pos) * D + offs_d
-            tl.store(host_k + dst, tl.load(new_k + bh * D + offs_d, mask=ok, other=0.0).to(host_k.dtype.element_ty),
-                     mask=ok)
-            tl.store(host_v + dst, tl.load(new_v + bh * D + offs_d, mask=ok, other=0.0).to(host_v.dtype.element_ty),
-                     mask=ok)
+            _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs_d)
 
 
 def rerank_scratch(B, Hkv, C, D, dtype, device):
