@@ -233,7 +233,7 @@ def test_compiled_step_equals_eager_with_one_graph(cache):
 
 
 # ---- the default model through the CLI -------------------------------------------------------------
-@pytest.mark.parametrize("cache", ["full", "kivi", "specache"])
+@pytest.mark.parametrize("cache", ["full", "kivi", "specache", "best"])  # best: `--preset best`
 def test_default_model_generate_compile(cache, capsys):
     if not (DEFAULT_CKPT / "config.json").exists():
         pytest.skip(f"default model not converted at {DEFAULT_CKPT} (python convert_hf.py smollm2 --out ...)")
@@ -243,7 +243,8 @@ def test_default_model_generate_compile(cache, capsys):
     from generate import main
     torch._dynamo.reset()
     main(["--checkpoint", str(DEFAULT_CKPT), "--prompt", "What is the capital of France?", "--chat", "--compile",
-          "--cache", cache, "--max-new-tokens", "24", "--json", "--quiet"])
+          *(["--preset", "best"] if cache == "best" else ["--cache", cache]),
+          "--max-new-tokens", "24", "--json", "--quiet"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["tokens"] and "Paris" in r["text"], r["text"]
 
