@@ -274,7 +274,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
         if not (a.compile and device.type == "cpu"):
             return f
         torch._dynamo.reset()
-        return torch.compile(f, fullgraph=True)
+        return generate.compile_step(device, f)
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
 

@@ -178,9 +178,14 @@ def primes_fetch(model) -> bool:
 
 
 def compile_step(device, fn=decode_step):
-    """The decode step (or `fn`, e.g. pre_decode for resync) as one fullgraph graph; a CUDA graph on CUDA."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    return torch.compile(fn, fullgraph=True, mode=mode)
+    """The decode step (or `fn`, e.g. pre_decode for resync) as one fullgraph graph; a CUDA graph on CUDA.
+    Inductor by default drops a 16-bit round trip inside a fused kernel (x.to(float16).float() stays
+    fp32); the quantizer picks its codes against the 16-bit zero and scale it stores (quant._lsq_refit),
+    so without emulate_precision_casts the compiled least-squares fit stores other zeros than eager's."""
+    options = {"emulate_precision_casts": True}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (mode and options exclude each other)
+    return torch.compile(fn, fullgraph=True, options=options)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------

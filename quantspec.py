@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import quant
-from generate import prefill, sample
+from generate import compile_step, prefill, sample
 
 
 # ---- the draft's weights ---------------------------------------------------------------------------
@@ -230,9 +230,8 @@ def compile_steps(device, gamma: int):
     """The draft step, the verify step (gamma + 1 tokens) and the commit, each one fullgraph graph
     (CUDA graphs on CUDA)."""
     if device.type != "cuda":
-        c = lambda f: torch.compile(f, fullgraph=True)  # noqa: E731
-        return c(draft_step), c(verify_step), c(commit)
-    d, v = (torch.compile(f, fullgraph=True, mode="reduce-overhead") for f in (draft_step, verify_step))
+        return compile_step(device, draft_step), compile_step(device, verify_step), compile_step(device, commit)
+    d, v = (compile_step(device, f) for f in (draft_step, verify_step))
     # A CUDA graph's outputs live in its pool and the next replay of the same graph overwrites them:
     # gamma draft steps replay one graph, and each token feeds the next and the verify step. The
     # outputs (a token, a distribution, the logits) are small: copy them out.
@@ -241,4 +240,4 @@ def compile_steps(device, gamma: int):
 
     def verify(*a):
         return v(*a).clone()
-    return draft, verify, torch.compile(commit, fullgraph=True, mode="reduce-overhead")
+    return draft, verify, compile_step(device, commit)

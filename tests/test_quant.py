@@ -275,3 +275,20 @@ def test_quantizers_trace_without_graph_breaks():
     got = torch.compile(step, fullgraph=True, backend="eager")(k, v)
     for a, b in zip(got, step(k, v)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_compiled_least_squares_fit_stores_what_eager_stores(bits):
+    """The fit picks codes against the 16-bit zero and scale it stores. Inductor drops a fused 16-bit
+    round trip unless told to emulate eager's casts (generate.compile_step does): without that, a third
+    of these groups got another zero, and the compiled preset's tokens left eager's."""
+    from generate import compile_step
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, 128, 64, generator=g) * 2 + torch.randn(1, 3, 1, 64, generator=g)
+
+    def fit(x):
+        return quant._quantize(x, bits, 16, "tokens", fit="lsq")
+    torch._dynamo.reset()
+    got = compile_step(torch.device("cpu"), fit)(x)
+    for a, b in zip(got, fit(x)):
+        assert torch.equal(a, b)
