@@ -10,7 +10,7 @@
 2. speed: each kernel alone against its byte floor (bench.py --kernels: CUDA-graph replays after an L2
    flush), then whole compiled decode steps of Llama-3.1-8B shapes with random bf16 weights (bench.py
    --model Llama-3.1-8B --random-weights --compile; full, KIVI, SpeCache paper and best presets,
-   the best preset with equal-bytes re-ranking, ZipCache mixed; one process each) at 32k, QuantSpec
+   the best preset before re-ranking joined it, ZipCache mixed; one process each) at 32k, QuantSpec
    rounds (gamma 0 and 4) at 8k, then the steps at 8k, while the time budget lasts. Each run's
    output is kept beside its JSON (.log).
 Prints one summary table (then the speed tables) and exits non-zero on any failure. It needs only
@@ -28,14 +28,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 
 
-def run(cmd, timeout, env=None):
+def run(cmd, timeout, log: Path, env=None):
+    """Run cmd with its stdout and stderr written to `log` as they come, so a run that is cut (by the
+    timeout here, or by a limit around this script) leaves what it had done. Returns (exit code or
+    None if timed out, output, seconds)."""
     t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1, timeout))
-        return r.returncode, r.stdout, r.stderr, time.perf_counter() - t0
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return None, out, "timed out", time.perf_counter() - t0
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            code = p.wait(timeout=max(1, timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            code = None
+    return code, log.read_text(errors="replace"), time.perf_counter() - t0
 
 
 def pytest_rows(xml_path: Path) -> list[dict]:
@@ -55,8 +61,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / ".cache" / "gpu-check", help="where the JSON/markdown results go")
     p.add_argument("--budget-s", type=float, default=600,
-                   help="stop starting speed runs past this many seconds (on an H100: the CUDA tests took 155-225 s, "
-                        "the kernels ~35 s, each compiled Llama-3.1-8B step at 32k ~100-200 s, most of it compiling)")
+                   help="stop starting speed runs past this many seconds (on an H100: the CUDA tests ~115 s, plus "
+                        "50-250 s for each of the default model's four compiled-CLI checks when it is converted; "
+                        "the kernels ~35 s, each compiled Llama-3.1-8B step at 32k ~100-240 s, most of it compiling)")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--dry-run-cpu", action="store_true", help="run the same plumbing on CPU at toy sizes (tests the "
                    "script on a machine without a GPU; its numbers mean nothing)")
@@ -84,13 +91,15 @@ def main(argv=None):
 
     rows = []
     xml = a.out / "pytest-cuda.xml"
-    code, out, err, secs = run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                                f"--junitxml={xml}", "tests/test_cuda.py"], timeout=max(240, left()), env=env)
+    # -v: the log names each test as it ends, so a cut run still says which passed
+    code, out, secs = run([sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider",
+                           f"--junitxml={xml}", "tests/test_cuda.py"], timeout=max(240, left()),
+                          log=a.out / "pytest-cuda.log", env=env)
     if xml.exists():
         rows += pytest_rows(xml)
     if code not in (0, 5) or not xml.exists():
         rows.append(dict(check="pytest -m cuda", status="FAIL", seconds=secs,
-                         note=("timed out" if code is None else (out + err).strip().splitlines()[-1][:120] if (out + err).strip() else "")))
+                         note=("timed out" if code is None else out.strip().splitlines()[-1][:120] if out.strip() else "")))
 
     speed_md = []
     if not a.skip_speed:
@@ -101,8 +110,8 @@ def main(argv=None):
                      "--device", "cpu", "--kernel-reps", "2", "--bandwidth-mb", "8"]
             big, small, steps = "512", "256", ["--warmup", "1", "--steps", "2"]
         # one process per cache (each compiles its own graph): a slow compile costs one row, not the rest
-        # (the preset's equal-bus-bytes re-ranking variant beside it: issue #11 waits on its step time)
-        caches = ["full", "kivi", "specache", "specache-1bit-best", "specache-1bit-best-rr2-k64-r64",
+        # (beside the preset, the one before it: k 96, no re-ranking, the same bus bytes)
+        caches = ["full", "kivi", "specache", "specache-1bit-best", "specache-1bit-best-rr1-k96-r32",
                   "kivi-2bit-zipcache-s40-hi4"]
         plans = [(f"kernels alone, {big}", bench + ["--kernels", "--contexts", big], "kernels.json")]
         plans += [(f"compiled step {c}, {big}", bench + ["--compile", "--contexts", big, "--caches", c, *steps],
@@ -115,14 +124,15 @@ def main(argv=None):
             if left() < (30 if "kernels" in name else 120):  # a compiled step needs ~100 s on an H100
                 rows.append(dict(check=name, status="not run", seconds=0.0, note="time budget spent (--budget-s)"))
                 continue
-            code, out, err, secs = run(cmd + ["--json", str(a.out / fname)], timeout=left(), env=env)
-            (a.out / fname).with_suffix(".log").write_text(out + err)  # progress lines, tracebacks
+            # progress lines and tracebacks go to the .log beside the JSON
+            code, out, secs = run(cmd + ["--json", str(a.out / fname)], timeout=left(),
+                                  log=(a.out / fname).with_suffix(".log"), env=env)
             ok = code == 0 and (a.out / fname).exists()
             # a speed run the budget cut short is not a failure of the code: "cut", not FAIL
             status = "pass" if ok else ("cut" if code is None else "FAIL")
             rows.append(dict(check=name, status=status, seconds=secs,
                              note="" if ok else ("budget ran out (--budget-s)" if code is None
-                                                 else (err.strip().splitlines() or [""])[-1][:120])))
+                                                 else (out.strip().splitlines() or [""])[-1][:120])))
             if ok:
                 speed_md.append((a.out / fname).with_suffix(".md").read_text())
 

@@ -276,21 +276,22 @@ def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monke
     clock = [0.0]
     monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
 
-    def fake_run(cmd, timeout, env=None, fail_test=False):
+    def fake_run(cmd, timeout, log, env=None, fail_test=False):
         clock[0] += 100.0
+        log.write_text("progress\n")
         if "pytest" in cmd:
             xml = next(c.split("=", 1)[1] for c in cmd if c.startswith("--junitxml="))
             bad = '<failure message="AssertionError: off"/>' if fail_test else ""
             with open(xml, "w") as f:
                 f.write(f'<testsuite><testcase name="test_a" time="1.0"/><testcase name="test_b" time="2.0">{bad}'
                         '</testcase></testsuite>')
-            return (1 if fail_test else 0), "", "", 100.0
+            return (1 if fail_test else 0), "", 100.0
         if "--compile" in cmd and "kivi" in cmd:  # cut by the budget
-            return None, "", "timed out", 100.0
+            return None, "progress\n", 100.0
         out = cmd[cmd.index("--json") + 1]
         open(out, "w").write("{}")
         open(out[:-len(".json")] + ".md", "w").write(f"table of {out}\n")
-        return 0, "", "", 100.0
+        return 0, "progress\n", 100.0
 
     monkeypatch.setattr(gpu_check, "run", fake_run)
     assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "500"]) == 0
@@ -305,3 +306,17 @@ def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monke
     assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "500", "--skip-speed"]) == 1
     rows = {r["check"]: r["status"] for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
     assert rows["test_b"] == "FAIL" and rows["pytest -m cuda"] == "FAIL"
+
+
+def test_gpu_check_run_keeps_the_output_of_a_cut_run(tmp_path):
+    """A sub-run the timeout kills leaves what it printed in its log (on the H100 a buffered pytest run
+    cut by an outer limit once left nothing)."""
+    import sys
+    import gpu_check
+    log = tmp_path / "x.log"
+    code, out, secs = gpu_check.run([sys.executable, "-c", "import sys, time; print('first line', flush=True); "
+                                     "print('to stderr', file=sys.stderr, flush=True); time.sleep(60)"], 3, log)
+    assert code is None and secs < 30 and "first line" in out and "to stderr" in out
+    assert log.read_text() == out
+    code, out, _ = gpu_check.run([sys.executable, "-c", "raise SystemExit(3)"], 30, log)
+    assert code == 3 and out == ""
