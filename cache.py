@@ -37,10 +37,13 @@ FETCH_IMPLS = ("uva", "staged")
 # Presets (--preset NAME, or NAME as a part of a cache name): defaults for a SpeCache configuration;
 # the name's other parts and explicit flags win over them. "paper" is Algorithm 3 with §4.1's settings
 # (the default); "best" is every choice the measurements on the default model favour (README,
-# "Speculation quality": eval.py hitrate / ppl / niah).
+# "Fetch policies and the recommended preset": eval.py hitrate / ppl / niah / ruler, and the H100
+# step times). Its k 64 rows are re-ranked from 2k low-bit candidates by their fp keys, which moves
+# 1.5x the paper's bus bytes (128 keys + 64 values); until 2026-11-23 it fetched k 96 rows with a
+# 32-token residual and no re-ranking (same bytes and device rows; `specache-Nbit-best-rr1-k96-r32`).
 PRESETS = {
     "paper": dict(fetch="speculative", group=64, k=64, residual=None, sinks=0),
-    "best": dict(fetch="resync", group=32, k=96, residual=32, sinks=4, fit="lsq"),
+    "best": dict(fetch="resync", group=32, k=64, residual=None, sinks=4, fit="lsq", rerank=2),  # residual 64
 }
 
 

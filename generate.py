@@ -195,8 +195,8 @@ def cache_flags(p):
                    help="full | kivi | specache, or a full name such as specache-2bit-oracle (see cache.CacheConfig)")
     p.add_argument("--preset", default=None, choices=["paper", "best"],
                    help="SpeCache settings: paper (Algorithm 3, §4.1; the default) or best (what the README's "
-                        "measurements favour: resync fetch, 4 sinks, group 32, 96 fetched rows for a 32-token residual, "
-                        "least-squares zero/scale); the name's "
+                        "measurements favour: resync fetch, 4 sinks, group 32, least-squares zero/scale, "
+                        "64 fetched rows re-ranked from 128 low-bit candidates by their fp keys); the name's "
                         "parts and flags win")
     p.add_argument("--bits", type=int, default=None, help="bits per code (default: the name's, else 1)")
     p.add_argument("--group", type=int, default=None, help="quantization group (default 64)")

@@ -268,9 +268,11 @@ def test_method_parsing():
     assert ev.expand_methods("kivi-2bit-lsq") == [C("kivi", bits=2, fit="lsq")]
     assert C.from_name("specache-lsq-1bit-resync").name == "specache-1bit-lsq-resync"
     assert C.from_name("specache-1bit-rr2-resync") == C("specache", bits=1, fetch="resync", rerank=2)
-    assert C.from_name("specache-1bit-best-rr2").name == "specache-1bit-lsq-resync-rr2-k96-g32-r32-sink4"
-    # the README's equal-bus-bytes variant: name parts after the preset override its k and residual
-    assert C.from_name("specache-2bit-best-rr2-k64-r64").name == "specache-2bit-lsq-resync-rr2-g32-sink4"
+    assert C.from_name("specache-1bit-best").name == "specache-1bit-lsq-resync-rr2-g32-sink4"
+    # name parts after the preset override it: the preset before 2026-11-23 (k 96, residual 32, no
+    # re-ranking), and that one with re-ranking (the README's tables)
+    assert C.from_name("specache-2bit-best-rr1-k96-r32").name == "specache-2bit-lsq-resync-k96-g32-r32-sink4"
+    assert C.from_name("specache-1bit-best-k96-r32").name == "specache-1bit-lsq-resync-rr2-k96-g32-r32-sink4"
     for bad, msg in (("kivi-3bit", "not available"), ("h2o", "unknown cache"),
                      ("kivi-2bit-orig", "only for 1 bit"), ("kivi-sequential", "SpeCache fetch policy"),
                      ("kivi-1bit-rr2", "SpeCache options"), ("specache-rr0", "must be >= 1"),
