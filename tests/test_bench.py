@@ -214,6 +214,7 @@ def test_random_weights_of_a_known_config_and_kernel_table(tmp_path):
     names = [r["kernel"] for r in res["kernels"]]
     assert names[0].startswith("full-cache SDPA") and any("1-bit attention" in n for n in names)
     assert any("top-k" in n for n in names) and any("fetch" in n for n in names) and any("re-rank" in n for n in names)
+    assert any("beside the 64-row fetch kernel" in n for n in names) and any("beside a copy-engine copy" in n for n in names)
     for r in res["kernels"]:
         assert r["bytes"] > 0 and r["us"] > 0 and r["floor_us_h100"] == pytest.approx(r["bytes"] / 3350e9 * 1e6)
 
