@@ -229,9 +229,9 @@ def generate_quantspec(model, draft, prompt: torch.Tensor, max_new_tokens: int, 
 def compile_steps(device, gamma: int):
     """The draft step, the verify step (gamma + 1 tokens) and the commit, each one fullgraph graph
     (CUDA graphs on CUDA)."""
+    d, v, c = (compile_step(device, f) for f in (draft_step, verify_step, commit))
     if device.type != "cuda":
-        return compile_step(device, draft_step), compile_step(device, verify_step), compile_step(device, commit)
-    d, v = (compile_step(device, f) for f in (draft_step, verify_step))
+        return d, v, c
     # A CUDA graph's outputs live in its pool and the next replay of the same graph overwrites them:
     # gamma draft steps replay one graph, and each token feeds the next and the verify step. The
     # outputs (a token, a distribution, the logits) are small: copy them out.
@@ -240,4 +240,4 @@ def compile_steps(device, gamma: int):
 
     def verify(*a):
         return v(*a).clone()
-    return draft, verify, compile_step(device, commit)
+    return draft, verify, c
