@@ -8,7 +8,7 @@
     python bench.py --compile --contexts 4096 --caches full,kivi,specache --hf                # side by side with HF
     python bench.py --floors --contexts 32768 --batch-sizes 1,16                              # byte floors, nothing runs
 
-Caches are cache.CacheConfig names (full, kivi-2bit, specache-1bit-sequential, ...); --bits/--k/--group/
+Caches are config.CacheConfig names (full, kivi-2bit, specache-1bit-sequential, ...); --bits/--k/--group/
 --residual/--quant apply to every low-bit name that does not set them. `NAME+2tok` feeds a
 non-speculative cache two tokens per step (the two-token cost without top-k or fetch).
 
@@ -35,15 +35,16 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor
 
 import torch  # noqa: E402
 
+import bench_kernels  # noqa: E402
 import generate  # noqa: E402
 import measure  # noqa: E402
+from bench_report import md_table, mb, report  # noqa: E402
 import quant  # noqa: E402
-from cache import CacheConfig  # noqa: E402
+from config import CacheConfig  # noqa: E402
+from measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402
 from model import KNOWN_CONFIGS, load_model, random_model  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
-H100_GBS = 3350.0  # H100 SXM HBM3 bandwidth, GB/s (the byte floors' reference device)
-PCIE_GBS = 50.0  # host-to-device over PCIe 5.0 x16: a nominal figure for the floors, not a measurement
 
 
 # ---- caches by name -----------------------------------------------------------------------------------
@@ -95,13 +96,6 @@ def prompt_ids(ckpt, n: int, vocab_size: int, source="essay", seed=0) -> tuple[l
             pass
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (n,), generator=g).tolist(), "random"
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the weights one decode step reads. An untied input embedding is only looked up (a few
-    rows), so it is left out; a tied one is read whole by the output projection."""
-    n = sum(p.nbytes for p in model.parameters())
-    return n - model.tok_embeddings.weight.nbytes if model.output is not None else n
 
 
 def cache_len(context: int, a) -> int:
@@ -216,11 +210,11 @@ def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
     for g in a.gammas:
         if a.compile:
             torch._dynamo.reset()
-        steps = quantspec.compile_steps(device, g) if a.compile else None
+        steps = generate.compile_quantspec_steps(device, g) if a.compile else None
         for n in (a.warmup + 1, n_new):  # a warm-up run (compiles), then the measured one on fresh caches
             caches, _, _ = generate.setup_caches(model, "quantspec", 1, context + n_new + g + 2, gamma=max(g, 1))
             quantspec.share_caches(draft, model)
-            out, st = quantspec.generate_quantspec(model, draft, prompt, n, g, steps=steps, sync=sync)
+            out, st = generate.generate_quantspec(model, draft, prompt, n, g, steps=steps, sync=sync)
         per_round = (st["accepted"] + st["rounds"]) / max(1, st["rounds"])
         c = caches[0]
         draft_read = draft_weight_bytes(draft) + sum(x.read_bytes(1, view=4) for x in caches)
@@ -238,126 +232,9 @@ def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
 
 
 # ---- kernels alone -------------------------------------------------------------------------------------
-def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=64):
-    """A SpeCache layer's cache filled with random codes and scales to `context` tokens, k fetched
-    rows and two query tokens: the inputs of the attention and top-k kernels at a model's shapes.
-    -> (cache, its LowBitKV, Fetched, q [1, Hkv*G, 2, D])."""
-    import kernels
-    from cache import LowBitCache
-    c = LowBitCache(1, Hkv, context + 128, D, dtype, device, CacheConfig("specache", bits=bits, group=group, k=k))
-    for name in ("k_codes", "v_codes"):
-        getattr(c, name).random_(0, 256, generator=g)
-    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
-        getattr(c, name).normal_(0, 0.1, generator=g)
-    c.n_quant.fill_(context // c.residual * c.residual)
-    c.res_len.fill_(c.residual // 2)
-    idx = torch.randperm(int(c.n_quant), generator=g, device=device)[:k].expand(1, Hkv, k).contiguous()
-    fetched = kernels.Fetched(torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype),
-                              torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype), idx,
-                              torch.ones(1, Hkv, k, dtype=torch.bool, device=device))
-    q2 = torch.randn(1, Hkv * G, 2, D, generator=g, device=device).to(dtype)
-    return c, c.stored(), fetched, q2
 
 
-@torch.no_grad()
-def kernel_rows(model, context: int, a, bw) -> list[dict]:
-    """Each decode-step kernel alone at the model's shapes, batch 1, `context` tokens: time, bytes it
-    must move, achieved GB/s, and its byte floor here and on an H100."""
-    import kernels
-    import prefetch
-    import torch.nn.functional as F
-
-    args = model.args
-    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
-    Hkv, G, D = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.head_dim
-    def wrap(f):  # a fresh compile per kernel: the closures differ, so dynamo would pile up recompiles
-        if not (a.compile and device.type == "cpu"):
-            return f
-        torch._dynamo.reset()
-        return generate.compile_step(device, f)
-    g = torch.Generator(device=device).manual_seed(0)
-    rows = []
-
-    def add(name, fn, nbytes, note=""):
-        t = measure.time_fn(fn, device, warmup=3, reps=a.kernel_reps)  # (the first warmup call compiles)
-        # on CUDA, eager calls pay Python launch overhead (custom op, Triton launcher): the kernels' own
-        # time is a CUDA graph's replay, cold L2 (what a compiled decode step sees)
-        tg = measure.time_fn(fn, device, warmup=2, reps=a.kernel_reps, graph=True) if device.type == "cuda" else t
-        rows.append(dict(kernel=name, context=context, bytes=nbytes, us=1e6 * tg["median_s"], us_min=1e6 * tg["min_s"],
-                         us_eager=1e6 * t["median_s"],
-                         achieved_gbs=nbytes / tg["median_s"] / 1e9, floor_us_here=1e6 * nbytes / (bw["copy_gbs"] * 1e9),
-                         floor_us_h100=1e6 * nbytes / (H100_GBS * 1e9), note=note))
-        print(f"#   {name}: {rows[-1]['us']:.1f} us (eager {rows[-1]['us_eager']:.1f})", file=sys.stderr, flush=True)
-
-    k = torch.randn(1, Hkv, context, D, generator=g, device=device).to(dtype)
-    q1 = torch.randn(1, Hkv * G, 1, D, generator=g, device=device).to(dtype)
-    mask = torch.ones(1, context, dtype=torch.bool, device=device)
-    sdpa = wrap(lambda: F.scaled_dot_product_attention(q1, k, k, attn_mask=mask, enable_gqa=True))
-    add("full-cache SDPA (1 token)", sdpa, 2 * k.nbytes, "fp16/bf16 K and V")
-    victim = None  # (name, fn, bytes): the first low-bit attention, timed beside the transfers below
-    for bits in a.kernel_bits:
-        c, store, fetched, q2 = lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=a.group or 64,
-                                                   k=a.k or 64)
-        K, idx = fetched.idx.shape[2], fetched.idx
-        attn = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale))
-        fbytes = fetched.k.nbytes + fetched.v.nbytes + idx.nbytes
-        add(f"{bits}-bit attention (2 tokens, {K} fetched)", attn, c.read_bytes(2) + fbytes)
-        victim = victim or (f"{bits}-bit attention", attn, c.read_bytes(2) + fbytes)
-        lse = torch.zeros(1, Hkv * G, device=device)
-        topk = wrap(lambda: kernels.topk_lowbit(q2[:, :, 1], lse, store, K, c.sm_scale, fetched))
-        key_bytes = kernels.lowbit_read_bytes(store._replace(v_codes=None, v_scale=None, v_zero=None), int(c.n_quant))
-        add(f"{bits}-bit speculative top-k (score + select)", topk, key_bytes + fetched.k.nbytes + idx.nbytes)
-    # the transfer: k rows of K and V per kv head from the host store
-    K = a.k or 64
-    hk, hv = (torch.randn(1, Hkv, context, D, generator=torch.Generator().manual_seed(1)).to(dtype) for _ in range(2))
-    if device.type == "cuda":  # pinned: read by the device over PCIe
-        hk, hv = hk.pin_memory(), hv.pin_memory()
-    rk, rv = (torch.zeros(1, Hkv, K, D, dtype=dtype, device=device) for _ in range(2))
-    idx = torch.randint(0, context, (1, Hkv, K), device=device)
-    new = torch.zeros(1, Hkv, 1, D, dtype=dtype, device=device)
-    pos = torch.tensor(context - 1, device=device)
-    add(f"fetch {K} rows of K and V per kv head (+ write 1)", lambda: prefetch.transfer_rows(hk, hv, rk, rv, idx, new, new, pos),
-        rk.nbytes + rv.nbytes, "host -> device over PCIe on CUDA")
-    # re-ranking's transfer (rr2): the keys of 2k low-bit candidates, the k best by exact score, their values
-    C = min(2 * K, context)
-    cand = torch.stack([torch.randperm(context, generator=g, device=device)[:C] for _ in range(Hkv)])[None]
-    fetch_idx, fetch_valid = torch.zeros_like(idx), torch.zeros(1, Hkv, K, dtype=torch.bool, device=device)
-    q_rows, lse_rows = q1, torch.full((1, Hkv * G, 1), 4.0, device=device)
-    scratch = prefetch.rerank_scratch(1, Hkv, C, D, dtype, device)
-    add(f"re-rank {C} candidate keys, fetch the {K} best's values (+ write 1)",
-        lambda: prefetch.rerank_rows(hk, hv, rk, rv, fetch_idx, fetch_valid, cand, torch.ones_like(cand, dtype=torch.bool),
-                                     q_rows, lse_rows, 1 / D ** 0.5, new, new, pos, scratch=scratch),
-        rk.nbytes * (C + K) // K, "host -> device over PCIe on CUDA: 2k keys + k values per kv head")
-    # The side stream's cost to the main stream. On the H100 (2026-11-23) a 16 KB main-stream copy that
-    # ran beside the transfer took 26 us. Here the main stream's low-bit attention runs with the fetch
-    # on a second stream, as in a decode step: the UVA kernel (SMs read host memory), then a copy-engine
-    # copy of the same bytes from one pinned block (no SMs). Without interference a pair takes the
-    # longer of its two times alone (rows above); with it, more.
-    dm = torch.get_device_module(device.type)
-    side = dm.Stream(device=device) if device.type == "cuda" else dm.Stream()
-    block = torch.randn(2, Hkv * K, D, generator=torch.Generator().manual_seed(2)).to(dtype)
-    block = block.pin_memory() if device.type == "cuda" else block
-    ring_block = torch.empty(2, Hkv * K, D, dtype=dtype, device=device)
-
-    def beside(fetch):
-        def step():
-            side.wait_stream(dm.current_stream(device))
-            with dm.stream(side):
-                fetch()
-            victim[1]()
-            dm.current_stream(device).wait_stream(side)
-        return step
-    if victim is not None:
-        add(f"{victim[0]} beside the {K}-row fetch kernel on a side stream",
-            beside(lambda: prefetch.transfer_rows(hk, hv, rk, rv, idx, new, new, pos)),
-            victim[2] + rk.nbytes + rv.nbytes, "no interference: the longer of the two alone")
-        add(f"{victim[0]} beside a copy-engine copy of the same bytes on a side stream",
-            beside(lambda: ring_block.copy_(block, non_blocking=True)),
-            victim[2] + ring_block.nbytes, "one pinned block, cudaMemcpyAsync on CUDA")
-    return rows
-
-
-# ---- byte floors, computed without running a model (issue #12's design numbers) --------------------------
+# ---- byte floors, computed without running a model -------------------------------------------
 def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
     """Per decode step: the bytes the weights (bf16) and each cache's kernels must read, and the PCIe bytes
     of SpeCache's fetch, from one layer's caches built at `context` and filled to it (no weights
@@ -491,109 +368,6 @@ def hf_section(a, ids, dtype, device) -> list[dict]:
 
 
 # ---- report ---------------------------------------------------------------------------------------------
-def md_table(header, rows) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(x) for x in row) + " |" for row in rows])
-
-
-def mb(n):
-    return "-" if n is None else f"{n / 2**20:.1f}"
-
-
-def report(res: dict) -> str:
-    env, bw, md = res["environment"], res["bandwidth"], []
-    md += [f"# bench.py: {env['device']} ({env['gpu'] or env['cpu']}), {env['dtype']}, {env['threads']} threads, "
-           f"compile={res['config']['compile']}, torch {env['torch']}, triton {env['triton']}, {env['date']}",
-           f"Model {res['model']} ({res['weight_bytes'] / 2**20:.0f} MiB of weights read per step), prompt: "
-           f"{res['prompt_source']}. Measured bandwidth: copy {bw['copy_gbs']:.1f} GB/s ((read+write)/time), "
-           f"streaming read {bw['read_gbs']:.1f} GB/s.", ""]
-    if res.get("grid"):
-        md += ["## Decode steps (median of timed steps; MiB = 2^20 bytes; tok/s = output tokens)", ""]
-        md.append(md_table(
-            ["cache", "context", "batch", "prefill s", "step ms (min, spread)", "tok/s", "KV device MiB", "host MiB",
-             "fetched MiB/step", "read MiB/step", "achieved GB/s", "of copy BW", "H100 floor ms", "CPU share"],
-            [[r["label"], r["context"], r["batch"], f"{r['prefill_s']:.2f}",
-              f"{r['step_ms_median']:.2f} ({r['step_ms_min']:.2f}, {r['spread_pct']:.0f}%)", f"{r['tok_s']:.1f}",
-              mb(r["kv_device_bytes"]), mb(r["kv_host_bytes"]), f"{r['fetch_bytes_per_step'] / 2**20:.2f}",
-              mb(r["read_bytes_per_step"]), f"{r['achieved_gbs']:.1f}", f"{100 * r['of_copy_bw']:.0f}%",
-              f"{r['floor_ms_h100']:.2f}", "-" if r["cpu_share"] is None else f"{r['cpu_share']:.2f}"]
-             for r in res["grid"]]))
-        md.append("\nCPU share: CPU time this process got / (wall time x threads) while it ran; well below ~0.8 means "
-                  "other processes competed for the cores (timings suspect).\n")
-        ratios = ratio_rows(res["grid"])
-        if ratios:
-            md += ["## Step time ratios (same context and batch)", "",
-                   md_table(["context", "batch", "step", "/ full", "/ kivi 1-token"],
-                            [[r["context"], r["batch"], r["label"], r["vs_full"], r["vs_kivi"]] for r in ratios]), ""]
-    prof = [r for r in res.get("grid", []) if "profile" in r]
-    if prof:
-        md += ["## CUDA profile of the timed steps (torch.profiler)", ""]
-        md.append(md_table(["cache", "context", "main busy ms/step", "fetch ms/step", "fetch overlapped", "top kernels (us/step)"],
-                           [[r["label"], r["context"], f"{r['profile'].get('main_busy_ms_per_step', 0):.2f}",
-                             f"{r['profile'].get('fetch_ms_per_step', 0):.3f}",
-                             "-" if r["profile"].get("overlap_frac") is None else f"{100 * r['profile']['overlap_frac']:.0f}%",
-                             "; ".join(f"{n}: {us:.0f}" for n, us in list(r["profile"].get("kernels_us_per_step", {}).items())[:6])]
-                            for r in prof]))
-        md.append("")
-    if res.get("kernels"):
-        md += ["## Kernels alone (batch 1; floor = bytes / bandwidth; on CUDA: a CUDA graph's replays after an L2 "
-               "flush, and eager calls with their launch overhead)", ""]
-        md.append(md_table(["kernel", "context", "bytes", "us (min)", "us eager", "achieved GB/s", "floor here us",
-                            "floor H100 us"],
-                           [[r["kernel"], r["context"], f"{r['bytes']:,}", f"{r['us']:.1f} ({r['us_min']:.1f})",
-                             f"{r.get('us_eager', r['us']):.1f}",
-                             f"{r['achieved_gbs']:.1f}", f"{r['floor_us_here']:.2f}", f"{r['floor_us_h100']:.2f}"]
-                            for r in res["kernels"]]))
-        md.append("")
-    b = res.get("budget")
-    if b:
-        md += [f"## Table 3: largest batch whose device KV fits {b['budget_gb']} GB and host copy {b['host_budget_gb']} GB "
-               f"(runs capped at batch {b['max_run_batch']})", ""]
-        md.append(md_table(["context", "cache", "KV MiB/row", "host MiB/row", "max batch", "run batch", "step ms", "tok/s",
-                            "vs full", "PCIe MiB/step"],
-                           [[r["context"], r["label"], mb(r["kv_bytes_per_row"]), mb(r["host_bytes_per_row"]), r["max_batch"],
-                             f"{r.get('run_batch', '-')}" + (" (capped)" if r.get("capped") else ""),
-                             f"{r['step_ms']:.2f}" if "step_ms" in r else "-", f"{r['tok_s']:.1f}" if "tok_s" in r else "-",
-                             f"{r['speedup_vs_full']:.2f}x" if "speedup_vs_full" in r else "-",
-                             mb(r.get("fetch_bytes_per_step"))] for r in b["rows"]]))
-        md += ["", "### Same batch for every cache (reviewers' Q6)", ""]
-        md.append(md_table(["context", "batch", "cache", "step ms", "tok/s", "vs full", "vs kivi", "KV device MiB"],
-                           [[r["context"], r["batch"], r["label"], f"{r['step_ms']:.2f}", f"{r['tok_s']:.1f}",
-                             f"{r['vs_full']:.2f}x" if r["vs_full"] else "-", f"{r['vs_kivi']:.2f}x" if r["vs_kivi"] else "-",
-                             mb(r["kv_device_bytes"])] for r in b.get("fixed", [])]))
-        md.append("")
-    if res.get("quantspec"):
-        md += ["## QuantSpec vs autoregressive decoding (batch 1, greedy)", ""]
-        md.append(md_table(["method", "context", "acceptance", "tokens/round", "tok/s", "read MiB/token",
-                            "H100 floor ms/token"],
-                           [[r["method"], r["context"], "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%",
-                             f"{r['tokens_per_round']:.2f}", f"{r['tok_s']:.1f}", mb(r["read_bytes_per_token"]),
-                             f"{r['floor_ms_per_token_h100']:.3f}"] for r in res["quantspec"]]))
-        md += ["", "read MiB/token: (gamma x one draft step's reads + one verify step's reads) / tokens per round; "
-               "a draft step reads INT4 weights and the upper INT4 planes, the verify step the model's weights and "
-               "both planes. Acceptance with random weights says nothing about a trained model.", ""]
-    if res.get("hf"):
-        md += [f"## Side by side with transformers (context {res['hf_context']}, batch 1)", ""]
-        md.append(md_table(["run", "prefill s", "step ms (min)", "tok/s"],
-                           [[r["name"], "skipped: " + r["skipped"], "", ""] if "skipped" in r else
-                            [r["name"], f"{r['prefill_s']:.2f}", f"{r['step_ms_median']:.2f} ({r['step_ms_min']:.2f})",
-                             f"{r['tok_s']:.1f}"] for r in res["hf"]]))
-        md.append("")
-    return "\n".join(md)
-
-
-def ratio_rows(grid) -> list[dict]:
-    by = {(r["context"], r["batch"], r["label"]): r for r in grid}
-    out = []
-    for r in grid:
-        full = next((x for (c, b, lb), x in by.items() if (c, b) == (r["context"], r["batch"]) and lb == "full"), None)
-        kivi = next((x for (c, b, lb), x in by.items() if (c, b) == (r["context"], r["batch"]) and lb.startswith("kivi")
-                     and x["step_tokens"] == 1), None)
-        if r["label"] != "full" and (full or kivi):
-            f = lambda x: f"{r['step_ms_median'] / x['step_ms_median']:.2f}x" if x else "-"  # noqa: E731
-            out.append({"context": r["context"], "batch": r["batch"], "label": r["label"], "vs_full": f(full),
-                        "vs_kivi": f(kivi)})
-    return out
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------
@@ -739,7 +513,7 @@ def main(argv=None):
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     runner = Runner(model, ids, a, res["bandwidth"])
     if a.kernels:
-        res["kernels"] = [row for ctx in a.contexts for row in kernel_rows(model, ctx, a, res["bandwidth"])]
+        res["kernels"] = [row for ctx in a.contexts for row in bench_kernels.kernel_rows(model, ctx, a, res["bandwidth"])]
     if a.quantspec:
         res["quantspec"] = [row for ctx in a.contexts for row in quantspec_rows(model, ids, ctx, a, res["bandwidth"])]
     if not (a.no_grid or a.kernels or a.quantspec):

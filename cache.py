@@ -1,7 +1,6 @@
 """KV caches. Each attention layer owns one; model.py calls `cache(q, k, v, input_pos, mode)`.
+What a cache is, and its name, is a config.CacheConfig.
 
-- CacheConfig: what a cache is (kind, bits, group, residual, fetched rows, fetch policy, scheme),
-  built from a name such as "specache-1bit-oracle" or from CLI flags, validated in one place.
 - FullCache: the 16-bit baseline (fp32 on CPU), static [B, Hkv, max_seq_len, D] buffers.
 - LowBitCache: KIVI (specache.txt §3.4, eq. 2/3): packed low-bit codes for tokens [0, n_quant) and a
   full-precision residual window for the most recent tokens; when the residual holds `residual`
@@ -16,9 +15,6 @@
 Byte accounting is exact: `device_bytes()` sums the tensors that live on the compute device and
 `read_bytes(T)` is what a decode step of T tokens reads from them (the kernels' byte floor).
 """
-import math
-import re
-from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -27,225 +23,10 @@ import torch.nn.functional as F
 
 import kernels
 import quant
+import topk
+from config import CacheConfig
 from kernels import Fetched, LowBitKV, Residual
-
-KINDS = ("full", "kivi", "specache", "quantspec")
-SCHEMES = ("kivi", "zipcache", "quantspec")
-# which rows the fetch holds for the real token of a step (SpeCache's methods of the same names)
-POLICIES = ("speculative", "sequential", "oracle", "lag", "union", "resync")
-FETCH_IMPLS = ("uva", "staged")
-# Presets (--preset NAME, or NAME as a part of a cache name): defaults for a SpeCache configuration;
-# the name's other parts and explicit flags win over them. "paper" is Algorithm 3 with §4.1's settings
-# (the default); "best" is every choice the measurements on the default model favour (README,
-# "Fetch policies and the recommended preset": eval.py hitrate / ppl / niah / ruler, and the H100
-# step times). Its k 64 rows are re-ranked from 2k low-bit candidates by their fp keys, which moves
-# 1.5x the paper's bus bytes (128 keys + 64 values); until 2026-11-23 it fetched k 96 rows with a
-# 32-token residual and no re-ranking (same bytes and device rows; `specache-Nbit-best-rr1-k96-r32`).
-PRESETS = {
-    "paper": dict(fetch="speculative", group=64, k=64, residual=None, sinks=0),
-    "best": dict(fetch="resync", group=32, k=64, residual=None, sinks=4, fit="lsq", rerank=2),  # residual 64
-}
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """One KV cache configuration. Name grammar (parts after the kind in any order):
-        full | (kivi|specache)[-<N>bit][-zipcache|-quantspec][-orig][-lsq][-<policy>][-rr<N>][-k<N>][-g<N>][-r<N>][-sink<N>]
-        specache-...-(paper|best): a preset (PRESETS) under the name's other parts
-    e.g. "kivi-2bit", "specache-1bit-oracle", "specache-2bit-k128-r64", "specache-1bit-best". `name`
-    is the canonical form (defaults left out, presets spelled out), which eval and bench use as a label."""
-    kind: str = "specache"
-    bits: int = 1            # bits per code (QuantSpec: 4 = upper planes, 8 = both planes)
-    group: int = 64          # key group (tokens) and value group (channels, capped at head_dim)
-    residual: Optional[int] = None  # fp16 residual window; None: 128 for KIVI, 64 for SpeCache (§4.1)
-    k: int = 64              # SpeCache: fp16 KV pairs fetched per layer and kv head (the paper's top-k)
-    fetch: str = "speculative"  # SpeCache fetch policy (which rows, when)
-    scheme: str = "kivi"     # quantizer of the low-bit copy: quant.py's KIVI, ZipCache or QuantSpec
-    one_bit: str = "improved"  # 1-bit zero/scale: eq. 3 ("improved") or eq. 2 ("kivi", Table 5)
-    fit: str = "range"       # zero/scale from min/max (eq. 2/3), or "lsq": least-squares refit (quant.py)
-    fetch_impl: str = "uva"  # CUDA transfer: Triton gather over UVA, or "staged" (eager only)
-    sinks: int = 0           # SpeCache: the first tokens (attention sinks) kept in fp16 on the device
-    rerank: int = 1          # SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys (select)
-    salient: float = 0.0     # ZipCache mixed precision: share of each key group's tokens kept at bits_salient
-    bits_salient: int = 0    # ... their bit-width (default bits + 2)
-
-    @property
-    def n_ref(self) -> int:
-        """ZipCache mixed precision: salient (refined) tokens per key group."""
-        return round(self.salient * self.group)
-
-    @property
-    def residual_len(self) -> int:
-        return self.residual if self.residual is not None else self.residual_len_default
-
-    @property
-    def two_tokens(self) -> bool:
-        """Does a decode step feed [real, speculative] tokens?"""
-        return self.kind == "specache" and self.fetch in ("speculative", "union", "resync")
-
-    @property
-    def name(self) -> str:
-        if self.kind == "full":
-            return "full"
-        if self.kind == "quantspec":
-            return "quantspec" + (f"-g{self.group}" if self.group != 64 else "")
-        parts = [self.kind, f"{self.bits}bit"]
-        parts += [self.scheme] if self.scheme != "kivi" else []
-        parts += ["orig"] if self.one_bit == "kivi" else []
-        parts += [self.fit] if self.fit != "range" else []
-        if self.kind == "specache":
-            parts += [self.fetch] if self.fetch != "speculative" else []
-            parts += [f"rr{self.rerank}"] if self.rerank != 1 else []
-            parts += [f"k{self.k}"] if self.k != 64 else []
-        parts += [f"g{self.group}"] if self.group != 64 else []
-        parts += [f"r{self.residual}"] if self.residual is not None and self.residual != self.residual_len_default else []
-        parts += [f"sink{self.sinks}"] if self.sinks else []
-        parts += [f"s{round(100 * self.salient)}", f"hi{self.bits_salient}"] if self.salient else []
-        return "-".join(parts)
-
-    @property
-    def residual_len_default(self) -> int:
-        """128 for KIVI, 64 for SpeCache (§4.1: it trades residual for fetched rows), rounded up to
-        a multiple of the group; QuantSpec: its double full-precision buffer, two groups (§4.3)."""
-        if self.kind == "quantspec":
-            return 2 * self.group
-        base = 128 if self.kind == "kivi" else 64
-        return -(-base // self.group) * self.group
-
-    @classmethod
-    def from_name(cls, name: str, preset: Optional[str] = None, **overrides) -> "CacheConfig":
-        """Parse a name; a preset (PRESETS) sets defaults under the name's parts, and keyword
-        overrides (e.g. CLI flags that were given) win over both. Raises ValueError."""
-        parts = [p for p in str(name).strip().lower().split("-") if p]
-        if not parts or parts[0] not in KINDS:
-            raise ValueError(f"unknown cache {name!r}: a name starts with one of {', '.join(KINDS)} "
-                             f"(e.g. kivi-2bit, specache-1bit-oracle)")
-        kw = dict(kind=parts[0])
-        presets = [p for p in parts[1:] if p in PRESETS] + ([preset] if preset else [])
-        if len(presets) > 1:
-            raise ValueError(f"cache {name!r}: one preset at a time, got {', '.join(presets)}")
-        for p in presets:
-            if p not in PRESETS:
-                raise ValueError(f"unknown preset {p!r} ({', '.join(PRESETS)})")
-            if kw["kind"] != "specache":
-                raise ValueError(f"cache {name!r}: the presets ({', '.join(PRESETS)}) are SpeCache configurations")
-            kw.update({k: v for k, v in PRESETS[p].items() if v is not None})
-        parts = [p for p in parts if p not in PRESETS]
-        patterns = [(r"(\d+)bit", "bits", int), (r"k(\d+)", "k", int), (r"g(\d+)", "group", int),
-                    (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int), (r"rr(\d+)", "rerank", int), (r"s(\d+)", "salient", lambda p: int(p) / 100),
-                    (r"hi(\d+)", "bits_salient", int)]
-        for p in parts[1:]:
-            if kw["kind"] == "full":
-                raise ValueError(f"cache {name!r}: the full cache takes no options")
-            for pat, key, conv in patterns:
-                if m := re.fullmatch(pat, p):
-                    kw[key] = conv(m.group(1))
-                    break
-            else:
-                if p in SCHEMES:
-                    kw["scheme"] = p
-                elif p == "orig":
-                    kw["one_bit"] = "kivi"
-                elif p in quant.FITS[1:]:
-                    kw["fit"] = p
-                elif p in POLICIES and kw["kind"] == "specache":
-                    kw["fetch"] = p
-                elif p in POLICIES:
-                    raise ValueError(f"cache {name!r}: {p!r} is a SpeCache fetch policy; use specache-...-{p}")
-                else:
-                    raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
-                                     f"orig, lsq, {'/'.join(POLICIES)} for specache, rrN, kN, gN, rN, sinkN, sN (salient %), hiN)")
-        kw.update({k: v for k, v in overrides.items() if v is not None})
-        if kw["kind"] == "quantspec":  # the hierarchical INT4/INT8 store is what QuantSpec is
-            kw.setdefault("scheme", "quantspec")
-            kw.setdefault("bits", 8)
-        if kw.get("salient") and not kw.get("bits_salient"):
-            kw["bits_salient"] = kw.get("bits", 1) + 2
-        return cls(**kw).validated()
-
-    def validated(self, head_dim: Optional[int] = None) -> "CacheConfig":
-        """Raise ValueError on anything the caches or kernels cannot do; returns self."""
-        def bad(msg):
-            raise ValueError(f"cache {self.name if self.kind in KINDS else self.kind!r}: {msg}")
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown cache kind {self.kind!r} ({', '.join(KINDS)})")
-        if self.kind == "full":
-            return self
-        if self.scheme not in SCHEMES:
-            bad(f"unknown quantization scheme {self.scheme!r} ({', '.join(SCHEMES)})")
-        allowed = (4, 8) if self.scheme == "quantspec" else quant.BITS
-        if self.bits not in allowed:
-            bad(f"--bits {self.bits} is not available for scheme {self.scheme} ({', '.join(map(str, allowed))})")
-        if self.group < 1 or self.group & (self.group - 1):
-            bad(f"--group must be a positive power of two, got {self.group}")
-        if self.residual is not None and (self.residual <= 0 or self.residual % self.group):
-            bad(f"--residual ({self.residual}) must be a positive multiple of --group ({self.group})")
-        if self.one_bit not in quant.ONE_BIT_MODES:
-            bad(f"--one-bit must be one of {', '.join(quant.ONE_BIT_MODES)}")
-        if self.one_bit == "kivi" and self.bits != 1:
-            bad("'orig' (original KIVI 1-bit zero/scale, eq. 2) exists only for 1 bit")
-        if self.fit not in quant.FITS:
-            bad(f"--fit must be one of {', '.join(quant.FITS)}")
-        if self.fit != "range" and (self.scheme == "quantspec" or self.salient):
-            bad("the least-squares fit (lsq) is for the single-width KIVI/ZipCache quantizer, not for "
-                "QuantSpec's planes or ZipCache mixed precision (their codes split one min/max grid)")
-        if head_dim is not None and head_dim % min(self.group, head_dim):
-            bad(f"head_dim {head_dim} is not a multiple of the value group {min(self.group, head_dim)}")
-        if head_dim is not None and (head_dim * self.bits) % 8:
-            bad(f"head_dim {head_dim} does not pack into whole bytes at {self.bits} bits")
-        if self.kind == "quantspec" and (self.scheme != "quantspec" or self.bits != 8):
-            bad("the quantspec cache is the hierarchical INT4/INT8 store (scheme quantspec, 8 bits)")
-        if self.kind == "quantspec" and self.residual_len != 2 * self.group:
-            bad(f"the quantspec cache's full-precision buffer is two groups ({2 * self.group}), not {self.residual_len}")
-        if self.kind == "specache":
-            if self.k < 1:
-                bad(f"--k must be >= 1, got {self.k}")
-            if self.fetch not in POLICIES:
-                bad(f"unknown fetch policy {self.fetch!r} ({', '.join(POLICIES)})")
-            if self.fetch_impl not in FETCH_IMPLS:
-                bad(f"unknown fetch implementation {self.fetch_impl!r} ({', '.join(FETCH_IMPLS)})")
-            if self.sinks < 0:
-                bad(f"--sinks must be >= 0, got {self.sinks}")
-            if self.sinks > self.group:
-                bad(f"--sinks ({self.sinks}) must fit in the first quantized group ({self.group} tokens)")
-            if self.rerank < 1:
-                bad(f"rrN (re-ranking candidates per fetched row) must be >= 1, got {self.rerank}")
-            if self.rerank > 1 and self.fetch == "oracle":
-                bad("re-ranking (rrN) refines a low-bit selection; the oracle already selects with fp keys")
-        elif self.sinks or self.rerank != 1:
-            bad("attention sinks (sinkN) and re-ranking (rrN) are SpeCache options")
-        if self.salient or self.bits_salient:
-            if self.scheme != "zipcache":
-                bad("salient tokens at more bits (--salient-ratio, sN) are ZipCache's mixed precision: --quant zipcache")
-            if not 0 < self.salient <= 1 or abs(100 * self.salient - round(100 * self.salient)) > 1e-9:
-                bad(f"--salient-ratio must be in (0, 1] in whole percent, got {self.salient}")
-            r = self.bits_salient - self.bits
-            if r not in quant.BITS or self.bits_salient > 6:
-                bad(f"--bits-salient ({self.bits_salient}) must exceed --bits ({self.bits}) by 1, 2 or 4 and be at "
-                    f"most 6 (the kernels' 16-bit dots hold the mixed codes exactly)")
-            if not 1 <= self.n_ref <= 254:
-                bad(f"--salient-ratio {self.salient} keeps {self.n_ref} tokens of a key group of {self.group}: "
-                    f"needs 1 to 254")
-            if head_dim is not None and (head_dim * r) % 8:
-                bad(f"head_dim {head_dim} does not pack into whole bytes at {r} refinement bits")
-        return self
-
-    def bits_per_value(self, head_dim: int) -> float:
-        """Device bits per stored key or value element of a quantized token: codes, scales and zeros
-        (meta), ZipCache's refinement rows and slot map. The fp residual, SpeCache's fetched rows and
-        per-head constants (ZipCache's channel scale) are left out: they do not grow with the context."""
-        if self.kind == "full":
-            return 16.0
-        per_token = sum(quant.quantized_bytes(kind, self.bits, self.group, head_dim) for kind in ("key", "value"))
-        if self.salient:
-            per_token += 2 * head_dim * (self.bits_salient - self.bits) / 8 * self.n_ref / self.group + 1
-        return 8 * per_token / (2 * head_dim)
-
-    def with_(self, **kw) -> "CacheConfig":
-        return replace(self, **kw).validated()
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+from prefetch import Prefetcher
 
 
 def causal_mask(input_pos: torch.Tensor, key_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -255,32 +36,6 @@ def causal_mask(input_pos: torch.Tensor, key_pos: torch.Tensor, window: Optional
         mask &= input_pos[:, None] - key_pos[None, :] < window
     return mask
 
-
-# ---- ZipCache's saliency (zipcache.txt §4.2-4.3) ------------------------------------------------------
-PROBE_RECENT, PROBE_RANDOM = 0.05, 0.05  # §4.3: probes are 5% recent + 5% random tokens of the prompt
-
-
-def probe_positions(L: int, seed: int = 0) -> torch.Tensor:
-    """Eq. 9's probe tokens of an L-token chunk: the last 5% and a random 5% of the rest (sorted)."""
-    n_recent = max(1, round(PROBE_RECENT * L))
-    n_rand = min(L - n_recent, round(PROBE_RANDOM * L))
-    rand = torch.randperm(L - n_recent, generator=torch.Generator().manual_seed(seed))[:n_rand]
-    return torch.cat([rand.sort().values, torch.arange(L - n_recent, L)])
-
-
-def normalized_attention(q, keys, q_pos, sm_scale):
-    """Eq. 8's sums: q [B,H,P,D] at positions q_pos [P], keys [B,Hkv,L,D] at positions 0..L-1 ->
-    (acc, cnt) [B,Hkv,L]: the causal attention each key receives, summed over the P queries and the
-    kv head's H/Hkv query heads, and how many such (query, head) rows can see it. acc / cnt is the
-    normalized attention score; acc alone is H2O's accumulated score (eq. 7)."""
-    B, H, P, D = q.shape
-    Hkv, L = keys.shape[1], keys.shape[2]
-    G = H // Hkv
-    qg = q.float().reshape(B, Hkv, G * P, D)
-    pos = q_pos.to(q.device).repeat(G)  # row g*P + j
-    sees = torch.arange(L, device=q.device)[None, :] <= pos[:, None]  # [G*P, L]
-    a = torch.softmax(torch.where(sees, qg @ keys.float().transpose(-1, -2) * sm_scale, -math.inf), -1)
-    return a.sum(2), sees.sum(0).float().expand(B, Hkv, L).contiguous()
 
 
 class MemoryMeter:
@@ -516,9 +271,9 @@ class LowBitCache(nn.Module):
         or the chunk positions `probes`) over every position so far -> (acc, cnt) [B,Hkv,res_len + L]
         for the residual rows and the chunk's tokens (normalized_attention)."""
         L, p0, nr = q.shape[2], int(input_pos[0]), int(self.res_len)
-        probes = (probe_positions(L, seed=p0) if probes is None else probes).to(q.device)
+        probes = (quant.probe_positions(L, seed=p0) if probes is None else probes).to(q.device)
         keys = torch.cat([self.prefix_kv(p0)[0], k], 2)  # positions [0, p0 + L)
-        acc, cnt = normalized_attention(q[:, :, probes], keys, p0 + probes, self.sm_scale)
+        acc, cnt = quant.normalized_attention(q[:, :, probes], keys, p0 + probes, self.sm_scale)
         return acc[:, :, p0 - nr:], cnt[:, :, p0 - nr:]
 
     def accumulate_saliency(self, q, lse):
@@ -662,16 +417,16 @@ class SpeCache(LowBitCache):
         candidates (idx, valid) [B,Hkv,N*k] and the query rows and lse that pick the k among them
         (start_fetch). `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A)."""
         if self.fetch == "oracle":
-            score, idx = kernels.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
+            score, idx = topk.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
                                             self.n_fetch, self.sm_scale, first=self.sinks)
         elif self.rerank > 1:
             # Re-ranking: the low-bit top-(N*k) are candidates; their fp keys decide the k where the
             # keys land (prefetch.Prefetcher.start_rerank: on the side stream on a GPU).
-            score, cand = kernels.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_cand, self.sm_scale, fetched,
+            score, cand = topk.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_cand, self.sm_scale, fetched,
                                               first=self.sinks)
-            return cand, score >= 0, kernels._as_rows(q_rows, lse_rows)
+            return cand, score >= 0, topk._as_rows(q_rows, lse_rows)
         else:
-            score, idx = kernels.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_fetch, self.sm_scale, fetched,
+            score, idx = topk.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_fetch, self.sm_scale, fetched,
                                              first=self.sinks)
         return idx, score >= 0, None
 
@@ -735,7 +490,7 @@ class SpeCache(LowBitCache):
     def read_bytes(self, step_tokens: int = 1) -> int:
         """LowBitCache's, plus the fp rows (sinks and fetched), plus the top-k pass of the selecting
         token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them).
-        Re-ranking's candidate keys cross the bus into registers (prefetch.rerank_rows): bus bytes,
+        Re-ranking's candidate keys cross the bus into registers (transfer.rerank_rows): bus bytes,
         not device reads."""
         s = self.stored()
         keys_again = kernels.lowbit_read_bytes(s._replace(v_codes=None, v_scale=None, v_zero=None, v_codes_lo=None,
@@ -820,8 +575,6 @@ class QuantSpecCache(LowBitCache):
 
 def build_caches(model, config: CacheConfig, batch: int, max_seq_len: int, meter: MemoryMeter, gamma: int = 4):
     """One cache per layer of `model` (on its device and dtype). Returns (caches, prefetcher or None)."""
-    from prefetch import Prefetcher
-
     args = model.args
     device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     config = config.validated(args.head_dim)

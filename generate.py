@@ -2,7 +2,7 @@
 
     python generate.py --prompt "What is the capital of France?" --chat          # SpeCache, 1-bit, k=64
     python generate.py --cache full --prompt-file essay.txt --max-new-tokens 64 --compile
-    python generate.py --cache specache-2bit-oracle ...                           # any cache.CacheConfig name
+    python generate.py --cache specache-2bit-oracle ...                           # any config.CacheConfig name
 
 Read it next to the paper's appendix A:
   prefill()     Algorithm 1: layer by layer, exact attention, quantize + offload each layer's KV.
@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 import quant
-from cache import CacheConfig, MemoryMeter, build_caches
+import quantspec
+from cache import MemoryMeter, build_caches
+from config import CacheConfig
 from model import load_model
 
 ROOT = Path(__file__).resolve().parent
@@ -188,11 +190,103 @@ def compile_step(device, fn=decode_step):
     return torch.compile(fn, fullgraph=True, options=options)
 
 
+# ---- the loop --------------------------------------------------------------------------------------------
+def draft_step(draft, token, input_pos, temperature: float = 0.0):
+    """One draft token: token [B] at input_pos [1] -> (next token [B], its distribution [B, V])."""
+    logits = draft(token[:, None], input_pos, mode="draft")[:, 0]
+    probs = torch.softmax(logits / max(temperature, 1e-6), -1) if temperature > 0 else logits
+    return sample(logits, temperature, None), probs
+
+
+def verify_step(model, tokens, input_pos):
+    """The target over [x, d_1..d_g]: logits [B, g+1, V]."""
+    return model(tokens, input_pos, mode="verify")
+
+
+def commit(caches, n):
+    for c in caches:
+        c.accept(n)
+
+
+@torch.no_grad()
+def generate_quantspec(model, draft, prompt: torch.Tensor, max_new_tokens: int, gamma: int, *, temperature=0.0,
+                       eos_ids=(), chunk=2048, on_token=None, steps=None, sync=lambda: None, prefill_fn=None):
+    """prompt [1, P] -> (ids [1, N], stats). gamma = 0 is autoregressive decoding by the target over
+    the same cache (INT8 view, same buffer policy): the baseline QuantSpec must equal when greedy.
+    `steps`: (draft_step, verify_step, commit) to use, e.g. compiled ones (compile_quantspec_steps)."""
+    B, P = prompt.shape
+    if B != 1:
+        raise ValueError("QuantSpec decodes one sequence at a time (acceptance differs per row)")
+    d_step, v_step, c_step = steps or (draft_step, verify_step, commit)
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    device = prompt.device
+    t0 = time.perf_counter()
+    logits = prefill_fn(model, prompt) if prefill_fn else prefill(model, prompt, chunk)
+    x = sample(logits, temperature, None)
+    sync()
+    stats = dict(prefill_s=time.perf_counter() - t0, drafted=0, accepted=0, rounds=0, gamma=gamma)
+    out = [int(x)]
+    if on_token:
+        on_token(x)
+    t1 = time.perf_counter()
+    pos = torch.tensor([P], device=device)
+    while len(out) < max_new_tokens and not (eos_ids and out[-1] in eos_ids):
+        tokens, probs, t = [x], [], x
+        for i in range(gamma):
+            t, q = d_step(draft, t, pos + i, temperature)
+            tokens.append(t)
+            probs.append(q)
+        fed = torch.stack(tokens, 1)  # [1, gamma + 1]
+        logits = v_step(model, fed, pos + torch.arange(gamma + 1, device=device))
+        if gamma:
+            q = torch.stack(probs, 1) if temperature > 0 else torch.zeros(1, gamma, 1, device=device)
+            a, nxt = quantspec.accept(logits, fed[:, 1:], q, temperature, cap=quantspec.boundary_cap(caches[0]))
+        else:
+            a, nxt = torch.zeros(1, dtype=torch.long, device=device), sample(logits[:, 0], temperature, None)
+        c_step(caches, a[0] + 1)  # x, d_1..d_a stay
+        n = int(a[0])  # the one sync of the round: the tokens leave the device
+        new = fed[0, 1:1 + n].tolist() + [int(nxt[0])]
+        stats["drafted"] += gamma
+        stats["accepted"] += n
+        stats["rounds"] += 1
+        for tok in new:
+            if len(out) >= max_new_tokens or (eos_ids and out[-1] in eos_ids):
+                break
+            out.append(tok)
+            if on_token:
+                on_token(torch.tensor([tok]))
+        pos = pos + n + 1
+        x = nxt
+    sync()
+    n_new = len(out) - 1
+    stats["decode_s"] = time.perf_counter() - t1
+    stats["decode_tok_s"] = n_new / stats["decode_s"] if n_new else 0.0
+    stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
+    return torch.tensor([out], device=device), stats
+
+
+def compile_quantspec_steps(device, gamma: int):
+    """The draft step, the verify step (gamma + 1 tokens) and the commit, each one fullgraph graph
+    (CUDA graphs on CUDA)."""
+    d, v, c = (compile_step(device, f) for f in (draft_step, verify_step, commit))
+    if device.type != "cuda":
+        return d, v, c
+    # A CUDA graph's outputs live in its pool and the next replay of the same graph overwrites them:
+    # gamma draft steps replay one graph, and each token feeds the next and the verify step. The
+    # outputs (a token, a distribution, the logits) are small: copy them out.
+    def draft(*a):
+        return tuple(x.clone() for x in d(*a))
+
+    def verify(*a):
+        return v(*a).clone()
+    return draft, verify, c
+
+
 # ---- CLI ----------------------------------------------------------------------------------------------
 def cache_flags(p):
-    """The cache options every entry point shares: a name (cache.CacheConfig) and field overrides."""
+    """The cache options every entry point shares: a name (config.CacheConfig) and field overrides."""
     p.add_argument("--cache", default="specache",
-                   help="full | kivi | specache, or a full name such as specache-2bit-oracle (see cache.CacheConfig)")
+                   help="full | kivi | specache, or a full name such as specache-2bit-oracle (see config.CacheConfig)")
     p.add_argument("--preset", default=None, choices=["paper", "best"],
                    help="SpeCache settings: paper (Algorithm 3, §4.1; the default) or best (what the README's "
                         "measurements favour: resync fetch, 4 sinks, group 32, least-squares zero/scale, "
@@ -356,13 +450,12 @@ def main(argv=None):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     resync = config.kind == "specache" and config.fetch == "resync"
     if a.method == "quantspec":
-        import quantspec
         draft = quantspec.make_draft(model, a.draft_group)
         quantspec.share_caches(draft, model)
-        out, stats = quantspec.generate_quantspec(
+        out, stats = generate_quantspec(
             model, draft, prompt, a.max_new_tokens, a.gamma, temperature=a.temperature, eos_ids=tok.eos_ids,
             chunk=a.prefill_chunk, on_token=on_token, sync=sync,
-            steps=quantspec.compile_steps(device, a.gamma) if a.compile else None)
+            steps=compile_quantspec_steps(device, a.gamma) if a.compile else None)
         stats.update(spec_exact_hit_rate=None, resyncs=0)
     else:
         out, stats = generate(model, prompt, a.max_new_tokens, speculative=config.two_tokens, step_fn=step_fn,

@@ -1,5 +1,6 @@
 """Measuring instruments for bench.py: the environment, a bandwidth probe, per-step timers, peak
-memory, kernel timing and the CUDA side-stream overlap profile. Nothing here knows about caches."""
+memory, kernel timing, the CUDA side-stream overlap profile, the weights a step reads and the
+reference bandwidths of the byte floors. Nothing here knows about caches."""
 import datetime
 import os
 import platform
@@ -14,6 +15,15 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent
+H100_GBS = 3350.0  # H100 SXM HBM3 bandwidth, GB/s (the byte floors' reference device)
+PCIE_GBS = 50.0  # host-to-device over PCIe 5.0 x16: a nominal figure for the floors, not a measurement
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads. An untied input embedding is only looked up (a few
+    rows), so it is left out; a tied one is read whole by the output projection."""
+    n = sum(p.nbytes for p in model.parameters())
+    return n - model.tok_embeddings.weight.nbytes if model.output is not None else n
 
 
 def cpu_name() -> str:

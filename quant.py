@@ -21,6 +21,8 @@ Variants on the same core:
     upper `bits` of its code, salient tokens also the lower bits.
   QuantSpec hierarchical INT8 = upper INT4 + lower INT4 (quantspec.txt §4.2).
 """
+import math
+
 import torch
 
 BITS = (1, 2, 4, 8)
@@ -247,6 +249,33 @@ def compact_refinement(lower_k, lower_v, saliency, group: int, n_ref: int, r: in
     slot = torch.arange(n_ref, device=top.device, dtype=torch.uint8).repeat(T // group).expand(B, H, -1)
     ref_map = torch.full((B, H, T), 255, dtype=torch.uint8, device=top.device).scatter(2, rows, slot)
     return pick(lower_k), pick(lower_v), ref_map
+
+
+# ---- ZipCache's saliency: which tokens keep more bits (zipcache.txt §4.2-4.3, eq. 8-9) -------------
+PROBE_RECENT, PROBE_RANDOM = 0.05, 0.05  # §4.3: probes are 5% recent + 5% random tokens of the prompt
+
+
+def probe_positions(L: int, seed: int = 0) -> torch.Tensor:
+    """Eq. 9's probe tokens of an L-token chunk: the last 5% and a random 5% of the rest (sorted)."""
+    n_recent = max(1, round(PROBE_RECENT * L))
+    n_rand = min(L - n_recent, round(PROBE_RANDOM * L))
+    rand = torch.randperm(L - n_recent, generator=torch.Generator().manual_seed(seed))[:n_rand]
+    return torch.cat([rand.sort().values, torch.arange(L - n_recent, L)])
+
+
+def normalized_attention(q, keys, q_pos, sm_scale):
+    """Eq. 8's sums: q [B,H,P,D] at positions q_pos [P], keys [B,Hkv,L,D] at positions 0..L-1 ->
+    (acc, cnt) [B,Hkv,L]: the causal attention each key receives, summed over the P queries and the
+    kv head's H/Hkv query heads, and how many such (query, head) rows can see it. acc / cnt is the
+    normalized attention score; acc alone is H2O's accumulated score (eq. 7)."""
+    B, H, P, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    G = H // Hkv
+    qg = q.float().reshape(B, Hkv, G * P, D)
+    pos = q_pos.to(q.device).repeat(G)  # row g*P + j
+    sees = torch.arange(L, device=q.device)[None, :] <= pos[:, None]  # [G*P, L]
+    a = torch.softmax(torch.where(sees, qg @ keys.float().transpose(-1, -2) * sm_scale, -math.inf), -1)
+    return a.sum(2), sees.sum(0).float().expand(B, Hkv, L).contiguous()
 
 
 # ---- QuantSpec hierarchical INT8 = upper INT4 + lower INT4 (quantspec.txt §4.2) ------------------

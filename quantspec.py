@@ -9,7 +9,7 @@ attention reads only the upper INT4 planes of the hierarchical KV cache. The tar
 with its own weights reading both planes (the INT8 view). Both write to one QuantSpecCache
 (cache.py): no second KV cache exists.
 
-One round (`generate_quantspec`):
+One round (generate.generate_quantspec, the decode loop; this file holds the draft and the rule):
   draft    gamma one-token steps ("draft" mode) propose d_1..d_gamma from the last token x;
   verify   one step over [x, d_1..d_gamma] ("verify" mode) gives the target's distributions;
   accept   the longest agreeing prefix (greedy: d_i == argmax p_{i-1}; sampled: the standard
@@ -20,14 +20,11 @@ One round (`generate_quantspec`):
 The draft step, the verify step and the commit are each one static-shape graph; the number of
 accepted tokens is a tensor until the loop reads it once per round to emit the tokens.
 """
-import time
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import quant
-from generate import compile_step, prefill, sample
 
 
 # ---- the draft's weights ---------------------------------------------------------------------------
@@ -149,95 +146,3 @@ def accept(target_logits, drafts, draft_probs, temperature: float, cap=None):
     if capped is not None:
         nxt = torch.where(capped, drafts.gather(1, a[:, None].clamp(max=g - 1))[:, 0], nxt)
     return a, nxt
-
-
-# ---- the loop --------------------------------------------------------------------------------------------
-def draft_step(draft, token, input_pos, temperature: float = 0.0):
-    """One draft token: token [B] at input_pos [1] -> (next token [B], its distribution [B, V])."""
-    logits = draft(token[:, None], input_pos, mode="draft")[:, 0]
-    probs = torch.softmax(logits / max(temperature, 1e-6), -1) if temperature > 0 else logits
-    return sample(logits, temperature, None), probs
-
-
-def verify_step(model, tokens, input_pos):
-    """The target over [x, d_1..d_g]: logits [B, g+1, V]."""
-    return model(tokens, input_pos, mode="verify")
-
-
-def commit(caches, n):
-    for c in caches:
-        c.accept(n)
-
-
-@torch.no_grad()
-def generate_quantspec(model, draft, prompt: torch.Tensor, max_new_tokens: int, gamma: int, *, temperature=0.0,
-                       eos_ids=(), chunk=2048, on_token=None, steps=None, sync=lambda: None, prefill_fn=None):
-    """prompt [1, P] -> (ids [1, N], stats). gamma = 0 is autoregressive decoding by the target over
-    the same cache (INT8 view, same buffer policy): the baseline QuantSpec must equal when greedy.
-    `steps`: (draft_step, verify_step, commit) to use, e.g. compiled ones (compile_steps)."""
-    B, P = prompt.shape
-    if B != 1:
-        raise ValueError("QuantSpec decodes one sequence at a time (acceptance differs per row)")
-    d_step, v_step, c_step = steps or (draft_step, verify_step, commit)
-    caches = [layer.attention.kv_cache for layer in model.layers]
-    device = prompt.device
-    t0 = time.perf_counter()
-    logits = prefill_fn(model, prompt) if prefill_fn else prefill(model, prompt, chunk)
-    x = sample(logits, temperature, None)
-    sync()
-    stats = dict(prefill_s=time.perf_counter() - t0, drafted=0, accepted=0, rounds=0, gamma=gamma)
-    out = [int(x)]
-    if on_token:
-        on_token(x)
-    t1 = time.perf_counter()
-    pos = torch.tensor([P], device=device)
-    while len(out) < max_new_tokens and not (eos_ids and out[-1] in eos_ids):
-        tokens, probs, t = [x], [], x
-        for i in range(gamma):
-            t, q = d_step(draft, t, pos + i, temperature)
-            tokens.append(t)
-            probs.append(q)
-        fed = torch.stack(tokens, 1)  # [1, gamma + 1]
-        logits = v_step(model, fed, pos + torch.arange(gamma + 1, device=device))
-        if gamma:
-            q = torch.stack(probs, 1) if temperature > 0 else torch.zeros(1, gamma, 1, device=device)
-            a, nxt = accept(logits, fed[:, 1:], q, temperature, cap=boundary_cap(caches[0]))
-        else:
-            a, nxt = torch.zeros(1, dtype=torch.long, device=device), sample(logits[:, 0], temperature, None)
-        c_step(caches, a[0] + 1)  # x, d_1..d_a stay
-        n = int(a[0])  # the one sync of the round: the tokens leave the device
-        new = fed[0, 1:1 + n].tolist() + [int(nxt[0])]
-        stats["drafted"] += gamma
-        stats["accepted"] += n
-        stats["rounds"] += 1
-        for tok in new:
-            if len(out) >= max_new_tokens or (eos_ids and out[-1] in eos_ids):
-                break
-            out.append(tok)
-            if on_token:
-                on_token(torch.tensor([tok]))
-        pos = pos + n + 1
-        x = nxt
-    sync()
-    n_new = len(out) - 1
-    stats["decode_s"] = time.perf_counter() - t1
-    stats["decode_tok_s"] = n_new / stats["decode_s"] if n_new else 0.0
-    stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
-    return torch.tensor([out], device=device), stats
-
-
-def compile_steps(device, gamma: int):
-    """The draft step, the verify step (gamma + 1 tokens) and the commit, each one fullgraph graph
-    (CUDA graphs on CUDA)."""
-    d, v, c = (compile_step(device, f) for f in (draft_step, verify_step, commit))
-    if device.type != "cuda":
-        return d, v, c
-    # A CUDA graph's outputs live in its pool and the next replay of the same graph overwrites them:
-    # gamma draft steps replay one graph, and each token feeds the next and the verify step. The
-    # outputs (a token, a distribution, the logits) are small: copy them out.
-    def draft(*a):
-        return tuple(x.clone() for x in d(*a))
-
-    def verify(*a):
-        return v(*a).clone()
-    return draft, verify, c

@@ -184,8 +184,11 @@ def cases(quick=False):
     calls the Triton launchers the way the decode step does, so the launchers choose blocks, bits and
     flags themselves."""
     import kernels
+    import topk
     import prefetch
-    from cache import CacheConfig, LowBitCache
+    import transfer
+    from cache import LowBitCache
+    from config import CacheConfig
 
     def step_case(name, dtype, D, G=4, T=2, S=1024):
         def run():  # (S > 8192: the top-k merges its chunks' candidates in two rounds)
@@ -201,7 +204,7 @@ def cases(quick=False):
                                           torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
             kernels.attention_lowbit_triton(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
             if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates)
-                kernels.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), c.stored(), cfg.k * cfg.rerank,
+                topk.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), c.stored(), cfg.k * cfg.rerank,
                                            c.sm_scale, fetched)
         return run
 
@@ -221,13 +224,13 @@ def cases(quick=False):
             host = [torch.zeros(1, 2, 256, D, dtype=dtype) for _ in range(2)]
             ring = [torch.zeros(1, 2, 64, D, dtype=dtype) for _ in range(2)]
             idx, new, pos = torch.zeros(1, 2, 64, dtype=torch.long), torch.zeros(1, 2, 1, D, dtype=dtype), torch.tensor(5)
-            prefetch.transfer_rows_triton(*host, *ring, idx, new, new, pos)
-            prefetch.transfer_rows_triton(*host, *ring, idx, None, None, None)
-            prefetch.transfer_rows_triton(*host, *ring, None, new, new, pos)
+            transfer.transfer_rows_triton(*host, *ring, idx, new, new, pos)
+            transfer.transfer_rows_triton(*host, *ring, idx, None, None, None)
+            transfer.transfer_rows_triton(*host, *ring, None, new, new, pos)
             for G, R, new_or_none in ((4, 1, new), (3, 2, None)):  # re-ranking: 128 candidates, k 64 after 4 sinks
                 fetch = [torch.zeros(1, 2, 68, D, dtype=dtype), torch.zeros(1, 2, 68, D, dtype=dtype),
                          torch.zeros(1, 2, 68, dtype=torch.long), torch.zeros(1, 2, 68, dtype=torch.bool)]
-                prefetch.rerank_rows_triton(*host, *fetch, idx.repeat(1, 1, 2), torch.ones(1, 2, 128, dtype=torch.bool),
+                transfer.rerank_rows_triton(*host, *fetch, idx.repeat(1, 1, 2), torch.ones(1, 2, 128, dtype=torch.bool),
                                             torch.zeros(1, 2 * G, R, D, dtype=dtype), torch.zeros(1, 2 * G, R),
                                             0.125, new_or_none, new_or_none, pos if new_or_none is not None else None,
                                             ring_off=4)

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 # targets: minutes of single-threaded ptxas on a cold cache. It starts in the background as soon as
 # collection shows it will run, on the core the (single-threaded) suite leaves free, and its tests
 # move to the end of the run, by which time it has usually finished.
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(config, items):
     gate = [item for item in items if item.nodeid.startswith("tests/test_compile_gate.py::test_every")
             or item.nodeid.startswith("tests/test_compile_gate.py::test_fp32")]
     if not gate:

@@ -32,6 +32,6 @@ def require_default_checkpoint():
 
 def setup(model, kind, batch=1, max_seq_len=None, **fields):
     """generate.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
-    from cache import CacheConfig
+    from config import CacheConfig
     from generate import setup_caches
     return setup_caches(model, CacheConfig(kind=kind, **fields).validated(), batch, max_seq_len)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import bench
+import bench_report
 import generate
 import measure
 import quant
@@ -150,7 +151,7 @@ def test_overlap_stats():
 def test_ratio_rows():
     grid = [{"label": lb, "context": 64, "batch": 1, "step_ms_median": ms, "step_tokens": t}
             for lb, ms, t in (("full", 1.0, 1), ("kivi-1bit", 2.0, 1), ("specache-1bit", 2.2, 2), ("kivi-1bit+2tok", 2.1, 2))]
-    rows = {o["label"]: (o["vs_full"], o["vs_kivi"]) for o in bench.ratio_rows(grid)}
+    rows = {o["label"]: (o["vs_full"], o["vs_kivi"]) for o in bench_report.ratio_rows(grid)}
     assert rows == {"kivi-1bit": ("2.00x", "1.00x"), "specache-1bit": ("2.20x", "1.10x"),
                     "kivi-1bit+2tok": ("2.10x", "1.05x")}
 
@@ -237,7 +238,7 @@ def test_quantspec_section(tmp_path, model):
         assert r["read_bytes_per_token"] == pytest.approx(
             (r["gamma"] * r["draft_read_bytes"] + r["verify_read_bytes"]) / r["tokens_per_round"])
     assert rows[1]["tokens_per_round"] == 1.0 and rows[1]["acceptance"] is None
-    assert "## QuantSpec vs autoregressive decoding" in bench.report(res)
+    assert "## QuantSpec vs autoregressive decoding" in bench_report.report(res)
 
 
 def test_byte_floors_without_running():

@@ -23,9 +23,11 @@ if ON_GPU and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
                 allow_module_level=True)
 
 import kernels  # noqa: E402
-import prefetch  # noqa: E402
-from cache import CacheConfig  # noqa: E402
-from generate import compile_step, decode_step, generate, setup_caches  # noqa: E402
+import topk  # noqa: E402
+import transfer  # noqa: E402
+from config import CacheConfig  # noqa: E402
+from generate import (compile_quantspec_steps, compile_step, decode_step, generate, generate_quantspec,  # noqa: E402
+                      setup_caches)
 from tests.helpers import DEFAULT_CKPT, tiny_model  # noqa: E402
 from tests.test_kernels import CASES, assert_same_topk, make_case, tol  # noqa: E402
 
@@ -81,12 +83,12 @@ def test_topk_kernel_matches_the_reference(bits, S, dtype):
                   gk=64, gv=64, fetch=64, dtype=dtype)
     dc = on(c)
     _, lse = kernels.attention_lowbit_ref(*dc.args())
-    got = (kernels.topk_lowbit if ON_GPU else kernels.topk_lowbit_triton)(dc.q[:, :, 0], lse[:, :, 0], dc.store, 64,
+    got = (topk.topk_lowbit if ON_GPU else topk.topk_lowbit_triton)(dc.q[:, :, 0], lse[:, :, 0], dc.store, 64,
                                                                          dc.sm_scale, dc.fetched)
     # the reference in fp32 over the same (16-bit) values: a bf16 reference rounds the dequantized keys
     # and the logits to 8 bits, and at 32k positions near-ties around the k-th then swap (seen on an H100)
     c32 = on(c, float_dtype=torch.float32)
-    want = kernels.topk_lowbit_ref(c32.q[:, :, 0], lse[:, :, 0], c32.store, 64, c32.sm_scale, c32.fetched)
+    want = topk.topk_lowbit_ref(c32.q[:, :, 0], lse[:, :, 0], c32.store, 64, c32.sm_scale, c32.fetched)
     assert_same_topk([x.cpu() for x in got], [x.cpu() for x in want], rtol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
@@ -102,9 +104,9 @@ def test_transfer_from_pinned_host_memory_is_exact(with_new):
     pos = torch.tensor(77) if with_new else None
     want_host = [h.clone() for h in host]
     want_ring = [torch.zeros(2, 8, 64, 128, dtype=torch.bfloat16) for _ in range(2)]
-    prefetch.transfer_rows_ref(*want_host, *want_ring, idx, *new, pos)
+    transfer.transfer_rows_ref(*want_host, *want_ring, idx, *new, pos)
     ring = [torch.zeros(2, 8, 64, 128, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
-    (prefetch.transfer_rows if ON_GPU else prefetch.transfer_rows_triton)(*host, *ring, on(idx), *on(tuple(new)), on(pos))
+    (transfer.transfer_rows if ON_GPU else transfer.transfer_rows_triton)(*host, *ring, on(idx), *on(tuple(new)), on(pos))
     if ON_GPU:
         torch.cuda.synchronize()
     for a, b in zip(ring + host, want_ring + want_host):
@@ -131,12 +133,12 @@ def test_rerank_from_pinned_host_memory_keeps_the_best_candidates(R):
     pos, sm = torch.tensor(77), D ** -0.5
     keys = host[0].gather(2, cand[..., None].expand(-1, -1, -1, D))
     keys[0, 0, 3] = new[0][0, 0, 0]
-    score = torch.where(valid, kernels._fp_row_scores(q, lse, keys, sm), -1.0)  # every candidate's exact score
+    score = torch.where(valid, topk._fp_row_scores(q, lse, keys, sm), -1.0)  # every candidate's exact score
     want = score.topk(K, dim=-1)
     fetch = [torch.zeros(B, Hkv, off + K, D, dtype=torch.bfloat16, device=DEV) for _ in range(2)] + \
             [torch.full((B, Hkv, off + K), -1, device=DEV), torch.zeros(B, Hkv, off + K, dtype=torch.bool, device=DEV)]
     pinned = [h.pin_memory() for h in host] if ON_GPU else [h.clone() for h in host]
-    (prefetch.rerank_rows if ON_GPU else prefetch.rerank_rows_triton)(
+    (transfer.rerank_rows if ON_GPU else transfer.rerank_rows_triton)(
         *pinned, *fetch, on(cand), on(valid), on(q), on(lse), sm, *on(tuple(new)), on(pos), ring_off=off)
     if ON_GPU:
         torch.cuda.synchronize()
@@ -274,8 +276,8 @@ def test_quantspec_compiled_rounds_equal_target_decoding():
     def run(gamma, steps=None):
         setup_caches(model, CacheConfig.from_name("quantspec-g16"), 1, 260, gamma=max(gamma, 1))
         quantspec.share_caches(draft, model)
-        return quantspec.generate_quantspec(model, draft, prompt, 90, gamma, steps=steps)[0].cpu()
+        return generate_quantspec(model, draft, prompt, 90, gamma, steps=steps)[0].cpu()
 
     eager = run(0)
     torch._dynamo.reset()
-    assert torch.equal(run(3, quantspec.compile_steps(DEV, 3)), eager)
+    assert torch.equal(run(3, compile_quantspec_steps(DEV, 3)), eager)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import eval as ev
+import eval_report
 import tasks as tk
 
 CKPT = Path(ev.DEFAULT_CHECKPOINT)
@@ -184,7 +185,7 @@ def test_reports_and_heatmap(tmp_path):
                                   layer_err=[0.0, 0.0], layer_hit=[1.0, 1.0]))
     ev.write_hitrate_report(r)
     assert "| [101, 200] | [201, ] |" in (tmp_path / "results.md").read_text()
-    assert ev.step_mean(r.of("hitrate"), "hit", 201) == 1.0 and ev.step_mean(r.of("hitrate")[:1], "exact", 11, 20) == 0.5
+    assert eval_report.step_mean(r.of("hitrate"), "hit", 201) == 1.0 and eval_report.step_mean(r.of("hitrate")[:1], "exact", 11, 20) == 0.5
 
 
 def test_ppl_report_and_summary_prompt(tmp_path):
@@ -222,7 +223,7 @@ def tiny_runner():
 
 def test_hit_trace_per_step_agrees_with_the_probe():
     import random
-    from cache import CacheConfig
+    from config import CacheConfig
 
     r = tiny_runner()
     ids = [random.Random(1).randrange(256) for _ in range(100)]
@@ -243,7 +244,7 @@ def test_prefill_replay_equals_prefilling_each_cache():
     """eval.py prefills a prompt once (one chunk, exact) and replays its K/V into each cache: the
     tokens equal those of each cache's own one-chunk prefill."""
     import random
-    from cache import CacheConfig
+    from config import CacheConfig
 
     r = tiny_runner()
     ids = [random.Random(2).randrange(256) for _ in range(100)]
@@ -258,7 +259,7 @@ def test_prefill_replay_equals_prefilling_each_cache():
 
 # ---- method names ---------------------------------------------------------------------------------------
 def test_method_parsing():
-    from cache import CacheConfig as C
+    from config import CacheConfig as C
     assert ev.expand_methods("full") == [C("full")]
     assert ev.expand_methods("kivi-2bit") == [C("kivi", bits=2)]
     assert ev.expand_methods("kivi-1bit-orig") == [C("kivi", bits=1, one_bit="kivi")]
@@ -301,7 +302,7 @@ def test_method_sweeps_and_labels():
 def test_presets():
     """A preset sets SpeCache defaults; the name's own parts and explicit fields win; the canonical
     name spells the preset out; presets are SpeCache-only and one at a time."""
-    from cache import PRESETS, CacheConfig as C
+    from config import PRESETS, CacheConfig as C
     assert C.from_name("specache-1bit-paper") == C.from_name("specache-1bit") == C("specache", bits=1)
     best = C.from_name("specache-2bit-best")
     assert all(getattr(best, f) == v for f, v in PRESETS["best"].items() if v is not None) and best.bits == 2
@@ -347,7 +348,7 @@ def test_saliency_subcommand(tmp_path, monkeypatch):
     (100% overlap); with the default 10% probes they are a subset-based estimate in [0, 100]."""
     import random
     from types import SimpleNamespace
-    import cache
+    import quant
 
     r = tiny_runner()
     monkeypatch.setattr(ev, "essay_window", lambda tok, start, L: [random.Random(start).randrange(256) for _ in range(L)])
@@ -356,7 +357,7 @@ def test_saliency_subcommand(tmp_path, monkeypatch):
     ev.cmd_saliency(a, r, [], results)
     rec = results.of("saliency")[0]
     assert rec["probes"] == 12 and len(rec["layer_group"]) == 2 and 0 <= rec["group"] <= 1
-    monkeypatch.setattr(cache, "PROBE_RECENT", 1.0)
+    monkeypatch.setattr(quant, "PROBE_RECENT", 1.0)
     results = ev.Results(tmp_path / "all")
     ev.cmd_saliency(a, r, [], results)
     rec = results.of("saliency")[0]

@@ -82,7 +82,7 @@ def test_json_contract(ckpt, capsys):
 
 
 def test_preset_flag_names_the_config(ckpt, capsys):
-    from cache import CacheConfig
+    from config import CacheConfig
     r = run_json(ckpt, capsys, "--prompt", "What is the capital of France?", "--chat", "--preset", "best", "--k", "32")
     assert r["cache"] == CacheConfig.from_name("specache-1bit-best-k32").name and r["config"]["k"] == 32
     assert r["config"]["fetch"] == "resync" and "Paris" in r["text"]

@@ -16,8 +16,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-import prefetch  # noqa: E402
 import quant  # noqa: E402
+import topk  # noqa: E402
+import transfer  # noqa: E402
 from kernels import Fetched, LowBitKV, Residual  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +217,7 @@ def dense_topk_scores(t: TopkCase):
                                               (3, 32, False, 64)])
 def test_topk_reference_matches_dense(G, n_quant, hier, k):
     t = topk_inputs(G=G, n_quant=n_quant, hier=hier, S=128, k=k)
-    score, idx = kernels.topk_lowbit_ref(*t)
+    score, idx = topk.topk_lowbit_ref(*t)
     dense = dense_topk_scores(t)
     torch.testing.assert_close(score, dense.topk(k, -1).values, atol=1e-6, rtol=1e-5)
     valid = score >= 0
@@ -230,7 +231,7 @@ def test_topk_reference_matches_dense(G, n_quant, hier, k):
 @pytest.mark.parametrize("bits,mixed", [(2, (4, 13)), (1, (2, 8))])
 def test_topk_mixed_precision_reference_matches_dense(bits, mixed):
     t = topk_inputs(G=3, n_quant=96, S=128, k=16, bits=bits, mixed=mixed)
-    score, idx = kernels.topk_lowbit_ref(*t)
+    score, idx = topk.topk_lowbit_ref(*t)
     dense = dense_topk_scores(t)
     torch.testing.assert_close(score, dense.topk(16, -1).values, atol=1e-6, rtol=1e-5)
 
@@ -279,7 +280,7 @@ def test_topk_fetched_rows_score_exactly():
     the score is the fp row's probability, elsewhere the low-bit one."""
     t = topk_inputs(G=3, n_quant=96, S=128, k=96)  # k = n_quant: every slot valid
     f = fetched_rows(t)
-    score, idx = kernels.topk_lowbit_ref(*t, f)
+    score, idx = topk.topk_lowbit_ref(*t, f)
     dense = dense_topk_scores(t)
     B, Hkv = dense.shape[:2]
     G = t.q_row.shape[1] // Hkv
@@ -304,12 +305,12 @@ def test_topk_of_two_tokens_is_the_best_of_each_and_first_is_excluded():
     """Union selection: a position scores the larger of the two tokens' probabilities; positions
     below `first` (attention sinks, kept in fp16) are never candidates."""
     c, lse = two_row_inputs()
-    one = [kernels.topk_lowbit_ref(c.q[:, :, r], lse[:, :, r], c.store, 96, c.sm_scale) for r in (0, 1)]
+    one = [topk.topk_lowbit_ref(c.q[:, :, r], lse[:, :, r], c.store, 96, c.sm_scale) for r in (0, 1)]
     by_pos = [torch.full((1, 2, 128), -1.0).scatter(2, i, s) for s, i in one]
     want = torch.maximum(*by_pos)
-    score, idx = kernels.topk_lowbit_ref(c.q, lse, c.store, 96, c.sm_scale)
+    score, idx = topk.topk_lowbit_ref(c.q, lse, c.store, 96, c.sm_scale)
     torch.testing.assert_close(torch.full((1, 2, 128), -1.0).scatter(2, idx, score), want)
-    score, idx = kernels.topk_lowbit_ref(c.q, lse, c.store, 16, c.sm_scale, first=32)
+    score, idx = topk.topk_lowbit_ref(c.q, lse, c.store, 16, c.sm_scale, first=32)
     assert (idx >= 32).all()
     torch.testing.assert_close(score, want[..., 32:].topk(16, -1).values)
 
@@ -318,7 +319,7 @@ def test_topk_exact_is_the_reference_on_full_precision_keys():
     """The oracle's exact top-k equals topk_lowbit_ref over an 8-bit-free 'store' of the same keys."""
     t = topk_inputs(G=3, n_quant=96, S=128, k=16)
     keys = kernels.dequant_keys(t.store)
-    score, idx = kernels.topk_exact(t.q_row, keys, t.store.n_quant, 16, t.sm_scale)
+    score, idx = topk.topk_exact(t.q_row, keys, t.store.n_quant, 16, t.sm_scale)
     logits = torch.einsum("bhgd,bhsd->bhgs", t.q_row.view(1, 2, 3, -1), keys) * t.sm_scale
     logits[..., 96:] = float("-inf")
     want = torch.softmax(logits, -1).sum(2).topk(16, -1)
@@ -371,8 +372,8 @@ def test_triton_attention_split_counts(n_splits):
                                               (3, 32, False, 64)])
 def test_triton_topk_matches_reference(G, n_quant, hier, k):
     t = topk_inputs(G=G, n_quant=n_quant, hier=hier, k=k)
-    want = kernels.topk_lowbit_ref(*t)
-    got = kernels.topk_lowbit_triton(*t)
+    want = topk.topk_lowbit_ref(*t)
+    got = topk.topk_lowbit_triton(*t)
     assert got[0].shape == want[0].shape and got[1].dtype == torch.int64
     assert_same_topk(got, want)
 
@@ -384,8 +385,8 @@ def test_triton_topk_merges_candidates_in_rounds(S, n_quant):
     32k): the candidate lists are merged MERGE_FAN at a time, a partial last group included."""
     t = topk_inputs(G=3, n_quant=n_quant, S=S, k=16)
     f = fetched_rows(t)
-    assert -(-S // 32) > kernels.MERGE_FAN
-    assert_same_topk(kernels.topk_lowbit_triton(*t, f, chunk=32), kernels.topk_lowbit_ref(*t, f))
+    assert -(-S // 32) > topk.MERGE_FAN
+    assert_same_topk(topk.topk_lowbit_triton(*t, f, chunk=32), topk.topk_lowbit_ref(*t, f))
 
 
 @needs_interpreter
@@ -393,14 +394,14 @@ def test_triton_topk_merges_candidates_in_rounds(S, n_quant):
 def test_triton_topk_mixed_precision_matches_reference(bits, mixed):
     t = topk_inputs(G=3, n_quant=96, k=16, bits=bits, mixed=mixed)
     f = fetched_rows(t)
-    assert_same_topk(kernels.topk_lowbit_triton(*t, f), kernels.topk_lowbit_ref(*t, f))
+    assert_same_topk(topk.topk_lowbit_triton(*t, f), topk.topk_lowbit_ref(*t, f))
 
 
 @needs_interpreter
 def test_triton_topk_with_fetched_rows_matches_reference():
     t = topk_inputs(G=3, n_quant=96, k=16)
     f = fetched_rows(t)
-    assert_same_topk(kernels.topk_lowbit_triton(*t, f), kernels.topk_lowbit_ref(*t, f))
+    assert_same_topk(topk.topk_lowbit_triton(*t, f), topk.topk_lowbit_ref(*t, f))
 
 
 @needs_interpreter
@@ -408,7 +409,7 @@ def test_triton_topk_of_two_tokens_with_first_matches_reference():
     c, lse = two_row_inputs()
     f = fetched_rows(TopkCase(c.q[:, :, 0], lse[:, :, 0], c.store, 16, c.sm_scale))
     args = (c.q, lse, c.store, 16, c.sm_scale, f, 32)
-    assert_same_topk(kernels.topk_lowbit_triton(*args), kernels.topk_lowbit_ref(*args))
+    assert_same_topk(topk.topk_lowbit_triton(*args), topk.topk_lowbit_ref(*args))
 
 
 @needs_interpreter
@@ -416,8 +417,8 @@ def test_triton_topk_ties_fill_exactly_k():
     """All-equal scores: the threshold ties must fill exactly k distinct slots."""
     t = topk_inputs(G=1, n_quant=64, k=16)
     t = t._replace(q_row=torch.zeros_like(t.q_row))  # every logit 0: every position ties
-    score, idx = kernels.topk_lowbit_triton(*t)
-    want, _ = kernels.topk_lowbit_ref(*t)
+    score, idx = topk.topk_lowbit_triton(*t)
+    want, _ = topk.topk_lowbit_ref(*t)
     torch.testing.assert_close(score, want)
     assert all(len(set(row.tolist())) == 16 for row in idx.flatten(0, 1))
 
@@ -434,7 +435,7 @@ def test_triton_custom_ops_opcheck():
                           test_utils=tests)
     t = topk_inputs(G=3, n_quant=64, S=128)
     tensors, ints, optional = kernels._flat(t.store, Residual(None, None, None), None)
-    torch.library.opcheck(kernels._topk_lowbit_op, (t.q_row, t.lse_row, list(tensors[:7]), list(ints), list(optional),
+    torch.library.opcheck(topk._topk_lowbit_op, (t.q_row, t.lse_row, list(tensors[:7]), list(ints), list(optional),
                                                     t.k, t.sm_scale), test_utils=tests)
 
 
@@ -467,9 +468,9 @@ def test_kernels_interpreted_in_fresh_process():
 # ---- torch.compile (CPU path: the references inline) ----------------------------------------------
 def decode_step(c: Case, k: int):
     out, lse = kernels.attention_lowbit(*c.args())
-    score, idx = kernels.topk_lowbit(c.q[:, :, -1], lse[:, :, -1], c.store, k, c.sm_scale)
+    score, idx = topk.topk_lowbit(c.q[:, :, -1], lse[:, :, -1], c.store, k, c.sm_scale)
     ring_k, ring_v = (torch.empty(*idx.shape, c.residual.k.shape[3]) for _ in range(2))
-    prefetch.transfer_rows(c.residual.k, c.residual.v, ring_k, ring_v, torch.remainder(idx, c.residual.length))
+    transfer.transfer_rows(c.residual.k, c.residual.v, ring_k, ring_v, torch.remainder(idx, c.residual.length))
     return out, lse, score, idx, ring_k
 
 

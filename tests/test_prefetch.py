@@ -10,12 +10,14 @@ import torch
 
 import kernels
 import prefetch
-from cache import CacheConfig, LowBitCache, SpeCache
+import transfer
+from cache import LowBitCache, SpeCache
+from config import CacheConfig
 from generate import decode_step, generate
 from prefetch import Prefetcher
 from tests.helpers import setup, tiny_model
 
-needs_interpreter = pytest.mark.skipif(type(prefetch._transfer_rows_kernel).__name__ != "InterpretedFunction",
+needs_interpreter = pytest.mark.skipif(type(transfer._transfer_rows_kernel).__name__ != "InterpretedFunction",
                                        reason="TRITON_INTERPRET=1 was not set before triton was imported")
 
 CPU = torch.device("cpu")
@@ -154,8 +156,8 @@ def test_triton_transfer_matches_reference(with_idx, with_new):
     pos = torch.tensor(17) if with_new else None
     ref = [[h.clone() for h in host], [torch.zeros(2, 3, 8, 40) for _ in range(2)]]
     tri = [[h.clone() for h in host], [torch.zeros(2, 3, 8, 40) for _ in range(2)]]
-    prefetch.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos)
-    prefetch.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos)
+    transfer.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos)
+    transfer.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos)
     for a, b in zip(ref[0] + ref[1], tri[0] + tri[1]):
         assert torch.equal(a, b)
 
@@ -242,7 +244,7 @@ def test_triton_rerank_matches_reference(with_new, R, off):
     if with_new:  # the token's candidate wins its kv head: its key and value must come from new_k/new_v
         new[0][1, 2, 0] = 3 * q[1, 2 * G, 0]
     outs = []
-    for fn in (prefetch.rerank_rows_ref, prefetch.rerank_rows_triton):
+    for fn in (transfer.rerank_rows_ref, transfer.rerank_rows_triton):
         hk, hv = (h.clone() for h in host)
         bufs = [torch.zeros(B, Hkv, off + K, D), torch.zeros(B, Hkv, off + K, D),
                 torch.full((B, Hkv, off + K), -1), torch.zeros(B, Hkv, off + K, dtype=torch.bool)]

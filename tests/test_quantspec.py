@@ -6,7 +6,8 @@ import torch
 
 import quant
 import quantspec as qs
-from cache import CacheConfig
+from config import CacheConfig
+import generate as gen
 from generate import setup_caches
 from tests.helpers import tiny_model
 
@@ -24,7 +25,7 @@ def run(model, gamma, temperature=0.0, steps=None, seed=5, new=NEW):
     caches, _, _ = setup_caches(model, CacheConfig.from_name("quantspec-g16"), 1, PROMPT + new + 8, gamma=max(gamma, 1))
     draft = qs.make_draft(model, group=32)
     qs.share_caches(draft, model)
-    out, stats = qs.generate_quantspec(model, draft, prompt, new, gamma, temperature=temperature, steps=steps)
+    out, stats = gen.generate_quantspec(model, draft, prompt, new, gamma, temperature=temperature, steps=steps)
     return out[0].tolist(), stats, caches
 
 
@@ -61,7 +62,7 @@ def test_the_steps_compile_to_one_graph_each(model, autoregressive):
     torch._dynamo.reset()
     counters.clear()
     c = lambda f: torch.compile(f, fullgraph=True, backend="eager")  # noqa: E731
-    out, _, _ = run(model, 3, steps=(c(qs.draft_step), c(qs.verify_step), c(qs.commit)))
+    out, _, _ = run(model, 3, steps=(c(gen.draft_step), c(gen.verify_step), c(gen.commit)))
     assert out == autoregressive[0]
     assert counters["stats"]["unique_graphs"] == 3
 

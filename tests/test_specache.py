@@ -64,7 +64,7 @@ POLICIES = ["speculative", "sequential", "oracle", "lag", "union", "resync"]
 
 
 def run_policy(model, fetch, new=NEW, step_fn=decode_step, predecode_fn=None, **kw):
-    from cache import CacheConfig
+    from config import CacheConfig
     cfg = CacheConfig("specache", fetch=fetch, **{"bits": 1, "group": 16, "residual": 32, **kw}).validated()
     setup_caches(model, cfg, 1, PROMPT_LEN + new + 2)
     from generate import pre_decode
@@ -130,7 +130,7 @@ def test_resync_never_keeps_a_speculative_token_known_wrong(model):
 def test_sinks_stay_in_fp16_and_are_never_fetched(model):
     """sinkN: the first N positions are attended in fp16 from the device once quantized; top-k
     never spends a fetched row on them."""
-    from cache import CacheConfig
+    from config import CacheConfig
     from kernels import dequant_keys
     cfg = CacheConfig("specache", bits=1, group=16, residual=32, k=8, sinks=4)
     caches, prefetcher, _ = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
@@ -152,8 +152,9 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
     """rrN: the k rows fetched for the next step are, among the selecting token's low-bit top-(N*k),
     the k with the highest exact attention probability (its fp keys, summed over the kv head's query
     heads); their keys sit in the ring at once, their values arrive with the transfer."""
-    from cache import CacheConfig
+    from config import CacheConfig
     import kernels
+    import topk
     cfg = CacheConfig("specache", bits=1, group=16, residual=32, k=8, rerank=3)
     caches, prefetcher, _ = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
     generate(model, prompt(), 10, speculative=True)
@@ -162,7 +163,7 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
     D = model.args.head_dim
     q, lse = torch.randn(1, 4, D, generator=g), torch.randn(1, 4, generator=g).abs() + 2
     fetched = c.fetched()
-    _, cand = kernels.topk_lowbit(q, lse, c.stored(), 24, c.sm_scale, Fetched(*(t.clone() for t in fetched)))
+    _, cand = topk.topk_lowbit(q, lse, c.stored(), 24, c.sm_scale, Fetched(*(t.clone() for t in fetched)))
     idx, valid, rerank_by = c.select(q, lse, Fetched(*(t.clone() for t in fetched)))
     assert torch.equal(idx, cand) and valid.all()  # the candidates, ranked by their low-bit scores
     c.start_fetch(idx, valid, rerank_by)
@@ -250,9 +251,9 @@ def test_fetch_probe_measures_without_changing_the_tokens(model, full_tokens):
 def test_most_mass_topk_weighs_heads_by_their_real_attention():
     """Two query heads share a kv head; position 0 is a sink kept in fp16 (not ranked). Head A puts
     almost all its attention on the sink, and of the rest most on position 2. Head B attends to
-    position 1. Renormalized over the ranked positions (kernels.topk_exact), A's leftovers vote as
+    position 1. Renormalized over the ranked positions (topk.topk_exact), A's leftovers vote as
     loudly as B's real attention and position 2 wins; by attention actually paid, position 1 does."""
-    from kernels import topk_exact
+    from topk import topk_exact
     from probe import most_mass_topk
     keys = torch.eye(4)[None, None]  # [B=1, Hkv=1, S=4, D=4]: logits = q itself
     q = torch.tensor([[10.0, 0, 2, 0], [0, 1, 0, 0]])[None]  # [B=1, H=2, D=4]

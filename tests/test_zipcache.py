@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from cache import CacheConfig, LowBitCache, probe_positions
+from cache import LowBitCache
+from config import CacheConfig
+from quant import probe_positions
 from generate import decode_step, generate, pre_decode, setup_caches
 from tests.helpers import tiny_model
 

@@ -1,9 +1,9 @@
-"""Can per-row side information make the low-bit top-k closer to the exact fp16 top-k? (issue #11)
+"""Can per-row side information make the low-bit top-k closer to the exact fp16 top-k?
 
 The real token's own low-bit top-k bounds what any policy that ranks by low-bit scores can fetch.
 This study decodes with a SpeCache preset (eager, CPU) and, at every layer and decode step, ranks
 the quantized positions for the real token's query by several estimators of q.k, then reports the
-share of the exact fp16 top-k (kernels.topk_exact's reduction: softmax per query head over the
+share of the exact fp16 top-k (topk.topk_exact's reduction: softmax per query head over the
 quantized positions, summed over the kv head's query heads) each estimator's top-k holds:
 
   base      q.k' with k' the dequantized low-bit key (what topk_lowbit ranks by)
@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 import eval as ev  # noqa: E402
 import kernels  # noqa: E402
+import topk  # noqa: E402
 import quant  # noqa: E402
 from cache import CacheConfig, SpeCache  # noqa: E402
 from model import apply_rope  # noqa: E402
@@ -73,7 +74,7 @@ def main():
             prob = torch.softmax(logits.masked_fill(~valid, -1e30), -1).sum(2)
             return torch.where(valid, prob, -1.0).topk(min(k, nq - cache.sinks), -1).indices
 
-        exact = kernels.topk_exact(q, keys, nq, n, cache.sm_scale, first=cache.sinks)[1]  # the oracle's choice
+        exact = topk.topk_exact(q, keys, nq, n, cache.sm_scale, first=cache.sinks)[1]  # the oracle's choice
         base = qg @ approx.transpose(-1, -2)
         err = keys - approx
         q_norm, e_norm = qg.norm(dim=-1, keepdim=True), err.norm(dim=-1)[:, :, None]

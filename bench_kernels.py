@@ -1,0 +1,135 @@
+"""Each decode-step kernel alone, at a model's shapes (`python bench.py --kernels`): the low-bit
+attention, the speculative top-k, the row transfer and re-ranking's transfer, timed against their
+byte floors, and the main stream's attention with the transfer beside it on a side stream.
+
+On CUDA each kernel is timed as a CUDA graph's replays after an L2 flush (what a compiled decode step
+sees) and eagerly (with the Python launch overhead); on CPU the references run (compiled with
+--compile)."""
+import sys
+
+import torch
+
+import generate
+import measure
+from measure import H100_GBS
+from config import CacheConfig
+
+
+def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=64):
+    """A SpeCache layer's cache filled with random codes and scales to `context` tokens, k fetched
+    rows and two query tokens: the inputs of the attention and top-k kernels at a model's shapes.
+    -> (cache, its LowBitKV, Fetched, q [1, Hkv*G, 2, D])."""
+    import kernels
+    from cache import LowBitCache
+    c = LowBitCache(1, Hkv, context + 128, D, dtype, device, CacheConfig("specache", bits=bits, group=group, k=k))
+    for name in ("k_codes", "v_codes"):
+        getattr(c, name).random_(0, 256, generator=g)
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+        getattr(c, name).normal_(0, 0.1, generator=g)
+    c.n_quant.fill_(context // c.residual * c.residual)
+    c.res_len.fill_(c.residual // 2)
+    idx = torch.randperm(int(c.n_quant), generator=g, device=device)[:k].expand(1, Hkv, k).contiguous()
+    fetched = kernels.Fetched(torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype),
+                              torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype), idx,
+                              torch.ones(1, Hkv, k, dtype=torch.bool, device=device))
+    q2 = torch.randn(1, Hkv * G, 2, D, generator=g, device=device).to(dtype)
+    return c, c.stored(), fetched, q2
+
+
+@torch.no_grad()
+def kernel_rows(model, context: int, a, bw) -> list[dict]:
+    """Each decode-step kernel alone at the model's shapes, batch 1, `context` tokens: time, bytes it
+    must move, achieved GB/s, and its byte floor here and on an H100."""
+    import kernels
+    import topk
+    import transfer
+    import torch.nn.functional as F
+
+    args = model.args
+    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    Hkv, G, D = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.head_dim
+    def wrap(f):  # a fresh compile per kernel: the closures differ, so dynamo would pile up recompiles
+        if not (a.compile and device.type == "cpu"):
+            return f
+        torch._dynamo.reset()
+        return generate.compile_step(device, f)
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+
+    def add(name, fn, nbytes, note=""):
+        t = measure.time_fn(fn, device, warmup=3, reps=a.kernel_reps)  # (the first warmup call compiles)
+        # on CUDA, eager calls pay Python launch overhead (custom op, Triton launcher): the kernels' own
+        # time is a CUDA graph's replay, cold L2 (what a compiled decode step sees)
+        tg = measure.time_fn(fn, device, warmup=2, reps=a.kernel_reps, graph=True) if device.type == "cuda" else t
+        rows.append(dict(kernel=name, context=context, bytes=nbytes, us=1e6 * tg["median_s"], us_min=1e6 * tg["min_s"],
+                         us_eager=1e6 * t["median_s"],
+                         achieved_gbs=nbytes / tg["median_s"] / 1e9, floor_us_here=1e6 * nbytes / (bw["copy_gbs"] * 1e9),
+                         floor_us_h100=1e6 * nbytes / (H100_GBS * 1e9), note=note))
+        print(f"#   {name}: {rows[-1]['us']:.1f} us (eager {rows[-1]['us_eager']:.1f})", file=sys.stderr, flush=True)
+
+    k = torch.randn(1, Hkv, context, D, generator=g, device=device).to(dtype)
+    q1 = torch.randn(1, Hkv * G, 1, D, generator=g, device=device).to(dtype)
+    mask = torch.ones(1, context, dtype=torch.bool, device=device)
+    sdpa = wrap(lambda: F.scaled_dot_product_attention(q1, k, k, attn_mask=mask, enable_gqa=True))
+    add("full-cache SDPA (1 token)", sdpa, 2 * k.nbytes, "fp16/bf16 K and V")
+    victim = None  # (name, fn, bytes): the first low-bit attention, timed beside the transfers below
+    for bits in a.kernel_bits:
+        c, store, fetched, q2 = lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=a.group or 64,
+                                                   k=a.k or 64)
+        K, idx = fetched.idx.shape[2], fetched.idx
+        attn = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale))
+        fbytes = fetched.k.nbytes + fetched.v.nbytes + idx.nbytes
+        add(f"{bits}-bit attention (2 tokens, {K} fetched)", attn, c.read_bytes(2) + fbytes)
+        victim = victim or (f"{bits}-bit attention", attn, c.read_bytes(2) + fbytes)
+        lse = torch.zeros(1, Hkv * G, device=device)
+        select = wrap(lambda: topk.topk_lowbit(q2[:, :, 1], lse, store, K, c.sm_scale, fetched))
+        key_bytes = kernels.lowbit_read_bytes(store._replace(v_codes=None, v_scale=None, v_zero=None), int(c.n_quant))
+        add(f"{bits}-bit speculative top-k (score + select)", select, key_bytes + fetched.k.nbytes + idx.nbytes)
+    # the transfer: k rows of K and V per kv head from the host store
+    K = a.k or 64
+    hk, hv = (torch.randn(1, Hkv, context, D, generator=torch.Generator().manual_seed(1)).to(dtype) for _ in range(2))
+    if device.type == "cuda":  # pinned: read by the device over PCIe
+        hk, hv = hk.pin_memory(), hv.pin_memory()
+    rk, rv = (torch.zeros(1, Hkv, K, D, dtype=dtype, device=device) for _ in range(2))
+    idx = torch.randint(0, context, (1, Hkv, K), device=device)
+    new = torch.zeros(1, Hkv, 1, D, dtype=dtype, device=device)
+    pos = torch.tensor(context - 1, device=device)
+    add(f"fetch {K} rows of K and V per kv head (+ write 1)", lambda: transfer.transfer_rows(hk, hv, rk, rv, idx, new, new, pos),
+        rk.nbytes + rv.nbytes, "host -> device over PCIe on CUDA")
+    # re-ranking's transfer (rr2): the keys of 2k low-bit candidates, the k best by exact score, their values
+    C = min(2 * K, context)
+    cand = torch.stack([torch.randperm(context, generator=g, device=device)[:C] for _ in range(Hkv)])[None]
+    fetch_idx, fetch_valid = torch.zeros_like(idx), torch.zeros(1, Hkv, K, dtype=torch.bool, device=device)
+    q_rows, lse_rows = q1, torch.full((1, Hkv * G, 1), 4.0, device=device)
+    scratch = transfer.rerank_scratch(1, Hkv, C, D, dtype, device)
+    add(f"re-rank {C} candidate keys, fetch the {K} best's values (+ write 1)",
+        lambda: transfer.rerank_rows(hk, hv, rk, rv, fetch_idx, fetch_valid, cand, torch.ones_like(cand, dtype=torch.bool),
+                                     q_rows, lse_rows, 1 / D ** 0.5, new, new, pos, scratch=scratch),
+        rk.nbytes * (C + K) // K, "host -> device over PCIe on CUDA: 2k keys + k values per kv head")
+    # The side stream's cost to the main stream. On the H100 (2026-11-23) a 16 KB main-stream copy that
+    # ran beside the transfer took 26 us. Here the main stream's low-bit attention runs with the fetch
+    # on a second stream, as in a decode step: the UVA kernel (SMs read host memory), then a copy-engine
+    # copy of the same bytes from one pinned block (no SMs). Without interference a pair takes the
+    # longer of its two times alone (rows above); with it, more.
+    dm = torch.get_device_module(device.type)
+    side = dm.Stream(device=device) if device.type == "cuda" else dm.Stream()
+    block = torch.randn(2, Hkv * K, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    block = block.pin_memory() if device.type == "cuda" else block
+    ring_block = torch.empty(2, Hkv * K, D, dtype=dtype, device=device)
+
+    def beside(fetch):
+        def step():
+            side.wait_stream(dm.current_stream(device))
+            with dm.stream(side):
+                fetch()
+            victim[1]()
+            dm.current_stream(device).wait_stream(side)
+        return step
+    if victim is not None:
+        add(f"{victim[0]} beside the {K}-row fetch kernel on a side stream",
+            beside(lambda: transfer.transfer_rows(hk, hv, rk, rv, idx, new, new, pos)),
+            victim[2] + rk.nbytes + rv.nbytes, "no interference: the longer of the two alone")
+        add(f"{victim[0]} beside a copy-engine copy of the same bytes on a side stream",
+            beside(lambda: ring_block.copy_(block, non_blocking=True)),
+            victim[2] + ring_block.nbytes, "one pinned block, cudaMemcpyAsync on CUDA")
+    return rows

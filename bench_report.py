@@ -1,0 +1,107 @@
+"""bench.py's markdown report: decode steps, step-time ratios, the CUDA profile, kernels alone,
+Table 3 on a KV budget, QuantSpec and the transformers side by side."""
+
+
+def md_table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(x) for x in row) + " |" for row in rows])
+
+
+def mb(n):
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def report(res: dict) -> str:
+    env, bw, md = res["environment"], res["bandwidth"], []
+    md += [f"# bench.py: {env['device']} ({env['gpu'] or env['cpu']}), {env['dtype']}, {env['threads']} threads, "
+           f"compile={res['config']['compile']}, torch {env['torch']}, triton {env['triton']}, {env['date']}",
+           f"Model {res['model']} ({res['weight_bytes'] / 2**20:.0f} MiB of weights read per step), prompt: "
+           f"{res['prompt_source']}. Measured bandwidth: copy {bw['copy_gbs']:.1f} GB/s ((read+write)/time), "
+           f"streaming read {bw['read_gbs']:.1f} GB/s.", ""]
+    if res.get("grid"):
+        md += ["## Decode steps (median of timed steps; MiB = 2^20 bytes; tok/s = output tokens)", ""]
+        md.append(md_table(
+            ["cache", "context", "batch", "prefill s", "step ms (min, spread)", "tok/s", "KV device MiB", "host MiB",
+             "fetched MiB/step", "read MiB/step", "achieved GB/s", "of copy BW", "H100 floor ms", "CPU share"],
+            [[r["label"], r["context"], r["batch"], f"{r['prefill_s']:.2f}",
+              f"{r['step_ms_median']:.2f} ({r['step_ms_min']:.2f}, {r['spread_pct']:.0f}%)", f"{r['tok_s']:.1f}",
+              mb(r["kv_device_bytes"]), mb(r["kv_host_bytes"]), f"{r['fetch_bytes_per_step'] / 2**20:.2f}",
+              mb(r["read_bytes_per_step"]), f"{r['achieved_gbs']:.1f}", f"{100 * r['of_copy_bw']:.0f}%",
+              f"{r['floor_ms_h100']:.2f}", "-" if r["cpu_share"] is None else f"{r['cpu_share']:.2f}"]
+             for r in res["grid"]]))
+        md.append("\nCPU share: CPU time this process got / (wall time x threads) while it ran; well below ~0.8 means "
+                  "other processes competed for the cores (timings suspect).\n")
+        ratios = ratio_rows(res["grid"])
+        if ratios:
+            md += ["## Step time ratios (same context and batch)", "",
+                   md_table(["context", "batch", "step", "/ full", "/ kivi 1-token"],
+                            [[r["context"], r["batch"], r["label"], r["vs_full"], r["vs_kivi"]] for r in ratios]), ""]
+    prof = [r for r in res.get("grid", []) if "profile" in r]
+    if prof:
+        md += ["## CUDA profile of the timed steps (torch.profiler)", ""]
+        md.append(md_table(["cache", "context", "main busy ms/step", "fetch ms/step", "fetch overlapped", "top kernels (us/step)"],
+                           [[r["label"], r["context"], f"{r['profile'].get('main_busy_ms_per_step', 0):.2f}",
+                             f"{r['profile'].get('fetch_ms_per_step', 0):.3f}",
+                             "-" if r["profile"].get("overlap_frac") is None else f"{100 * r['profile']['overlap_frac']:.0f}%",
+                             "; ".join(f"{n}: {us:.0f}" for n, us in list(r["profile"].get("kernels_us_per_step", {}).items())[:6])]
+                            for r in prof]))
+        md.append("")
+    if res.get("kernels"):
+        md += ["## Kernels alone (batch 1; floor = bytes / bandwidth; on CUDA: a CUDA graph's replays after an L2 "
+               "flush, and eager calls with their launch overhead)", ""]
+        md.append(md_table(["kernel", "context", "bytes", "us (min)", "us eager", "achieved GB/s", "floor here us",
+                            "floor H100 us"],
+                           [[r["kernel"], r["context"], f"{r['bytes']:,}", f"{r['us']:.1f} ({r['us_min']:.1f})",
+                             f"{r.get('us_eager', r['us']):.1f}",
+                             f"{r['achieved_gbs']:.1f}", f"{r['floor_us_here']:.2f}", f"{r['floor_us_h100']:.2f}"]
+                            for r in res["kernels"]]))
+        md.append("")
+    b = res.get("budget")
+    if b:
+        md += [f"## Table 3: largest batch whose device KV fits {b['budget_gb']} GB and host copy {b['host_budget_gb']} GB "
+               f"(runs capped at batch {b['max_run_batch']})", ""]
+        md.append(md_table(["context", "cache", "KV MiB/row", "host MiB/row", "max batch", "run batch", "step ms", "tok/s",
+                            "vs full", "PCIe MiB/step"],
+                           [[r["context"], r["label"], mb(r["kv_bytes_per_row"]), mb(r["host_bytes_per_row"]), r["max_batch"],
+                             f"{r.get('run_batch', '-')}" + (" (capped)" if r.get("capped") else ""),
+                             f"{r['step_ms']:.2f}" if "step_ms" in r else "-", f"{r['tok_s']:.1f}" if "tok_s" in r else "-",
+                             f"{r['speedup_vs_full']:.2f}x" if "speedup_vs_full" in r else "-",
+                             mb(r.get("fetch_bytes_per_step"))] for r in b["rows"]]))
+        md += ["", "### Same batch for every cache (reviewers' Q6)", ""]
+        md.append(md_table(["context", "batch", "cache", "step ms", "tok/s", "vs full", "vs kivi", "KV device MiB"],
+                           [[r["context"], r["batch"], r["label"], f"{r['step_ms']:.2f}", f"{r['tok_s']:.1f}",
+                             f"{r['vs_full']:.2f}x" if r["vs_full"] else "-", f"{r['vs_kivi']:.2f}x" if r["vs_kivi"] else "-",
+                             mb(r["kv_device_bytes"])] for r in b.get("fixed", [])]))
+        md.append("")
+    if res.get("quantspec"):
+        md += ["## QuantSpec vs autoregressive decoding (batch 1, greedy)", ""]
+        md.append(md_table(["method", "context", "acceptance", "tokens/round", "tok/s", "read MiB/token",
+                            "H100 floor ms/token"],
+                           [[r["method"], r["context"], "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%",
+                             f"{r['tokens_per_round']:.2f}", f"{r['tok_s']:.1f}", mb(r["read_bytes_per_token"]),
+                             f"{r['floor_ms_per_token_h100']:.3f}"] for r in res["quantspec"]]))
+        md += ["", "read MiB/token: (gamma x one draft step's reads + one verify step's reads) / tokens per round; "
+               "a draft step reads INT4 weights and the upper INT4 planes, the verify step the model's weights and "
+               "both planes. Acceptance with random weights says nothing about a trained model.", ""]
+    if res.get("hf"):
+        md += [f"## Side by side with transformers (context {res['hf_context']}, batch 1)", ""]
+        md.append(md_table(["run", "prefill s", "step ms (min)", "tok/s"],
+                           [[r["name"], "skipped: " + r["skipped"], "", ""] if "skipped" in r else
+                            [r["name"], f"{r['prefill_s']:.2f}", f"{r['step_ms_median']:.2f} ({r['step_ms_min']:.2f})",
+                             f"{r['tok_s']:.1f}"] for r in res["hf"]]))
+        md.append("")
+    return "\n".join(md)
+
+
+def ratio_rows(grid) -> list[dict]:
+    by = {(r["context"], r["batch"], r["label"]): r for r in grid}
+    out = []
+    for r in grid:
+        full = next((x for (c, b, lb), x in by.items() if (c, b) == (r["context"], r["batch"]) and lb == "full"), None)
+        kivi = next((x for (c, b, lb), x in by.items() if (c, b) == (r["context"], r["batch"]) and lb.startswith("kivi")
+                     and x["step_tokens"] == 1), None)
+        if r["label"] != "full" and (full or kivi):
+            f = lambda x: f"{r['step_ms_median'] / x['step_ms_median']:.2f}x" if x else "-"  # noqa: E731
+            out.append({"context": r["context"], "batch": r["batch"], "label": r["label"], "vs_full": f(full),
+                        "vs_kivi": f(kivi)})
+    return out

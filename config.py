@@ -1,0 +1,232 @@
+"""The one way to name a KV cache configuration.
+
+`CacheConfig` is what a cache is: kind (full, kivi, specache, quantspec), bits, quantization group,
+fp residual window, fetched rows k, fetch policy, quantization scheme and the SpeCache options
+(attention sinks, re-ranking). It is built from a name such as "specache-1bit-oracle" or
+"specache-2bit-best" (a preset), or from CLI flags, and checked in one place (`validated`). Every
+entry point (generate.py, eval.py, bench.py, hf.py) names caches this way, and result tables print
+the canonical name (`CacheConfig.name`).
+"""
+import re
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import quant
+
+KINDS = ("full", "kivi", "specache", "quantspec")
+SCHEMES = ("kivi", "zipcache", "quantspec")
+# which rows the fetch holds for the real token of a step (SpeCache's methods of the same names)
+POLICIES = ("speculative", "sequential", "oracle", "lag", "union", "resync")
+FETCH_IMPLS = ("uva", "staged")
+# Presets (--preset NAME, or NAME as a part of a cache name): defaults for a SpeCache configuration;
+# the name's other parts and explicit flags win over them. "paper" is Algorithm 3 with §4.1's settings
+# (the default); "best" is every choice the measurements on the default model favour (README,
+# "Fetch policies and the recommended preset": eval.py hitrate / ppl / niah / ruler, and the H100
+# step times). Its k 64 rows are re-ranked from 2k low-bit candidates by their fp keys, which moves
+# 1.5x the paper's bus bytes (128 keys + 64 values); until 2026-11-23 it fetched k 96 rows with a
+# 32-token residual and no re-ranking (same bytes and device rows; `specache-Nbit-best-rr1-k96-r32`).
+PRESETS = {
+    "paper": dict(fetch="speculative", group=64, k=64, residual=None, sinks=0),
+    "best": dict(fetch="resync", group=32, k=64, residual=None, sinks=4, fit="lsq", rerank=2),  # residual 64
+}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """One KV cache configuration. Name grammar (parts after the kind in any order):
+        full | (kivi|specache)[-<N>bit][-zipcache|-quantspec][-orig][-lsq][-<policy>][-rr<N>][-k<N>][-g<N>][-r<N>][-sink<N>]
+        specache-...-(paper|best): a preset (PRESETS) under the name's other parts
+    e.g. "kivi-2bit", "specache-1bit-oracle", "specache-2bit-k128-r64", "specache-1bit-best". `name`
+    is the canonical form (defaults left out, presets spelled out), which eval and bench use as a label."""
+    kind: str = "specache"
+    bits: int = 1            # bits per code (QuantSpec: 4 = upper planes, 8 = both planes)
+    group: int = 64          # key group (tokens) and value group (channels, capped at head_dim)
+    residual: Optional[int] = None  # fp16 residual window; None: 128 for KIVI, 64 for SpeCache (§4.1)
+    k: int = 64              # SpeCache: fp16 KV pairs fetched per layer and kv head (the paper's top-k)
+    fetch: str = "speculative"  # SpeCache fetch policy (which rows, when)
+    scheme: str = "kivi"     # quantizer of the low-bit copy: quant.py's KIVI, ZipCache or QuantSpec
+    one_bit: str = "improved"  # 1-bit zero/scale: eq. 3 ("improved") or eq. 2 ("kivi", Table 5)
+    fit: str = "range"       # zero/scale from min/max (eq. 2/3), or "lsq": least-squares refit (quant.py)
+    fetch_impl: str = "uva"  # CUDA transfer: Triton gather over UVA, or "staged" (eager only)
+    sinks: int = 0           # SpeCache: the first tokens (attention sinks) kept in fp16 on the device
+    rerank: int = 1          # SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys (select)
+    salient: float = 0.0     # ZipCache mixed precision: share of each key group's tokens kept at bits_salient
+    bits_salient: int = 0    # ... their bit-width (default bits + 2)
+
+    @property
+    def n_ref(self) -> int:
+        """ZipCache mixed precision: salient (refined) tokens per key group."""
+        return round(self.salient * self.group)
+
+    @property
+    def residual_len(self) -> int:
+        return self.residual if self.residual is not None else self.residual_len_default
+
+    @property
+    def two_tokens(self) -> bool:
+        """Does a decode step feed [real, speculative] tokens?"""
+        return self.kind == "specache" and self.fetch in ("speculative", "union", "resync")
+
+    @property
+    def name(self) -> str:
+        if self.kind == "full":
+            return "full"
+        if self.kind == "quantspec":
+            return "quantspec" + (f"-g{self.group}" if self.group != 64 else "")
+        parts = [self.kind, f"{self.bits}bit"]
+        parts += [self.scheme] if self.scheme != "kivi" else []
+        parts += ["orig"] if self.one_bit == "kivi" else []
+        parts += [self.fit] if self.fit != "range" else []
+        if self.kind == "specache":
+            parts += [self.fetch] if self.fetch != "speculative" else []
+            parts += [f"rr{self.rerank}"] if self.rerank != 1 else []
+            parts += [f"k{self.k}"] if self.k != 64 else []
+        parts += [f"g{self.group}"] if self.group != 64 else []
+        parts += [f"r{self.residual}"] if self.residual is not None and self.residual != self.residual_len_default else []
+        parts += [f"sink{self.sinks}"] if self.sinks else []
+        parts += [f"s{round(100 * self.salient)}", f"hi{self.bits_salient}"] if self.salient else []
+        return "-".join(parts)
+
+    @property
+    def residual_len_default(self) -> int:
+        """128 for KIVI, 64 for SpeCache (§4.1: it trades residual for fetched rows), rounded up to
+        a multiple of the group; QuantSpec: its double full-precision buffer, two groups (§4.3)."""
+        if self.kind == "quantspec":
+            return 2 * self.group
+        base = 128 if self.kind == "kivi" else 64
+        return -(-base // self.group) * self.group
+
+    @classmethod
+    def from_name(cls, name: str, preset: Optional[str] = None, **overrides) -> "CacheConfig":
+        """Parse a name; a preset (PRESETS) sets defaults under the name's parts, and keyword
+        overrides (e.g. CLI flags that were given) win over both. Raises ValueError."""
+        parts = [p for p in str(name).strip().lower().split("-") if p]
+        if not parts or parts[0] not in KINDS:
+            raise ValueError(f"unknown cache {name!r}: a name starts with one of {', '.join(KINDS)} "
+                             f"(e.g. kivi-2bit, specache-1bit-oracle)")
+        kw = dict(kind=parts[0])
+        presets = [p for p in parts[1:] if p in PRESETS] + ([preset] if preset else [])
+        if len(presets) > 1:
+            raise ValueError(f"cache {name!r}: one preset at a time, got {', '.join(presets)}")
+        for p in presets:
+            if p not in PRESETS:
+                raise ValueError(f"unknown preset {p!r} ({', '.join(PRESETS)})")
+            if kw["kind"] != "specache":
+                raise ValueError(f"cache {name!r}: the presets ({', '.join(PRESETS)}) are SpeCache configurations")
+            kw.update({k: v for k, v in PRESETS[p].items() if v is not None})
+        parts = [p for p in parts if p not in PRESETS]
+        patterns = [(r"(\d+)bit", "bits", int), (r"k(\d+)", "k", int), (r"g(\d+)", "group", int),
+                    (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int), (r"rr(\d+)", "rerank", int), (r"s(\d+)", "salient", lambda p: int(p) / 100),
+                    (r"hi(\d+)", "bits_salient", int)]
+        for p in parts[1:]:
+            if kw["kind"] == "full":
+                raise ValueError(f"cache {name!r}: the full cache takes no options")
+            for pat, key, conv in patterns:
+                if m := re.fullmatch(pat, p):
+                    kw[key] = conv(m.group(1))
+                    break
+            else:
+                if p in SCHEMES:
+                    kw["scheme"] = p
+                elif p == "orig":
+                    kw["one_bit"] = "kivi"
+                elif p in quant.FITS[1:]:
+                    kw["fit"] = p
+                elif p in POLICIES and kw["kind"] == "specache":
+                    kw["fetch"] = p
+                elif p in POLICIES:
+                    raise ValueError(f"cache {name!r}: {p!r} is a SpeCache fetch policy; use specache-...-{p}")
+                else:
+                    raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
+                                     f"orig, lsq, {'/'.join(POLICIES)} for specache, rrN, kN, gN, rN, sinkN, sN (salient %), hiN)")
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        if kw["kind"] == "quantspec":  # the hierarchical INT4/INT8 store is what QuantSpec is
+            kw.setdefault("scheme", "quantspec")
+            kw.setdefault("bits", 8)
+        if kw.get("salient") and not kw.get("bits_salient"):
+            kw["bits_salient"] = kw.get("bits", 1) + 2
+        return cls(**kw).validated()
+
+    def validated(self, head_dim: Optional[int] = None) -> "CacheConfig":
+        """Raise ValueError on anything the caches or kernels cannot do; returns self."""
+        def bad(msg):
+            raise ValueError(f"cache {self.name if self.kind in KINDS else self.kind!r}: {msg}")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown cache kind {self.kind!r} ({', '.join(KINDS)})")
+        if self.kind == "full":
+            return self
+        if self.scheme not in SCHEMES:
+            bad(f"unknown quantization scheme {self.scheme!r} ({', '.join(SCHEMES)})")
+        allowed = (4, 8) if self.scheme == "quantspec" else quant.BITS
+        if self.bits not in allowed:
+            bad(f"--bits {self.bits} is not available for scheme {self.scheme} ({', '.join(map(str, allowed))})")
+        if self.group < 1 or self.group & (self.group - 1):
+            bad(f"--group must be a positive power of two, got {self.group}")
+        if self.residual is not None and (self.residual <= 0 or self.residual % self.group):
+            bad(f"--residual ({self.residual}) must be a positive multiple of --group ({self.group})")
+        if self.one_bit not in quant.ONE_BIT_MODES:
+            bad(f"--one-bit must be one of {', '.join(quant.ONE_BIT_MODES)}")
+        if self.one_bit == "kivi" and self.bits != 1:
+            bad("'orig' (original KIVI 1-bit zero/scale, eq. 2) exists only for 1 bit")
+        if self.fit not in quant.FITS:
+            bad(f"--fit must be one of {', '.join(quant.FITS)}")
+        if self.fit != "range" and (self.scheme == "quantspec" or self.salient):
+            bad("the least-squares fit (lsq) is for the single-width KIVI/ZipCache quantizer, not for "
+                "QuantSpec's planes or ZipCache mixed precision (their codes split one min/max grid)")
+        if head_dim is not None and head_dim % min(self.group, head_dim):
+            bad(f"head_dim {head_dim} is not a multiple of the value group {min(self.group, head_dim)}")
+        if head_dim is not None and (head_dim * self.bits) % 8:
+            bad(f"head_dim {head_dim} does not pack into whole bytes at {self.bits} bits")
+        if self.kind == "quantspec" and (self.scheme != "quantspec" or self.bits != 8):
+            bad("the quantspec cache is the hierarchical INT4/INT8 store (scheme quantspec, 8 bits)")
+        if self.kind == "quantspec" and self.residual_len != 2 * self.group:
+            bad(f"the quantspec cache's full-precision buffer is two groups ({2 * self.group}), not {self.residual_len}")
+        if self.kind == "specache":
+            if self.k < 1:
+                bad(f"--k must be >= 1, got {self.k}")
+            if self.fetch not in POLICIES:
+                bad(f"unknown fetch policy {self.fetch!r} ({', '.join(POLICIES)})")
+            if self.fetch_impl not in FETCH_IMPLS:
+                bad(f"unknown fetch implementation {self.fetch_impl!r} ({', '.join(FETCH_IMPLS)})")
+            if self.sinks < 0:
+                bad(f"--sinks must be >= 0, got {self.sinks}")
+            if self.sinks > self.group:
+                bad(f"--sinks ({self.sinks}) must fit in the first quantized group ({self.group} tokens)")
+            if self.rerank < 1:
+                bad(f"rrN (re-ranking candidates per fetched row) must be >= 1, got {self.rerank}")
+            if self.rerank > 1 and self.fetch == "oracle":
+                bad("re-ranking (rrN) refines a low-bit selection; the oracle already selects with fp keys")
+        elif self.sinks or self.rerank != 1:
+            bad("attention sinks (sinkN) and re-ranking (rrN) are SpeCache options")
+        if self.salient or self.bits_salient:
+            if self.scheme != "zipcache":
+                bad("salient tokens at more bits (--salient-ratio, sN) are ZipCache's mixed precision: --quant zipcache")
+            if not 0 < self.salient <= 1 or abs(100 * self.salient - round(100 * self.salient)) > 1e-9:
+                bad(f"--salient-ratio must be in (0, 1] in whole percent, got {self.salient}")
+            r = self.bits_salient - self.bits
+            if r not in quant.BITS or self.bits_salient > 6:
+                bad(f"--bits-salient ({self.bits_salient}) must exceed --bits ({self.bits}) by 1, 2 or 4 and be at "
+                    f"most 6 (the kernels' 16-bit dots hold the mixed codes exactly)")
+            if not 1 <= self.n_ref <= 254:
+                bad(f"--salient-ratio {self.salient} keeps {self.n_ref} tokens of a key group of {self.group}: "
+                    f"needs 1 to 254")
+            if head_dim is not None and (head_dim * r) % 8:
+                bad(f"head_dim {head_dim} does not pack into whole bytes at {r} refinement bits")
+        return self
+
+    def bits_per_value(self, head_dim: int) -> float:
+        """Device bits per stored key or value element of a quantized token: codes, scales and zeros
+        (meta), ZipCache's refinement rows and slot map. The fp residual, SpeCache's fetched rows and
+        per-head constants (ZipCache's channel scale) are left out: they do not grow with the context."""
+        if self.kind == "full":
+            return 16.0
+        per_token = sum(quant.quantized_bytes(kind, self.bits, self.group, head_dim) for kind in ("key", "value"))
+        if self.salient:
+            per_token += 2 * head_dim * (self.bits_salient - self.bits) / 8 * self.n_ref / self.group + 1
+        return 8 * per_token / (2 * head_dim)
+
+    def with_(self, **kw) -> "CacheConfig":
+        return replace(self, **kw).validated()
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

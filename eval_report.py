@@ -1,0 +1,269 @@
+"""eval.py's tables and figures: the results file (one JSON line per finished cell, resumable),
+the markdown report of each subcommand and its plots (NIAH heatmap, per-layer hit rates)."""
+import json
+import math
+from pathlib import Path
+
+from tasks import KEY_PHRASES, RULER_TASKS
+
+class Results:
+    def __init__(self, out_dir: Path, name="results.jsonl"):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / name
+        self.records = []
+        text = self.path.read_text() if self.path.exists() else ""
+        if text and not text.endswith("\n"):  # end a line cut by an interruption before appending
+            with open(self.path, "a") as f:
+                f.write("\n")
+        for line in text.splitlines():
+            try:
+                self.records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by an interruption: that cell reruns
+                pass
+        self.done = {r["key"] for r in self.records if "key" in r}
+
+    @staticmethod
+    def key(fields: dict) -> str:
+        return json.dumps(fields, sort_keys=True)
+
+    def add(self, key: str, record: dict):
+        record = dict(record, key=key)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.records.append(record)
+        self.done.add(key)
+
+    def of(self, cmd: str) -> list[dict]:
+        return [r for r in self.records if r.get("cmd") == cmd]
+
+    def write_md(self, title: str, *blocks: str):
+        (self.dir / "results.md").write_text("\n\n".join([f"# {title}", *blocks]) + "\n")
+
+
+def md_table(header, rows) -> str:
+    fmt = lambda x: f"{x:.1f}" if isinstance(x, float) else ("-" if x is None else str(x))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows])
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def pct(x):
+    return None if x is None else 100 * x
+
+
+def where(recs, **match) -> list[dict]:
+    return [r for r in recs if all(r.get(k) == v for k, v in match.items())]
+
+
+def labels_of(recs) -> list[str]:
+    return list(dict.fromkeys(r["label"] for r in recs))
+
+
+def by_label_and_length(recs):
+    """(label, length, its records) for each label (first-seen order) and length (ascending)."""
+    for lb in labels_of(recs):
+        for L in sorted({r["length"] for r in where(recs, label=lb)}):
+            yield lb, L, where(recs, label=lb, length=L)
+
+
+def bits_column(recs, lb):
+    """The cache's device bits per stored K/V element (CacheConfig.bits_per_value), as recorded."""
+    bits = mean([r["bits"] for r in where(recs, label=lb) if "bits" in r])
+    return None if bits is None else f"{bits:.2f}"
+
+
+def write_niah_report(results: Results):
+    recs = results.of("niah")
+    lengths = sorted({r["length"] for r in recs})
+    rows = [[lb, bits_column(recs, lb)] + [pct(mean([r["score"] for r in where(recs, label=lb, length=L)])) for L in lengths]
+            + [pct(mean([r["score"] for r in where(recs, label=lb)]))] for lb in labels_of(recs)]
+    results.write_md("Needle in a haystack",
+                     "Score: share of the needle's key phrases (" + ", ".join(KEY_PHRASES) + ") in the greedy answer, "
+                     "x100, mean over depths. Deterministic string match: no GPT-4 judge offline (the paper rates 1-10 "
+                     "with GPT-4). bits: device bits per stored K/V element (codes, scales, refinement; "
+                     "config.CacheConfig.bits_per_value).",
+                     md_table(["method", "bits"] + [f"{L} tok" for L in lengths] + ["avg"], rows),
+                     "![niah](niah.png)")
+    plot_niah(recs, labels_of(recs), results.dir / "niah.png")
+
+
+def plot_niah(recs, labels, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths, depths = sorted({r["length"] for r in recs}), sorted({r["depth"] for r in recs})
+    fig, axes = plt.subplots(1, len(labels), figsize=(1.5 + 0.9 * len(lengths) * len(labels), 0.5 * len(depths) + 1.6),
+                             squeeze=False, sharey=True)
+    for ax, lb in zip(axes[0], labels):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for r in where(recs, label=lb):
+            grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["score"]
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [f"{L / 1000:g}k" for L in lengths])
+        ax.set_title(lb, fontsize=9)
+        ax.set_xlabel("context length", fontsize=8)
+    axes[0][0].set_yticks(range(len(depths)), [f"{round(100 * d)}%" for d in depths])
+    axes[0][0].set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes[0].tolist(), fraction=0.03, label="score (key phrases found)")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write_ruler_report(results: Results):
+    recs = results.of("ruler")
+    tasks = [t for t in RULER_TASKS if where(recs, task=t)]
+    rows = []
+    for L in sorted({r["length"] for r in recs}):
+        for lb in labels_of(recs):
+            cells = [where(recs, label=lb, length=L, task=t) for t in tasks]
+            per = [mean([r["score"] for r in c]) for c in cells]
+            if any(p is not None for p in per):
+                rows.append([lb, L, min(map(len, cells))] + [pct(p) for p in per] + [pct(mean(per))])
+    results.write_md("RULER-style tasks",
+                     "Recall of the expected strings in the greedy output (RULER's string_match_all; QA: "
+                     "string_match_part), x100, case and punctuation insensitive. Samples generated locally with a "
+                     "fixed seed; n = samples per task.",
+                     md_table(["method", "length", "n"] + [RULER_TASKS[t][2] for t in tasks] + ["Average"], rows))
+
+
+def write_ppl_report(results: Results):
+    recs = results.of("ppl")
+    lengths = sorted({r["length"] for r in recs})
+    rows = []
+    for lb in labels_of(recs):
+        nlls = [mean([r["nll"] for r in where(recs, label=lb, length=L)]) for L in lengths]
+        rows.append([lb, bits_column(recs, lb)] + [None if x is None else f"{math.exp(x):.3f}" for x in nlls]
+                    + [f"{mean(nlls):.4f}", len(where(recs, label=lb))])
+    n_eval = "/".join(map(str, sorted({r["n_eval"] for r in recs})))
+    results.write_md("Perplexity through the decode path",
+                     f"Perplexity of the last {n_eval} tokens of essay windows, teacher-forced one decode step "
+                     "at a time after a prefill of the rest (speculative SpeCache: [true token, own speculative token]). "
+                     "`-orig` = original KIVI 1-bit zero/scale (paper eq. 2) instead of eq. 3 (Table 5's ablation).",
+                     md_table(["method", "bits"] + [f"ppl @{L}" for L in lengths] + ["mean NLL", "cells"], rows))
+
+
+HIT_INTERVALS = [(1, 10), (11, 50), (51, 100), (101, 200), (201, None)]  # decode steps, as in rebuttal Q2
+
+
+HIT_SERIES = {"hit": "top-k hit % (vs exact top-k)", "hit_mass": "hit % (vs most-mass top-k)",
+              "hit_own": "hit % (vs own low-bit top-k)", "mass": "attention mass held %",
+              "mass_topk": "mass of exact top-k %", "mass_best": "mass of most-mass top-k %", "err": "output error %",
+              "err_topk": "error with exact top-k %", "err_own": "error with own low-bit top-k %",
+              "err_none": "error with no fp16 rows %", "exact": "exact token hit %"}
+
+
+OLD_SERIES = {"topk": "hit", "topk_lowbit": "hit_own"}  # results written before the probe's names
+
+
+def write_quantspec_report(results: Results):
+    recs = results.of("quantspec")
+    rows = []
+    for lb, L, cell in by_label_and_length(recs):
+        ref = {r["sample"]: r["tokens"] for r in where(cell, gamma=0)}
+        for g in sorted({r["gamma"] for r in cell}):
+            rs = where(cell, gamma=g)
+            same = [r["tokens"] == ref[r["sample"]] for r in rs if r["sample"] in ref]
+            acc = sum(r["accepted"] for r in rs) / max(1, sum(r["drafted"] for r in rs))
+            per_round = sum(r["accepted"] + r["rounds"] for r in rs) / max(1, sum(r["rounds"] for r in rs))
+            rows.append([lb, L, g, len(rs), pct(acc) if g else None, per_round,
+                         f"{sum(same)}/{len(same)}" if same else None, mean([r["decode_tok_s"] for r in rs])])
+    results.write_md("QuantSpec: acceptance by draft length",
+                     "Greedy summaries of essay windows (chat template). acceptance = accepted drafts / drafted "
+                     "(quantspec.txt's acceptance rate); tokens per round = accepted + 1 (the target's own token); "
+                     "= gamma 0: outputs equal to the target decoding alone over the same cache (INT8 view), token "
+                     "for token, which greedy QuantSpec must give; tok/s on this machine (CPU timings are not the "
+                     "GPU's: the draft's INT4 matmuls and the INT4-plane reads only pay off where decoding is bound "
+                     "by memory bandwidth).",
+                     md_table(["method", "length", "gamma", "n", "acceptance %", "tokens per round", "= gamma 0",
+                               "decode tok/s"], rows))
+
+
+def write_saliency_report(results: Results):
+    recs = results.of("saliency")
+    rows = []
+    for lb, L, rs in by_label_and_length(recs):
+        rows.append([lb, L, len(rs), rs[0]["probes"]] + [pct(mean([r[key] for r in rs])) for key in
+                                                       ("group", "global", "accumulated")]
+                    + [f"{100 * min(min(r['layer_group']) for r in rs):.1f}"])
+    results.write_md("ZipCache saliency: probe tokens against exact normalized attention",
+                     "Share of the exact salient set (eq. 8 with every token a probe, top ratio) that a cheaper metric "
+                     "selects, mean over layers and kv heads: probes (eq. 9, 5% recent + 5% random tokens) per key group "
+                     "(the cache keeps round(ratio x group) tokens of each group) and over the whole prompt; H2O's "
+                     "accumulated attention (eq. 7, every token a probe, no normalization) over the whole prompt. "
+                     "Essay windows, one exact prefill each.",
+                     md_table(["setting", "length", "n", "probes", "probe overlap per group %", "probe overlap global %",
+                               "accumulated (eq. 7) overlap global %", "worst layer per group %"], rows))
+
+
+def step_mean(recs, key, lo=1, hi=None):
+    """Mean of a per-step series over decode steps lo..hi (1-based, inclusive) of all records."""
+    return mean([float(v) for r in recs for i, v in enumerate(r.get(key) or [], 1)
+                 if lo <= i and (hi is None or i <= hi) and v is not None])
+
+
+def write_hitrate_report(results: Results):
+    recs = results.of("hitrate")
+    for r in recs:
+        for old, new in OLD_SERIES.items():
+            if old in r and new not in r:
+                r[new] = r[old]
+    kinds = sorted({r.get("prompt", "essay") for r in recs})
+    used = [iv for iv in HIT_INTERVALS if any(len(r["exact"]) >= iv[0] for r in recs)]
+    names = [f"[{lo}, {hi if hi else ''}]" for lo, hi in used]
+    totals, by_step = [], []
+    for kind in kinds:
+        for lb in labels_of(recs):
+            mine = where(recs, label=lb, **({"prompt": kind} if any("prompt" in r for r in recs) else {}))
+            if not mine:
+                continue
+            totals.append([lb, kind, sum(len(r["exact"]) for r in mine)] + [pct(step_mean(mine, key)) for key in HIT_SERIES])
+            if kind == kinds[0]:
+                by_step += [[lb, name] + [pct(step_mean(mine, key, lo, hi)) for lo, hi in used]
+                            for key, name in HIT_SERIES.items() if key in ("hit", "mass", "err", "exact")]
+    results.write_md("SpeCache fetches: hit rates, attention mass and output error",
+                     "Per layer and decode step, against the real token's exact attention (fp16 keys and values "
+                     "from the host store), mean over layers (probe.py): the share of its exact top-k the fp16 rows "
+                     "hold (rebuttal Q6) and of its own low-bit top-k, the share of its attention mass they carry "
+                     "(and the exact top-k's), and the relative error of its attention output with the rows it "
+                     "attended in fp16, with the exact top-k's, with its own low-bit top-k's, and with none. "
+                     "Exact token: the speculative token fed at a step equals the real token it produces. Greedy "
+                     "decoding of essay summaries or needle prompts, stopped at EOS; steps with nothing quantized are "
+                     "not counted.", md_table(["method", "prompts", "steps"] + list(HIT_SERIES.values()), totals),
+                     "By decode step (rebuttal Q2), first prompt kind:", md_table(["method", "measure"] + names, by_step),
+                     "![per layer](layers.png)")
+    plot_layers(recs, results.dir / "layers.png")
+
+
+def plot_layers(recs, path):
+    """Per-layer means of the output error and the hit rate, one line per method."""
+    recs = [r for r in recs if r.get("layer_err")]
+    if not recs:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    for lb in labels_of(recs):
+        mine = where(recs, label=lb)
+        for ax, key in zip(axes, ("layer_err", "layer_hit")):
+            per = [mean([r[key][i] for r in mine if r[key][i] is not None]) for i in range(len(mine[0][key]))]
+            ax.plot(range(len(per)), [None if x is None else 100 * x for x in per], label=lb, lw=1.2)
+    axes[0].set_title("attention output error % (vs exact)", fontsize=9)
+    axes[1].set_title("top-k hit % (vs exact top-k)", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)

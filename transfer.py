@@ -1,0 +1,239 @@
+"""The kernels that move fp16 KV rows between the host store and the device (specache.txt §3.3).
+prefetch.py decides when they run (the side stream, its staging and events); this file is what
+they do, a torch reference beside each Triton kernel.
+
+  transfer_rows  one launch per layer and step, K and V together: write the step's real token
+                 (new_k/new_v [B,Hkv,1,D]) to host row new_pos, and gather host rows idx
+                 [B,Hkv,k] into the layer's ring (a row equal to new_pos comes from new_k/new_v:
+                 the same kernel cannot be relied on to have written it to the host first).
+  rerank_rows    re-ranking (name part rrN): of the selecting token's low-bit top-(N*k)
+                 candidates, the k whose fp keys score best (the score of topk.rerank_exact) go
+                 to the ring, with their positions. Two launches, one program per candidate in
+                 each: the first reads a candidate's fp key and scores it, the second ranks it
+                 among its kv head's and, if it is among the k best, writes its key, position and
+                 value. Bus bytes per layer and kv head: N*k keys + k values.
+
+On CUDA the host store is pinned and the kernels read it directly over unified virtual
+addressing (UVA): the indices never leave the device and nothing syncs. On CPU the references
+run (host and device memory are one).
+"""
+import torch
+import triton
+import triton.language as tl
+
+import topk
+
+
+# =============================================================================================
+# the transfer: torch reference (CPU) and Triton kernel (CUDA), one launch for K and V
+# =============================================================================================
+def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0, values_only=False):
+    """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], idx [B,Hkv,k] or None, new_*
+    [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., idx]
+    (ring slots before ring_off hold rows kept on the device: attention sinks)."""
+    if new_k is not None:
+        pos = new_pos.reshape(1).to(host_k.device)
+        host_k.index_copy_(2, pos, new_k.to(host_k.device, host_k.dtype))
+        host_v.index_copy_(2, pos, new_v.to(host_v.device, host_v.dtype))
+    if idx is not None:
+        B, Hkv, S, D = host_k.shape
+        flat = (idx.to(host_k.device) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
+        for host, ring in ((host_v, ring_v),) if values_only else ((host_k, ring_k), (host_v, ring_v)):
+            rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D)
+            if ring_off:
+                ring[:, :, ring_off:].copy_(rows)
+            else:
+                ring.copy_(rows)
+
+
+# (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)
+@triton.jit
+def _host_row(host, new, bh, i, new_pos, S, D, offs, HAS_NEW: tl.constexpr):
+    """Row i of kv head bh of one layer's host store [B*Hkv, S, D] (UVA on CUDA), zeros when out of
+    range; the step's token (i == new_pos) from new [B*Hkv, D]: its host row may not be written yet."""
+    in_range = (i >= 0) & (i < S)
+    row = tl.load(host + (bh * S + i) * D + offs, mask=offs < tl.where(in_range & (i != new_pos), D, 0), other=0.0)
+    if HAS_NEW:
+        take = offs < tl.where(in_range & (i == new_pos), D, 0)
+        row = tl.where(take, tl.load(new + bh * D + offs, mask=take, other=0.0).to(row.dtype), row)
+    return row
+
+
+@triton.jit
+def _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs):
+    """The step's token new_k/new_v [B*Hkv, D] to host row new_pos of kv head bh (none when out of range)."""
+    ok = offs < tl.where((new_pos >= 0) & (new_pos < S), D, 0)
+    dst = (bh * S + new_pos) * D + offs
+    tl.store(host_k + dst, tl.load(new_k + bh * D + offs, mask=ok, other=0.0).to(host_k.dtype.element_ty), mask=ok)
+    tl.store(host_v + dst, tl.load(new_v + bh * D + offs, mask=ok, other=0.0).to(host_v.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF,
+                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K and V into ring slot OFF + j
+    (of RING); program K writes the new token's row to the host. Host pointers are UVA on CUDA."""
+    bh = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    new_pos = -1  # (no row is the token without HAS_NEW)
+    if HAS_NEW:
+        new_pos = tl.load(new_pos_ptr).to(tl.int64)
+    if j < K:
+        if HAS_IDX:
+            i = tl.load(idx + bh * K + j).to(tl.int64)
+            ok = offs < tl.where((i >= 0) & (i < S), D, 0)
+            dst = (bh * RING + OFF + j) * D + offs
+            kx = _host_row(host_k, new_k, bh, i, new_pos, S, D, offs, HAS_NEW)
+            vx = _host_row(host_v, new_v, bh, i, new_pos, S, D, offs, HAS_NEW)
+            tl.store(ring_k + dst, kx.to(ring_k.dtype.element_ty), mask=ok)
+            tl.store(ring_v + dst, vx.to(ring_v.dtype.element_ty), mask=ok)
+    else:
+        if HAS_NEW:
+            _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs)
+
+
+def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
+    B, Hkv, S, D = host_k.shape
+    K = idx.shape[2] if idx is not None else 0
+    for t in (host_k, host_v, ring_k, ring_v):
+        assert t.is_contiguous()
+    any_t = ring_k  # absent inputs: any valid pointer
+    _transfer_rows_kernel[(B * Hkv, K + 1)](
+        host_k, host_v, ring_k, ring_v, idx.contiguous() if idx is not None else any_t,
+        new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
+        new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off,
+        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_D=triton.next_power_of_2(D))
+
+
+def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0):
+    """The transfer on the current stream: the Triton kernel when the ring is on CUDA, else the reference."""
+    if ring_k.is_cuda:
+        transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
+    else:
+        transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
+
+
+# =============================================================================================
+# re-ranking's transfer: torch reference and Triton kernels (two launches per layer, side stream)
+# =============================================================================================
+def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
+                    sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
+    """Of the candidate host rows cand [B,Hkv,C] (cand_valid: real ones), keep the K = ring slots - ring_off
+    whose fp keys score best for the query rows q_rows [B,H,R,D] (lse_rows [B,H,R]; the score of
+    topk.rerank_exact); write their keys and values to ring slots [ring_off, ...) in descending
+    score, their positions and validity (score >= 0) to fetch_idx/fetch_valid, and the real token
+    (new_*) to host row new_pos, whose candidate copy is taken from new_k/new_v."""
+    C = cand.shape[2]
+    keys = host_k.gather(2, cand[..., None].expand(*cand.shape, host_k.shape[-1]))
+    if new_k is not None:
+        keys = torch.where((cand == new_pos)[..., None], new_k.to(keys.dtype), keys)
+    score, pick = topk.rerank_exact(q_rows, lse_rows, keys, cand_valid, min(ring_k.shape[2] - ring_off, C), sm_scale)
+    idx = cand.gather(-1, pick)
+    fetch_idx[:, :, ring_off:] = idx
+    fetch_valid[:, :, ring_off:] = score >= 0
+    ring_k[:, :, ring_off:] = keys.gather(2, pick[..., None].expand(-1, -1, -1, keys.shape[-1])).to(ring_k.dtype)
+    transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off, values_only=True)
+
+
+@triton.jit
+def _rerank_score_kernel(host_k, cand, cand_valid, q, lse, new_k, new_pos_ptr, keys, score, sm_scale, S, C, D, M,
+                         R: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, C): program (bh, c) reads candidate c's fp key (UVA on CUDA; the token's own row
+    from new_k), keeps it in the device scratch keys [B*Hkv, C, D] and writes its score
+    score[bh, c] = max over r of sum over g of exp(sm_scale * q_{g,r} . k_c - lse_{g,r}) (-1: not
+    a candidate) for the kv head's M = G*R query rows (row m = g*R + r). One host row per program,
+    as in the transfer: the reads are in flight together instead of one kv head's C rows in turn."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_m = tl.arange(0, BLOCK_M)
+    d_ok, m_ok = offs_d < D, offs_m < M
+    i = tl.load(cand + bh * C + c).to(tl.int64)
+    ok = tl.load(cand_valid + bh * C + c) != 0
+    new_pos = -1
+    if HAS_NEW:
+        new_pos = tl.load(new_pos_ptr).to(tl.int64)
+    # the ring's dtype: what gets scored is what gets fetched
+    key = _host_row(host_k, new_k, bh, i, new_pos, S, D, offs_d, HAS_NEW).to(keys.dtype.element_ty)
+    tl.store(keys + (bh * C + c) * D + offs_d, key, mask=d_ok)
+    qm = tl.load(q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    logits = tl.sum(qm.to(tl.float32) * key.to(tl.float32)[None, :], 1) * sm_scale  # [BLOCK_M]
+    p = tl.exp(logits - tl.load(lse + bh * M + offs_m, mask=m_ok, other=float("inf")))
+    best = tl.sum(tl.where((offs_m % R) == 0, p, 0.0), 0)
+    for r in tl.static_range(1, R):
+        best = tl.maximum(best, tl.sum(tl.where((offs_m % R) == r, p, 0.0), 0))
+    tl.store(score + bh * C + c, tl.where(ok, best, -1.0))
+
+
+@triton.jit
+def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, keys, score, new_k, new_v,
+                        new_pos_ptr, S, C, K, D, RING, OFF, HAS_NEW: tl.constexpr, BLOCK_C: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, C + 1): program (bh, c < C) ranks candidate c among its kv head's C scores (the
+    number of candidates that beat it, ties to the lower index), so the top-K needs no sort; if its
+    rank is below K it writes ring slot OFF + rank: the key from the scratch, the value from the
+    host (UVA; the token's own row from new_v), its position and validity (score >= 0). Only the K
+    winners' values cross the bus. Program C writes the step's token to host row new_pos."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    new_pos = -1
+    if HAS_NEW:
+        new_pos = tl.load(new_pos_ptr).to(tl.int64)
+    if c < C:
+        offs_c = tl.arange(0, BLOCK_C)
+        mine = tl.load(score + bh * C + c)
+        others = tl.load(score + bh * C + offs_c, mask=offs_c < C, other=-2.0)  # (-2 beats nothing)
+        rank = tl.sum(((others > mine) | ((others == mine) & (offs_c < c))).to(tl.int32), 0)
+        if rank < K:
+            i = tl.load(cand + bh * C + c).to(tl.int64)
+            slot = bh * RING + OFF + rank
+            tl.store(fetch_idx + slot, i)
+            tl.store(fetch_valid + slot, (mine >= 0).to(tl.int8))
+            dst = slot * D + offs_d
+            tl.store(ring_k + dst, tl.load(keys + (bh * C + c) * D + offs_d, mask=d_ok), mask=d_ok)
+            val = _host_row(host_v, new_v, bh, i, new_pos, S, D, offs_d, HAS_NEW)
+            tl.store(ring_v + dst, val.to(ring_v.dtype.element_ty), mask=d_ok)
+    else:
+        if HAS_NEW:  # the token's own row to the host (its candidate copies came from new_k/new_v)
+            _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs_d)
+
+
+def rerank_scratch(B, Hkv, C, D, dtype, device):
+    """Device scratch of the two re-ranking launches: the candidates' fp keys and their scores."""
+    return (torch.empty(B, Hkv, C, D, dtype=dtype, device=device),
+            torch.empty(B, Hkv, C, dtype=torch.float32, device=device))
+
+
+def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
+                       sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0, scratch=None):
+    """rerank_rows_ref in two launches with one program per candidate (score, then rank and pick).
+    scratch: rerank_scratch(...) (the Prefetcher preallocates one, shared by its layers: the side
+    stream runs them in turn); allocated here when None."""
+    B, Hkv, S, D = host_k.shape
+    C, (H, R) = cand.shape[2], q_rows.shape[1:3]
+    for t in (host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid):
+        assert t.is_contiguous()
+    keys, score = scratch if scratch is not None else rerank_scratch(B, Hkv, C, D, ring_k.dtype, ring_k.device)
+    assert keys.shape == (B, Hkv, C, D) and keys.dtype == ring_k.dtype and score.shape == (B, Hkv, C)
+    has_new, any_t = new_k is not None, ring_k  # absent inputs: any valid pointer
+    new_k, new_v, pos = (new_k.contiguous(), new_v.contiguous(), new_pos) if has_new else (any_t, any_t, any_t)
+    cand, M, BLOCK_D = cand.contiguous(), H // Hkv * R, triton.next_power_of_2(D)
+    _rerank_score_kernel[(B * Hkv, C)](
+        host_k, cand, cand_valid.contiguous().view(torch.int8), q_rows.contiguous(), lse_rows.float().contiguous(),
+        new_k, pos, keys, score, float(sm_scale), S, C, D, M, R,
+        HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D)
+    _rerank_pick_kernel[(B * Hkv, C + 1)](
+        host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid.view(torch.int8), cand, keys, score, new_k, new_v, pos,
+        S, C, min(ring_k.shape[2] - ring_off, C), D, ring_k.shape[2], ring_off,
+        HAS_NEW=has_new, BLOCK_C=triton.next_power_of_2(C), BLOCK_D=BLOCK_D)
+
+
+def rerank_rows(*args, scratch=None, **kw):
+    """The re-ranking transfer on the current stream: the Triton kernels when the ring is on CUDA, else the reference."""
+    if args[2].is_cuda:
+        rerank_rows_triton(*args, scratch=scratch, **kw)
+    else:
+        rerank_rows_ref(*args, **kw)
