@@ -42,5 +42,10 @@ gpu-check:
 aot-report: $(STAMP)
 	$(PY) triton_aot.py
 
+# The PNGs in docs/ from the raw results under results/ (no model, no GPU).
+.PHONY: figures
+figures: $(STAMP)
+	$(PY) figures.py
+
 clean:
 	rm -rf $(VENV) checkpoints .cache

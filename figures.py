@@ -1,0 +1,253 @@
+"""The docs' figures, regenerated from the raw results committed under results/.
+
+    python figures.py [--results results] [--out docs]
+
+Writes docs/h100-step-time.png, docs/h100-kernels.png, docs/niah.png and docs/hitrate-per-layer.png.
+Every number comes from a results file (JSON/JSONL; the 2026-11-22 kernel table exists only as markdown,
+so that one is parsed). A missing input ends with one `error:` line naming what is missing.
+"""
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+CPU = "CPU (2-core AMD EPYC), fp32, SmolLM2-135M-Instruct"
+PRESET = "lsq-resync-rr2-g32-sink4"  # `--preset best` spelled out (config.py)
+NAMES = {  # canonical cache names -> what the figures call them, in plotting order
+    "full": "fp16 cache (full)",
+    "kivi-1bit": "KIVI 1-bit",
+    "specache-1bit": "SpeCache 1-bit, paper config",
+    "specache-1bit-lsq-resync-k96-g32-r32-sink4": "k96 preset (before 2026-11-23)",
+    f"specache-1bit-{PRESET}": "--preset best (re-ranking, k 64)",
+}
+
+
+class MissingInput(FileNotFoundError):
+    """A results file a figure needs is not there."""
+
+
+def run_name(folder: Path) -> str:
+    """gpu-h100-2026-11-23b -> '2026-11-23, second run' (when the date has more than one folder)."""
+    m = re.fullmatch(r"gpu-h100-(\d{4}-\d{2}-\d{2})([a-z]?)", folder.name)
+    if not m:
+        return folder.name
+    same_day = list(folder.parent.glob(f"gpu-h100-{m[1]}*"))
+    if len(same_day) < 2:
+        return m[1]
+    nth = ["first", "second", "third", "fourth"][" bcd".index(m[2] or " ")]
+    return f"{m[1]}, {nth} run"
+
+
+def run_date(path: Path) -> str:
+    """The day a results folder was first committed (else its file's modification day)."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "log", "--diff-filter=A", "--format=%ad", "--date=short",
+                              "--", str(path.resolve())], capture_output=True, text=True, timeout=20)
+        days = out.stdout.split() if out.returncode == 0 else []
+    except (OSError, subprocess.SubprocessError):
+        days = []
+    return days[-1] if days else datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
+
+
+def read_jsonl(folder: Path):
+    f = folder / "results.jsonl"
+    if not f.exists():
+        raise MissingInput(f"{f} (run the eval command that writes it; see docs/results.md)")
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+
+
+def save(fig, out: Path):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def step_time(results: Path, out: Path):
+    """H100 compiled step time per cache, one bar per cache and run, with each cache's byte floor."""
+    files = sorted(results.glob("gpu-h100-*/**/s-*.json"))
+    if not files:
+        raise MissingInput(f"H100 step results (s-*.json) under {results}/gpu-h100-*/")
+    bars, gpus = [], set()
+    for f in files:
+        d = json.loads(f.read_text())
+        run = run_name(next(p for p in f.parents if p.name.startswith("gpu-h100-")))
+        gpus.add(d["environment"].get("gpu", "?"))
+        for g in d["grid"]:
+            label = NAMES.get(g["label"], g["label"])
+            if "_rerank_rows_kernel" in g.get("profile", {}).get("kernels_us_per_step", {}):
+                label += " [first re-rank kernel]"
+            order = list(NAMES).index(g["label"]) if g["label"] in NAMES else len(NAMES)
+            bars.append((run, order, label, g["step_ms_median"], g.get("floor_ms_h100"), g["context"], g["batch"]))
+    bars.sort(key=lambda b: (b[0], b[1]))
+    runs = list(dict.fromkeys(b[0] for b in bars))
+    colors = dict(zip(runs, plt.cm.tab10.colors))
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(bars) + 1.6))
+    y = np.arange(len(bars))[::-1]
+    ax.barh(y, [b[3] for b in bars], color=[colors[b[0]] for b in bars])
+    for yi, b in zip(y, bars):
+        ax.text(b[3] + 0.15, yi, f"{b[3]:.2f} ms", va="center", fontsize=8)
+        if b[4]:
+            ax.plot([b[4]] * 2, [yi - 0.4, yi + 0.4], color="black", lw=2)
+    ax.set_yticks(y, [f"{b[2]}  ({b[0]})" for b in bars], fontsize=8)
+    ax.set_xlabel("compiled decode step, ms (median; black tick: byte floor at 3.35 TB/s)")
+    ax.set_xlim(0, max(b[3] for b in bars) * 1.18)
+    ctx = sorted({f"{b[5] // 1024}k, batch {b[6]}" for b in bars})
+    ax.set_title(f"Compiled decode step on {', '.join(sorted(gpus))}, Llama-3.1-8B shapes, random bf16 weights, "
+                 f"{'; '.join(ctx)}\n"
+                 f"runs of {'; '.join(runs)}", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    return save(fig, out)
+
+
+def parse_kernel_md(path: Path) -> dict:
+    """A `bench.py --kernels` markdown table -> the same shape as its JSON (`environment`, `kernels`)."""
+    text = path.read_text()
+    head = re.search(r"^# bench\.py: cuda \((.*?)\).*?(\d{4}-\d{2}-\d{2})T", text, re.M)
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+    if not head or not rows or rows[0][0] != "kernel":
+        raise MissingInput(f"a `bench.py --kernels` table in {path}")
+    col = {name: i for i, name in enumerate(rows[0])}
+    num = lambda s: float(s.split()[0].replace(",", ""))  # noqa: E731  ("48.6 (47.7)" -> 48.6)
+    return dict(environment=dict(gpu=head[1], date=head[2]),
+                kernels=[dict(kernel=r[col["kernel"]], context=int(num(r[col["context"]])), us=num(r[col["us (min)"]]),
+                              floor_us_h100=num(r[col["floor H100 us"]])) for r in rows[1:]])
+
+
+def kernels(results: Path, out: Path):
+    """Each kernel alone (CUDA-graph replays) against its H100 byte floor, one bar per run."""
+    runs = {}
+    for folder in sorted(results.glob("gpu-h100-*")):
+        found = sorted(folder.rglob("kernels*.json")) or sorted(folder.rglob("kernels*.md"))
+        for f in found[:1]:
+            runs[run_name(folder)] = json.loads(f.read_text()) if f.suffix == ".json" else parse_kernel_md(f)
+    if not runs:
+        raise MissingInput(f"H100 kernel results (kernels*.json or kernels*.md) under {results}/gpu-h100-*/")
+    names = list(dict.fromkeys(k["kernel"] for d in runs.values() for k in d["kernels"]))
+    floors = {k["kernel"]: k["floor_us_h100"] for d in runs.values() for k in d["kernels"]}
+    fig, ax = plt.subplots(figsize=(9, 0.75 * len(names) + 1.6))
+    h = 0.8 / len(runs)
+    for i, (run, d) in enumerate(runs.items()):
+        us = {k["kernel"]: k["us"] for k in d["kernels"]}
+        for j, name in enumerate(names):
+            if name in us:
+                yj = len(names) - 1 - j + 0.4 - h * (i + 0.5)
+                ax.barh(yj, us[name], height=h, color=plt.cm.tab10.colors[i], label=run)
+                ax.text(us[name] * 1.05, yj, f"{us[name]:.1f}", va="center", fontsize=7)
+    for j, name in enumerate(names):
+        yj = len(names) - 1 - j
+        ax.plot([floors[name]] * 2, [yj - 0.45, yj + 0.45], color="black", lw=2,
+                label="byte floor at 3.35 TB/s" if j == 0 else None)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(names))[::-1], names, fontsize=8)
+    ax.set_xlabel("us per layer (log scale)")
+    gpus = sorted({d["environment"].get("gpu", "?") for d in runs.values()})
+    ctx = sorted({k["context"] for d in runs.values() for k in d["kernels"]})
+    ax.set_title(f"Kernels alone on {', '.join(gpus)}, Llama-3.1-8B shapes, bf16, batch 1, "
+                 f"{'/'.join(f'{c // 1024}k' for c in ctx)}\nruns of {'; '.join(runs)}", fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    keep = dict(zip(labels, handles))
+    ax.legend(keep.values(), keep.keys(), fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.grid(axis="x", alpha=0.3, which="both")
+    return save(fig, out)
+
+
+NIAH_DIRS = ["policies/niah", "policies/niah-busbytes-bits1", "policies/niah-busbytes-bits2",
+             "policies/niah-busbytes-8k"]
+
+
+def niah(results: Path, out: Path):
+    """Needle-in-a-haystack heatmaps (depth x length): fp16, KIVI, SpeCache paper config, the preset."""
+    cells, when = {}, {}
+    for sub in NIAH_DIRS:
+        folder = results / sub
+        for r in read_jsonl(folder):
+            cells.setdefault((r["method"], r["depth"], r["length"]), r["score"])
+            when.setdefault(r["method"], run_date(folder))
+    rows = [[("full", "fp16 cache"), (f"kivi-{b}bit", f"KIVI {b}-bit"),
+             (f"specache-{b}bit", f"SpeCache {b}-bit, paper"), (f"specache-{b}bit-{PRESET}", f"{b}-bit --preset best")]
+            for b in (1, 2)]
+    lengths = sorted({k[2] for k in cells})
+    depths = sorted({k[1] for k in cells})
+    fig, axes = plt.subplots(2, 4, figsize=(13, 7.4), sharey=True, gridspec_kw=dict(hspace=0.45))
+    for ax_row, panels in zip(axes, rows):
+        for ax, (method, title) in zip(ax_row, panels):
+            if method not in when:
+                raise MissingInput(f"NIAH cells of {method} in {', '.join(NIAH_DIRS)} under {results}")
+            grid = np.array([[cells.get((method, d, n), np.nan) for n in lengths] for d in depths])
+            im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            for (i, j), v in np.ndenumerate(grid):
+                if not np.isnan(v):
+                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(lengths)), [f"{n / 1000:g}k" for n in lengths], fontsize=8)
+            ax.set_title(f"{title}\n(avg 1k-4k {100 * np.nanmean(grid[:, [n <= 4000 for n in lengths]]):.1f}; "
+                         f"{when[method]})", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_yticks(range(len(depths)), [f"{round(100 * d)}%" for d in depths], fontsize=8)
+        ax.set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.02, label="score (share of the needle's key phrases)")
+    fig.suptitle(f"Needle in a haystack, {CPU}, greedy; context length on x (blank: not run)", fontsize=10)
+    return save(fig, out)
+
+
+def hitrate_per_layer(results: Path, out: Path):
+    """Per layer: share of the real token's exact top-k that the fetched rows hold (essay prompts, 2k)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True)
+    days = set()
+    for ax, b in zip(axes, (1, 2)):
+        lines = [(f"hitmass-paper-bits{b}", f"specache-{b}bit", "layer_hit", "paper config", "-"),
+                 (f"hitmass-bits{b}", f"specache-{b}bit-lsq-resync-k96-g32-r32-sink4", "layer_hit", "k96 preset", "-"),
+                 (f"busbytes-bits{b}", f"specache-{b}bit-{PRESET}", "layer_hit", "--preset best", "-"),
+                 (f"busbytes-bits{b}", f"specache-{b}bit-{PRESET}", "layer_hit_mass", "--preset best, most-mass rule",
+                  "--")]
+        for sub, method, key, label, style in lines:
+            folder = results / "policies" / sub
+            recs = [r for r in read_jsonl(folder) if r["method"] == method and r.get("prompt") == "essay"]
+            if not recs or key not in recs[0]:
+                raise MissingInput(f"{key} of {method} (essay) in {folder}/results.jsonl")
+            per = np.nanmean(np.array([[np.nan if v is None else v for v in r[key]] for r in recs], float), axis=0)
+            ax.plot(range(len(per)), 100 * per, style, lw=1.4, label=f"{label} (mean {100 * np.nanmean(per):.1f})")
+            days.add(run_date(folder))
+        target = 80 if b == 1 else 90  # the hit-rate targets: 80% at 1 bit, 90% at 2 bits
+        ax.axhline(target, color="grey", ls=":", lw=1, label=f"target for the mean ({target}%)")
+        ax.set_title(f"{b}-bit", fontsize=9)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    axes[0].set_ylabel("top-k hit % (vs the exact top-k)")
+    fig.suptitle(f"Top-k hit rate per layer, {CPU}; 2k-token essay prompts, 100 decode steps; "
+                 f"{', '.join(sorted(days))}", fontsize=10)
+    return save(fig, out)
+
+
+FIGURES = {"h100-step-time.png": step_time, "h100-kernels.png": kernels, "niah.png": niah,
+           "hitrate-per-layer.png": hitrate_per_layer}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=ROOT / "results")
+    p.add_argument("--out", type=Path, default=ROOT / "docs")
+    a = p.parse_args(argv)
+    try:
+        for name, fn in FIGURES.items():
+            print(fn(a.results, a.out / name))
+    except (MissingInput, KeyError, ValueError) as e:
+        print(f"error: figures.py: missing or malformed input: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
