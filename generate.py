@@ -185,6 +185,12 @@ def compile_step(device, fn=decode_step):
     fp32); the quantizer picks its codes against the 16-bit zero and scale it stores (quant._lsq_refit),
     so without emulate_precision_casts the compiled least-squares fit stores other zeros than eager's."""
     options = {"emulate_precision_casts": True}
+    if device.type == "cpu":
+        # Inductor's CPU backend writes consecutive loops into one C++ function until it takes 500
+        # arguments: the preset's 8k step filled one with 15 layers' cache writes (1.2 MB of C++) and
+        # gcc 12 crashed compiling it (results/bench/ice-8k). Functions of at most 128 arguments build.
+        from torch._inductor.codegen.cpp import CppScheduling
+        CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = min(getattr(CppScheduling, "MAX_FUSED_KERNEL_ARGS_NUM", 128), 128)
     if device.type == "cuda":
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (mode and options exclude each other)
     return torch.compile(fn, fullgraph=True, options=options)
