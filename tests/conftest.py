@@ -1,5 +1,5 @@
 """Test-wide setup: one thread (see cpu-toolchain notes on oversubscription), a repo-local
-inductor cache, and the `slow` marker switch."""
+inductor cache, and the compile gate started in the background."""
 import os
 import sys
 
@@ -11,15 +11,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(ROOT, ".cache", "inductor"))
 sys.path.insert(0, ROOT)
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
 
-# The compile gate (tests/test_compile_gate.py) compiles every Triton kernel variant for two GPU
-# targets: minutes of single-threaded ptxas on a cold cache. It starts in the background as soon as
+# The compile gate (tests/test_compile_gate.py) compiles Triton kernel variants for GPU targets:
+# minutes of single-threaded ptxas on a cold cache. It starts in the background as soon as
 # collection shows it will run, on the core the (single-threaded) suite leaves free, and its tests
-# move to the end of the run, by which time it has usually finished.
+# move to the end of the run, by which time it has usually finished. SPECACHE_GATE picks the matrix:
+# "quick" (make test: sm_90, all variants but the KIVI-only ones) or "full" (make test-full and
+# CI: every variant for sm_80 and sm_90).
+GATE_MATRIX = {"quick": (["--quick", "--arch", "90"], {90}), "full": ([], {80, 90})}
+
+
+@pytest.hookimpl(trylast=True)  # after the -m deselection: only a gate that will be read is started
 def pytest_collection_modifyitems(config, items):
     gate = [item for item in items if item.nodeid.startswith("tests/test_compile_gate.py::test_every")
             or item.nodeid.startswith("tests/test_compile_gate.py::test_fp32")]
@@ -28,8 +35,13 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if item not in gate] + gate
     import subprocess
     import tempfile
+    mode = os.environ.get("SPECACHE_GATE", "quick")
+    if mode not in GATE_MATRIX:
+        raise pytest.UsageError(f"SPECACHE_GATE={mode!r}: expected one of {', '.join(GATE_MATRIX)}")
+    args, archs = GATE_MATRIX[mode]
     out = os.path.join(tempfile.mkdtemp(prefix="gate-"), "gate.json")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    config.specache_gate = dict(json=out, proc=subprocess.Popen(
-        [sys.executable, "triton_aot.py", "--no-report", "--jobs", "1", "--json", out],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    proc = subprocess.Popen([sys.executable, "triton_aot.py", "--no-report", "--jobs", "1", "--json", out, *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    config.add_cleanup(proc.kill)  # a run stopped early (-x, Ctrl-C) leaves no compiler behind
+    config.specache_gate = dict(json=out, archs=archs, proc=proc)

@@ -362,7 +362,10 @@ def test_joined_steps_match_synchronous(rerank):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rerank,sinks", [(1, 0), (1, 4), (2, 4)])
+# make test runs the case with sinks; the other two (minutes of interpreted Triton each) are CI's
+# `make test-full`.
+@pytest.mark.parametrize("rerank,sinks", [pytest.param(1, 0, marks=pytest.mark.full), (1, 4),
+                                          pytest.param(2, 4, marks=pytest.mark.full)])
 def test_compiled_step_on_the_async_path_with_late_fetches(rerank, sinks):
     """The CUDA-graph schedule compiled by inductor (fullgraph), with the custom ops and fetches
     that land late: the ops get the rings themselves (checked in the op), nothing is reordered
