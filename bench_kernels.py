@@ -141,22 +141,26 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
 # 128k, Llama-3.1-8B shapes (8 kv heads x 4 query heads, d 128), bf16, batch 1, 2 query tokens and 64
 # fetched rows: us (CUDA-graph replay after an L2 flush), GB/s and % of the byte floor (the bytes
 # over the measured copy bandwidth).
-# Cost estimate for one 10-minute GPU call: 4 widths x (16 + 2) configurations = 72 compiles at
-# ~2-4 s each (Triton + ptxas, one core) = 2.5-5 min; 216 timings of ~0.1 s (3 warm-ups, a graph
-# capture, 10 replays of <= 1 ms, each after a 256 MiB flush of ~0.1 ms) ~ 0.5 min; caches of 128k
-# tokens are built once per width. A guard stops at SWEEP_BUDGET_S and says what it skipped.
+# Cost estimate for one 10-minute GPU call: 2 paths x 4 widths x (1 + 9) compiled configurations = 80
+# compiles (the split counts and contexts reuse them) at ~1-3 s each (Triton + ptxas, one core; ~2 s
+# here) = 1.5-4 min; 2 x 4 x 12 x 3 = 288 timings of ~0.1 s (3 warm-ups, a graph capture, 10 replays
+# of <= 1 ms, each after a 256 MiB flush of ~0.1 ms) ~ 0.5 min; the 128k caches ~ 0.1 GB each.
+# A guard stops at SWEEP_BUDGET_S and says how many timings it skipped.
 SWEEP_CONTEXTS = (8192, 32768, 131072)
 SWEEP_BITS = (1, 2, 4, 8)  # (4-bit: also the layout of QuantSpec's INT4 draft view)
-SWEEP_WARPS = (1, 2, 4, 8)
-SWEEP_STAGES = (1, 2, 3, 4)
+SWEEP_WARPS = (1, 2, 4)  # (8 warps over a 16-row tile: idle warps)
+SWEEP_STAGES = (1, 2, 3)
 SWEEP_SPLIT_FACTORS = (0.5, 2.0)  # x the launcher's split count, at its own warps/stages
 SWEEP_BUDGET_S = 540
 
 
 def sweep_kernels() -> dict:
-    """name -> launcher(q, store, residual, fetched, sm_scale, n_splits=None, **launch)."""
+    """name -> launcher(q, store, residual, fetched, sm_scale, n_splits=None, **launch): the split-KV
+    kernel's two quantized-slot paths (docs/kernels.md), the word-unpacking one and the bit-plane one."""
+    import functools
     import kernels
-    return {"split": kernels.attention_lowbit_triton}
+    return {"words": functools.partial(kernels.attention_lowbit_triton, planes=False),
+            "planes": functools.partial(kernels.attention_lowbit_triton, planes=True)}
 
 
 def sweep_configs(n_splits_default: int) -> list[dict]:

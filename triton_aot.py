@@ -76,17 +76,19 @@ class TargetOnlyDriver:
 def record(cases) -> list[dict]:
     """Run each case (a callable that calls the launchers on CPU tensors) with launches skipped;
     returns the distinct specializations the launchers asked for."""
-    specs, seen = [], set()
+    specs, seen = [], {}
 
     def hook(*, fn, compile, **_):
         c = compile
         key = (fn.name, json.dumps(c["signature"]), repr(sorted(c["constants"].items())), repr(c["configs"]),
                c["num_warps"], c["num_stages"])
         if key not in seen:
-            seen.add(key)
+            seen[key] = len(specs)
             specs.append(dict(kernel=fn.name, jit=fn.jit_function, signature=c["signature"],
                               constants=c["constants"], attrs=c["configs"][0], num_warps=c["num_warps"],
                               num_stages=c["num_stages"], case=current[0]))
+        elif current[0] not in specs[seen[key]]["case"].split("; "):  # (QuantSpec's INT4 view is KIVI 4-bit's)
+            specs[seen[key]]["case"] += "; " + current[0]
         return True  # skip compile and launch: the launcher gets None back and carries on
 
     current = [""]
@@ -213,11 +215,15 @@ def loop_loads(sass_text: str) -> dict:
 
 # What one iteration of a kernel's hot loop processes, in KV tokens: the constexpr that sets it.
 TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_topk_chunk_kernel": "GROUP_K"}
+# Which innermost loop is the hot one (default: the longest). The attention kernel's loop over the
+# quantized slots is its first (the then-branch of `split < n_splits`; the fetched and residual fp-row
+# loops follow it), and need not be its longest.
+HOT_LOOP = {"_attn_split_kernel": "first"}
 
 
-def hot_loop(sass_text: str) -> dict:
-    """The static cost of the hot loop: the longest innermost loop (the one over the low-bit tokens,
-    in the kernels here; a kernel's fp-row loops are shorter). Counts, per warp and iteration:
+def hot_loop(sass_text: str, pick: str = "longest") -> dict:
+    """The static cost of the hot loop: the innermost loop `pick`ed, "longest" or "first" in address
+    order (every innermost loop's length is in `inner_loop_instr`). Counts, per warp and iteration:
     instructions (NOPs aside), shared-memory stores (STS, STSM) and loads (LDS, LDSM) - both inside
     the loop = data round-trips through shared memory for a layout conversion (a pipelined tile
     arrives by LDGSTS, not STS) -, local-memory traffic (LDL/STL: spills, stack arrays) and barriers.
@@ -226,10 +232,9 @@ def hot_loop(sass_text: str) -> dict:
     if not spans:
         return {}
     body = {s: [op for a, op, _ in instructions(sass_text) if s[0] <= a <= s[1] and op != "NOP"] for s in spans}
-    lo, hi = max(spans, key=lambda s: len(body[s]))
-    ops = body[(lo, hi)]
+    ops = body[spans[0] if pick == "first" else max(spans, key=lambda s: len(body[s]))]
     n = lambda *names: sum(op in names for op in ops)  # noqa: E731
-    return dict(loop_instr=len(ops), inner_loops=len(spans), sts=n("STS", "STSM"), lds=n("LDS", "LDSM"),
+    return dict(loop_instr=len(ops), inner_loop_instr=[len(body[s]) for s in spans], sts=n("STS", "STSM"), lds=n("LDS", "LDSM"),
                 local=n("LDL", "STL"), bar=n("BAR"), smem_roundtrip=n("STS", "STSM") > 0 and n("LDS", "LDSM") > 0)
 
 
@@ -375,7 +380,8 @@ def main(argv=None):
             row["tf32"] = "tf32" in r["ptx"]
         if r["ok"] and not a.no_report:
             text = sass(r["cubin"])
-            row.update(resource_usage(r["cubin"]), shared=r["shared"], loop_loads=loop_loads(text), **hot_loop(text))
+            row.update(resource_usage(r["cubin"]), shared=r["shared"], loop_loads=loop_loads(text),
+                       **hot_loop(text, HOT_LOOP.get(s["kernel"], "longest")))
             row["instr_per_token"] = per_token(row)
             if a.sass and s["kernel"] == a.sass and not any(x["kernel"] == a.sass and x.get("sass_shown") for x in rows):
                 row["sass_shown"] = True
@@ -399,7 +405,9 @@ def main(argv=None):
                        f"{'yes' if row['smem_roundtrip'] else 'no'} | {row['local']}")
             else:
                 hot = "- | - | - | - | -"
-            print(f"| {row['kernel']} | {row['case']} | {row['variant']} | {row['arch']} | {row['registers']} | "
+            cs = row["case"].split("; ")  # (every case is in the JSON)
+            case = "; ".join(cs[:2]) + (f" (+{len(cs) - 2} more)" if len(cs) > 2 else "")
+            print(f"| {row['kernel']} | {case} | {row['variant']} | {row['arch']} | {row['registers']} | "
                   f"{row['local_bytes']}/{row['stack']} | {row['shared']} | {hot} | "
                   f"{loads} | {'yes' if row['tf32'] else 'no'} |")
     if a.json:

@@ -273,16 +273,16 @@ def test_kernel_sweep_needs_cuda_and_says_so_in_one_line():
 
 
 def test_every_sweep_configuration_is_one_the_launchers_take():
-    """Each configuration the GPU sweep times goes through the launcher (interpreted here: warps and
-    stages are ignored, the split count is not) and matches the torch reference."""
+    """Each kernel path and configuration the GPU sweep times goes through the launcher (interpreted
+    here: warps and stages are ignored, the split count is not) and matches the torch reference."""
     import kernels
     import bench_kernels
     g = torch.Generator().manual_seed(0)
-    c, store, fetched, q2 = bench_kernels.lowbit_kernel_case(2, 4, 64, 256, 2, torch.float32, torch.device("cpu"), g,
+    c, store, fetched, q2 = bench_kernels.lowbit_kernel_case(2, 4, 64, 128, 2, torch.float32, torch.device("cpu"), g,
                                                              group=32, k=8)
     ref, ref_lse = kernels.attention_lowbit_ref(q2, store, c.residual_rows(2), fetched, c.sm_scale)
     configs = bench_kernels.sweep_configs(4)
-    assert len(configs) == 1 + 16 + 2 and {cfg.get("n_splits") for cfg in configs} == {None, 2, 8}
+    assert len(configs) == 1 + 9 + 2 and {cfg.get("n_splits") for cfg in configs} == {None, 2, 8}
     for name, launcher in bench_kernels.sweep_kernels().items():
         for cfg in configs:
             out, lse = launcher(q2, store, c.residual_rows(2), fetched, c.sm_scale, **cfg)
