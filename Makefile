@@ -43,9 +43,10 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	@$(GPU_PY) gpu_check.py
 
-# Registers, spills and load widths of every Triton kernel variant, compiled for sm_80/sm_90 (no GPU needed).
+# Registers, spills, shared memory, hot-loop instructions per KV token, shared-memory round trips and load widths
+# of every Triton kernel variant, compiled for sm_80/sm_90 (no GPU needed; KERNEL=name compiles one kernel only).
 aot-report: $(STAMP)
-	$(PY) triton_aot.py
+	$(PY) triton_aot.py $(if $(KERNEL),--kernel $(KERNEL))
 
 # The PNGs in docs/ from the raw results under results/ (no model, no GPU).
 .PHONY: figures

@@ -406,6 +406,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default fp32 CPU, bf16 CUDA")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kernels", action="store_true", help="time each decode kernel alone (and skip the grid)")
+    p.add_argument("--sweep", action="store_true", help="with --kernels: every attention kernel, width and launch "
+                   "configuration at 8k/32k/128k, Llama-3.1-8B shapes (CUDA only; bench_kernels.py)")
     p.add_argument("--kernel-bits", type=int_list, default=[1, 2])
     p.add_argument("--kernel-reps", type=int, default=20)
     p.add_argument("--kv-budget-gb", type=float, default=None, help="Table 3: largest batch whose device KV fits")
@@ -438,6 +440,8 @@ def parse_args(argv=None):
     for flag in ("kv_budget_gb", "host_budget_gb"):
         if getattr(a, flag) is not None and getattr(a, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0")
+    if a.sweep and not a.kernels:
+        p.error("--sweep goes with --kernels")
     if a.random_weights and not a.model:
         p.error("--random-weights needs --model NAME")
     if a.model and a.model not in KNOWN_CONFIGS:
@@ -483,6 +487,17 @@ def main(argv=None):
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but CUDA is not available here")
+    if a.sweep:  # (no model: only its shapes)
+        if device.type != "cuda":
+            raise SystemExit("error: --sweep times Triton kernels on a CUDA GPU, and there is none here")
+        from model import ModelArgs
+        bw = measure.measure_bandwidth(device, a.bandwidth_mb)
+        res = dict(environment=measure.environment(device, torch.bfloat16), bandwidth=bw,
+                   sweep=bench_kernels.sweep_rows(ModelArgs.from_name(a.model or "Llama-3.1-8B"), bw))
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(res, indent=1, default=str))
+        return res
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)

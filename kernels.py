@@ -29,6 +29,9 @@ import triton
 import triton.language as tl
 
 import quant
+# the Triton tile readers (topk.py imports some of them from here)
+from tiles import (_fetched_hits, _fetched_mask, _integer_units, _key_group, _load_codes, _online_softmax,  # noqa: F401
+                   _plane_codes, _ref_rows)
 
 Tensor = torch.Tensor
 
@@ -209,97 +212,15 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
 #    takes the fetched and residual fp rows; a small kernel combines the partials (flash-decoding).
 # Head dims that are not a power of two, or whose codes are not whole 32-bit words per row, take
 # a byte-wise path (WORDS=False) with the same arithmetic.
+# The bit-plane path (PLANES; docs/kernels.md has its static cost beside the word path's) reads the
+# quantized slots of plain KIVI codes (1/2/4/8 bits, with fetched rows, sinks and ZipCache's channel
+# scale) with fewer instructions per token: the tile's channels in plane-major order, so each code
+# is shifted out of its own byte with no reshape (the word path's reshape costs shared-memory round
+# trips); 16-bit codes made by writing the code under a magic exponent (no int->float conversion);
+# one value dot for all channel groups (RG row copies); fetched positions as one 64-bit word per
+# block instead of a [64, k] comparison. QuantSpec's INT8 view and ZipCache's mixed codes keep the
+# word path.
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _ref_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
-    """ZipCache mixed precision: (compact refinement row, has one) of each of a key group's rows;
-    grp_row = the group's first refinement row (flat)."""
-    if RB > 0:
-        slot = tl.load(ref_map + rows, mask=n_ok, other=255).to(tl.int32)
-        has = n_ok & (slot != 255)
-        return grp_row * N_REF + tl.where(has, slot, 0), has
-    return rows, n_ok
-
-
-@triton.jit
-def _integer_units(scale, HIER: tl.constexpr, RB: tl.constexpr):
-    """A stored scale in the units of _load_codes' integers: QuantSpec's INT8 view counts sixteenths
-    of the upper plane's step, ZipCache's mixed codes halves of the salient step."""
-    if HIER:
-        scale = scale / 16
-    if RB > 0:
-        scale = scale / 2
-    return scale
-
-
-@triton.jit
-def _key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER: tl.constexpr, RB: tl.constexpr):
-    """A key group's constants for the key dot: its per-channel scale (divided to match _load_codes'
-    integers) and zero, and its rows' refinement rows (ZipCache). grp: the flat group index."""
-    sk = _integer_units(tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32), HIER, RB)
-    zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    ref_rows, ref_ok = _ref_rows(ref_map, rows, n_ok, grp, N_REF, RB)
-    return sk, zk, ref_rows, ref_ok
-
-
-@triton.jit
-def _load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
-                RB: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Integer codes of a [BLOCK_N, BLOCK_D] tile of rows `rows` (flat bh*S + n): KIVI's c,
-    QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16), or ZipCache's mixed codes
-    2^(RB+1) U + (2L where the row has refinement row `ref_rows`, else 2^RB - 1) (scale s_hi/2).
-    `codes`/`lo`/`ref` point at int32 words (WORDS) or bytes."""
-    MASK: tl.constexpr = (1 << BITS) - 1
-    if WORDS:
-        PER: tl.constexpr = 32 // BITS
-        N_WORDS: tl.constexpr = BLOCK_D // PER
-        w_ptr = rows[:, None] * N_WORDS + tl.arange(0, N_WORDS)[None, :]
-        shifts = (tl.arange(0, PER) * BITS)[None, None, :]
-        w = tl.load(codes + w_ptr, mask=n_ok[:, None], other=0)
-        c = tl.reshape((w[:, :, None] >> shifts) & MASK, (BLOCK_N, BLOCK_D))
-        if HIER:
-            wl = tl.load(lo + w_ptr, mask=n_ok[:, None], other=0)
-            c = 16 * c + tl.reshape((wl[:, :, None] >> shifts) & 15, (BLOCK_N, BLOCK_D)) - 8
-    else:
-        PER_BYTE: tl.constexpr = 8 // BITS
-        byte = rows[:, None] * (D // PER_BYTE) + offs_d[None, :] // PER_BYTE
-        shift = ((offs_d % PER_BYTE) * BITS)[None, :]
-        ok = n_ok[:, None] & (offs_d < D)[None, :]
-        c = (tl.load(codes + byte, mask=ok, other=0).to(tl.int32) >> shift) & MASK
-        if HIER:
-            c = 16 * c + ((tl.load(lo + byte, mask=ok, other=0).to(tl.int32) >> shift) & 15) - 8
-    if RB > 0:
-        RMASK: tl.constexpr = (1 << RB) - 1
-        if WORDS:
-            PER_R: tl.constexpr = 32 // RB
-            NW_R: tl.constexpr = BLOCK_D // PER_R
-            wr = tl.load(ref + ref_rows[:, None] * NW_R + tl.arange(0, NW_R)[None, :], mask=ref_ok[:, None], other=0)
-            low = tl.reshape((wr[:, :, None] >> (tl.arange(0, PER_R) * RB)[None, None, :]) & RMASK, (BLOCK_N, BLOCK_D))
-        else:
-            PB_R: tl.constexpr = 8 // RB
-            byte_r = ref_rows[:, None] * (D // PB_R) + offs_d[None, :] // PB_R
-            ok_r = ref_ok[:, None] & (offs_d < D)[None, :]
-            low = (tl.load(ref + byte_r, mask=ok_r, other=0).to(tl.int32) >> ((offs_d % PB_R) * RB)[None, :]) & RMASK
-        c = (c << (RB + 1)) + tl.where(ref_ok[:, None], 2 * low, RMASK)
-    return c
-
-
-@triton.jit
-def _fetched_hits(offs_n, fidx):
-    """[BLOCK_N] int32, 1 where position offs_n is held as a fetched fp row (fidx: positions, -1 = unused)."""
-    return tl.max((offs_n[:, None] == fidx[None, :]).to(tl.int32), 1)
-
-
-@triton.jit
-def _online_softmax(s, m_i, l_i, acc):
-    """Flash-attention update with scores in log2 units: -> (m, l, rescaled acc, p)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None], p
 
 
 @triton.jit
@@ -308,15 +229,28 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                        qk_scale, S, R, K, D, T, M, SPLIT_LEN, N_REF,
                        BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
                        NGV: tl.constexpr, HAS_FETCH: tl.constexpr, HAS_CHAN: tl.constexpr, DOT: tl.constexpr,
-                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
+                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr,
+                       PLANES: tl.constexpr = False, RG: tl.constexpr = 1, CODES: tl.constexpr = 0,
+                       CODE_OFF: tl.constexpr = 0.0):
     """Grid (B*Hkv, n_splits + 1). Program `split` < n_splits attends to quantized slots
     [split*SPLIT_LEN, +SPLIT_LEN) below n_quant; the last one to the fetched and residual fp rows.
-    Each writes (out, lse) partials for the kv head's G*T query rows m = g*T + t."""
+    Each writes (out, lse) partials for the kv head's G*T query rows m = g*T + t.
+    PLANES (the bit-plane path, for the quantized slots): the tile's columns are channels in
+    plane-major order (_plane_codes), and its rows hold RG copies of the query rows, copy g taking
+    the values' channel group g: one value dot serves every channel group (each with its own
+    per-token scale), and the copies fill the MMA's 16 rows that M = 8 query rows would leave empty."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1) - 1
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    MR: tl.constexpr = BLOCK_M // RG
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = offs_r % MR  # the query row of each tile row
+    offs_c = tl.arange(0, BLOCK_D)
+    if PLANES:  # the channel of each tile column
+        W: tl.constexpr = BLOCK_D * BITS // 8
+        offs_d = (offs_c % W) * (8 // BITS) + offs_c // W
+    else:
+        offs_d = offs_c
     m_ok = offs_m < M
     d_ok = offs_d < D
     qt = tl.load(q + (bh * M + offs_m[:, None]) * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -335,36 +269,71 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
     if split < n_splits:
         lo = split * SPLIT_LEN
         hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
-        for n0 in range(lo, hi, GROUP_K):
-            offs_n = n0 + tl.arange(0, GROUP_K)
-            n_ok = offs_n < hi
-            rows = bh * S + offs_n
-            # keys: this block is one key group; its scale/zero fold into the query
-            sk, zk, ref_rows, ref_ok = _key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + n0 // GROUP_K,
-                                                  offs_d, d_ok, D, N_REF, HIER, RB)
-            ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
-                             GROUP_K, BLOCK_D)
-            s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
-            s = s + tl.sum(qt * zk[None, :], 1)[:, None]
-            keep = n_ok
-            if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
-                keep = keep & (_fetched_hits(offs_n, fidx) == 0)
-            s = tl.where(keep[None, :], s, -float("inf"))
-            m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
-            # values: per-token scale/zero of each channel group fold into p
-            cv = _load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, v_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
-                             GROUP_K, BLOCK_D).to(dt)
-            for j in tl.static_range(NGV):
-                sv = _integer_units(tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32), HIER, RB)
-                zv = tl.load(v_zero + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
-                part = tl.dot((p * sv[None, :]).to(dt), cv, input_precision=DOT) + tl.sum(p * zv[None, :], 1)[:, None]
-                if NGV == 1:
-                    acc += part
-                else:
-                    acc += tl.where((offs_d // (D // NGV) == j)[None, :], part, 0.0)
-        if HAS_CHAN:  # ZipCache eq. 6: every dequantized value row is multiplied by c
-            acc = acc * tl.load(v_chan + bh * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        if PLANES:
+            grp_r = offs_r // MR
+            for n0 in range(lo, hi, GROUP_K):
+                offs_n = n0 + tl.arange(0, GROUP_K)
+                n_ok = offs_n < hi
+                rows = bh * S + offs_n
+                grp = bh * (S // GROUP_K) + n0 // GROUP_K
+                # keys: q.k' = (q*s_k).c + q.z_k; codes read as CODE_OFF + c, whose extra CODE_OFF * sum(q*s_k)
+                # is taken off with the zero term (from the same rounded q*s_k the dot saw)
+                qs = (qt * tl.load(k_scale + grp * D + offs_d).to(tl.float32)[None, :]).to(dt)
+                zk = tl.load(k_zero + grp * D + offs_d).to(tl.float32)
+                ck = _plane_codes(k_codes, rows[None, :], offs_c[:, None], dt, BITS, BLOCK_D, CODES)
+                s = tl.dot(qs, ck, input_precision=DOT) + tl.sum(qt * zk[None, :] - CODE_OFF * qs.to(tl.float32), 1)[:, None]
+                keep = n_ok
+                if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
+                    keep = keep & ~_fetched_mask(n0, fidx, GROUP_K)
+                s = tl.where(keep[None, :], s, -float("inf"))
+                m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
+                # values: row copy g folds channel group g's per-token scale/zero into p
+                cv = _plane_codes(v_codes, rows[:, None], offs_c[None, :], dt, BITS, BLOCK_D, CODES)
+                sv = tl.zeros([BLOCK_M, GROUP_K], tl.float32)
+                zv = tl.zeros([BLOCK_M, GROUP_K], tl.float32)
+                for g in tl.static_range(RG):
+                    sv = tl.where((grp_r == g)[:, None], tl.load(v_scale + rows * NGV + g, mask=n_ok, other=0.0).to(tl.float32)[None, :], sv)
+                    zv = tl.where((grp_r == g)[:, None], tl.load(v_zero + rows * NGV + g, mask=n_ok, other=0.0).to(tl.float32)[None, :], zv)
+                ps = (p * sv).to(dt)
+                acc += tl.dot(ps, cv, input_precision=DOT) + tl.sum(p * zv - CODE_OFF * ps.to(tl.float32), 1)[:, None]
+            if HAS_CHAN:  # ZipCache eq. 6: every dequantized value row is multiplied by c
+                acc = acc * tl.load(v_chan + bh * D + offs_d).to(tl.float32)[None, :]
+        else:
+            for n0 in range(lo, hi, GROUP_K):
+                offs_n = n0 + tl.arange(0, GROUP_K)
+                n_ok = offs_n < hi
+                rows = bh * S + offs_n
+                # keys: this block is one key group; its scale/zero fold into the query
+                sk, zk, ref_rows, ref_ok = _key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + n0 // GROUP_K,
+                                                      offs_d, d_ok, D, N_REF, HIER, RB)
+                ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+                                 GROUP_K, BLOCK_D)
+                s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
+                s = s + tl.sum(qt * zk[None, :], 1)[:, None]
+                keep = n_ok
+                if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
+                    keep = keep & (_fetched_hits(offs_n, fidx) == 0)
+                s = tl.where(keep[None, :], s, -float("inf"))
+                m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
+                # values: per-token scale/zero of each channel group fold into p
+                cv = _load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, v_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+                                 GROUP_K, BLOCK_D).to(dt)
+                for j in tl.static_range(NGV):
+                    sv = _integer_units(tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32), HIER, RB)
+                    zv = tl.load(v_zero + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
+                    part = tl.dot((p * sv[None, :]).to(dt), cv, input_precision=DOT) + tl.sum(p * zv[None, :], 1)[:, None]
+                    if NGV == 1:
+                        acc += part
+                    else:
+                        acc += tl.where((offs_d // (D // NGV) == j)[None, :], part, 0.0)
+            if HAS_CHAN:  # ZipCache eq. 6: every dequantized value row is multiplied by c
+                acc = acc * tl.load(v_chan + bh * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     else:
+        if PLANES:  # fp rows: channels in their own order (masks and loads of contiguous, aligned
+            offs_d = offs_c  # channels: vectorized); the store follows offs_d
+            d_ok = offs_d < D
+            qt = tl.load(q + (bh * M + offs_m[:, None]) * D + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+            qt = qt.to(tl.float32) * qk_scale
         offs_f = tl.arange(0, BLOCK_F)
         qd = qt.to(dt)
         if HAS_FETCH:
@@ -390,6 +359,13 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
             s = tl.where(causal, tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
             m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
             acc += tl.dot(p.to(dt), vt, input_precision=DOT)
+    if RG > 1:  # each row copy keeps its own channel group (their softmax statistics are the same)
+        acc = tl.sum(tl.reshape(tl.where(offs_r[:, None] // MR == offs_d[None, :] // (D // NGV), acc, 0.0),
+                                (RG, MR, BLOCK_D)), 0)
+        m_i = tl.max(tl.reshape(m_i, (RG, MR)), 0)
+        l_i = tl.max(tl.reshape(l_i, (RG, MR)), 0)
+        offs_m = tl.arange(0, MR)
+        m_ok = offs_m < M
     has = l_i > 0
     part = (bh * tl.num_programs(1) + split) * M + offs_m
     tl.store(out_part + part[:, None] * D + offs_d[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
@@ -464,14 +440,41 @@ def _n_programs_target(device) -> int:
 DECODE_LAUNCH = dict(num_warps=2, num_stages=1)
 
 
+def _planes_layout(store: LowBitKV, D: int, M: int, dtype, planes=None):
+    """(RG, BLOCK_M, CODES, CODE_OFF) of the bit-plane path, or None where it does not apply: QuantSpec's
+    INT8 view and ZipCache's mixed codes, rows not whole 32-bit words, D or the value groups not powers
+    of two, or more than 32 tile rows (RG copies of the query rows). planes=False: never (the sweep's
+    comparison); True: required."""
+    NGV = D // min(store.group_v, D)
+    rows = triton.next_power_of_2(M) * NGV
+    ok = (store.k_codes_lo is None and store.k_ref is None and D & (D - 1) == 0 and (D * store.bits) % 32 == 0
+          and NGV & (NGV - 1) == 0 and rows <= 32)
+    if planes and not ok:
+        raise ValueError("the bit-plane attention path does not take this cache layout")
+    if planes is False or not ok:
+        return None
+    dot16 = dtype != torch.float32 and not _upcast(dtype)
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    # 16-bit dots read codes as MAGIC + c (exact: c < 128 in bf16, < 1024 in fp16); fp32 converts
+    # (the PTX unpacks four elements with one shift: they must share a bit plane, which holds wherever a
+    # plane's W bytes are a multiple of the 16 columns a dot-operand layout groups; else Triton's ops)
+    codes = 0 if not dot16 or (dtype == torch.bfloat16 and store.bits == 8) else \
+        1 if interpreted or (D * store.bits // 8) % 16 else 2
+    return NGV, max(16, rows), codes, (128.0 if dtype == torch.bfloat16 else 1024.0) if codes else 0.0
+
+
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
-                            n_splits=None, **launch):
+                            n_splits=None, planes=None, **launch):
     B, H, T, D = q.shape
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
     group_v = min(store.group_v, D)
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
     words, BLOCK_D, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref = _code_layout(store, D)
+    plane = _planes_layout(store, D, M, q.dtype, planes)
+    if plane is not None:  # bytes, not words
+        k_codes, v_codes = store.k_codes.contiguous(), store.v_codes.contiguous()
+    RG, BLOCK_M, CODES, CODE_OFF = plane or (1, max(16, triton.next_power_of_2(M)), 0, 0.0)
     n_blocks = triton.cdiv(S, store.group_k)
     if n_splits is None:
         n_splits = min(n_blocks, max(1, _n_programs_target(q.device) // BH))
@@ -492,8 +495,8 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
         BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
         WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
         HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=_dot_precision(q.dtype),
-        UPCAST=_upcast(q.dtype), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
-        BLOCK_F=64, **{**(DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}), **launch})
+        UPCAST=_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
+        BLOCK_F=64, PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF, **{**(DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}), **launch})
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,

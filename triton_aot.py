@@ -2,7 +2,14 @@
 the numbers a kernel author needs without a GPU (registers, spills, load widths in the hot loops).
 
     python triton_aot.py                 # compile all variants for sm_80 and sm_90, print the report
+    python triton_aot.py --kernel _attn_split_kernel   # one kernel's variants only (minutes, not ~15)
     python triton_aot.py --arch 90 --sass _attn_split_kernel   # also print that kernel's SASS loops
+
+The report's static cost columns, per variant and target (docs/kernels.md): registers, local memory
+and stack bytes (spills), shared memory; the hot loop (the longest innermost loop of `cuobjdump
+-sass`) - its instructions per warp and iteration, and per KV token (x num_warps / the tokens one
+iteration processes: TOKENS_PER_ITERATION names the constexpr), its STS/LDS counts (both in the loop:
+data goes through shared memory for a layout conversion), its LDL/STL; global load widths in loops.
 
 How. The interpreter (TRITON_INTERPRET=1, what the CPU tests use) checks semantics but not what
 the compiler rejects (types of loop-carried values, implicit casts) and says nothing about the
@@ -25,6 +32,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -68,17 +76,19 @@ class TargetOnlyDriver:
 def record(cases) -> list[dict]:
     """Run each case (a callable that calls the launchers on CPU tensors) with launches skipped;
     returns the distinct specializations the launchers asked for."""
-    specs, seen = [], set()
+    specs, seen = [], {}
 
     def hook(*, fn, compile, **_):
         c = compile
         key = (fn.name, json.dumps(c["signature"]), repr(sorted(c["constants"].items())), repr(c["configs"]),
                c["num_warps"], c["num_stages"])
         if key not in seen:
-            seen.add(key)
+            seen[key] = len(specs)
             specs.append(dict(kernel=fn.name, jit=fn.jit_function, signature=c["signature"],
                               constants=c["constants"], attrs=c["configs"][0], num_warps=c["num_warps"],
                               num_stages=c["num_stages"], case=current[0]))
+        elif current[0] not in specs[seen[key]]["case"].split("; "):  # (QuantSpec's INT4 view is KIVI 4-bit's)
+            specs[seen[key]]["case"] += "; " + current[0]
         return True  # skip compile and launch: the launcher gets None back and carries on
 
     current = [""]
@@ -155,27 +165,86 @@ def sass(cubin: bytes) -> str:
         return subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
 
 
+_ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
+_BACK_BRA = re.compile(r"\bBRA(?:\.[A-Z0-9]+)*\s+(?:!?U?P[T0-9]+\s*,\s*)?0x([0-9a-f]+)")
+
+
+def instructions(sass_text: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, the whole line) of each instruction in `cuobjdump -sass` text."""
+    out = []
+    for ln in sass_text.splitlines():
+        m = _ADDR.search(ln)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2), ln))
+    return out
+
+
+def loops(sass_text: str) -> list[tuple[int, int]]:
+    """Loops as (first, last) instruction addresses: a label and the last backward branch to it.
+    (Branches to one label from several places close one loop, the farthest one included.)"""
+    last = {}
+    for a, op, ln in instructions(sass_text):
+        m = _BACK_BRA.search(ln) if op == "BRA" else None
+        if m and int(m.group(1), 16) < a:
+            t = int(m.group(1), 16)
+            last[t] = max(last.get(t, 0), a)
+    return sorted(last.items())
+
+
+def innermost(spans):
+    return [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+
+
 def loop_loads(sass_text: str) -> dict:
     """Global loads inside loops (between a label and a later backward branch to it), by width:
     {"128": n, "64": n, "32": n, "16": n, "8": n}; "cp64" etc. are asynchronous global->shared copies
     (LDGSTS: Triton's software pipelining of tiles that feed a dot). Wide loads in the hot loop =
     vectorized."""
-    lines = [ln for ln in sass_text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
-    addr = lambda ln: int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16)  # noqa: E731
-    spans = []
-    for ln in lines:
-        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", ln)
-        if m and int(m.group(1), 16) < addr(ln):
-            spans.append((int(m.group(1), 16), addr(ln)))
+    spans = loops(sass_text)
     counts = {}
-    for ln in lines:
-        if any(lo <= addr(ln) <= hi for lo, hi in spans):
-            m = re.search(r"\bLDG(STS)?\.E(?:\.([A-Z0-9]+))?(?:\.[A-Z0-9]+)*", ln)
-            if m:
-                w = {"128": "128", "64": "64", "U8": "8", "S8": "8", "U16": "16", "S16": "16"}.get(m.group(2) or "", "32")
+    for a, op, ln in instructions(sass_text):
+        if any(lo <= a <= hi for lo, hi in spans):
+            m = re.search(r"\bLDG(STS)?\.E((?:\.[A-Z0-9]+)*)", ln)
+            if m:  # the width is one of the modifiers (LDGSTS.E.BYPASS.LTC128B.128: 128 bits)
+                widths = {"128": "128", "64": "64", "U8": "8", "S8": "8", "U16": "16", "S16": "16"}
+                w = next((widths[x] for x in m.group(2).split(".") if x in widths), "32")
                 w = ("cp" + w) if m.group(1) else w
                 counts[w] = counts.get(w, 0) + 1
     return counts
+
+
+# What one iteration of a kernel's hot loop processes, in KV tokens: the constexpr that sets it.
+TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_topk_chunk_kernel": "GROUP_K"}
+# Which innermost loop is the hot one (default: the longest). The attention kernel's loop over the
+# quantized slots is its first (the then-branch of `split < n_splits`; the fetched and residual fp-row
+# loops follow it), and need not be its longest.
+HOT_LOOP = {"_attn_split_kernel": "first"}
+
+
+def hot_loop(sass_text: str, pick: str = "longest") -> dict:
+    """The static cost of the hot loop: the innermost loop `pick`ed, "longest" or "first" in address
+    order (every innermost loop's length is in `inner_loop_instr`). Counts, per warp and iteration:
+    instructions (NOPs aside), shared-memory stores (STS, STSM) and loads (LDS, LDSM) - both inside
+    the loop = data round-trips through shared memory for a layout conversion (a pipelined tile
+    arrives by LDGSTS, not STS) -, local-memory traffic (LDL/STL: spills, stack arrays) and barriers.
+    {} when the kernel has no loop."""
+    spans = innermost(loops(sass_text))
+    if not spans:
+        return {}
+    body = {s: [op for a, op, _ in instructions(sass_text) if s[0] <= a <= s[1] and op != "NOP"] for s in spans}
+    ops = body[spans[0] if pick == "first" else max(spans, key=lambda s: len(body[s]))]
+    n = lambda *names: sum(op in names for op in ops)  # noqa: E731
+    return dict(loop_instr=len(ops), inner_loop_instr=[len(body[s]) for s in spans], sts=n("STS", "STSM"), lds=n("LDS", "LDSM"),
+                local=n("LDL", "STL"), bar=n("BAR"), smem_roundtrip=n("STS", "STSM") > 0 and n("LDS", "LDSM") > 0)
+
+
+def per_token(row) -> Optional[float]:
+    """Warp-instructions the SM issues per KV token in the hot loop: the loop's instructions (per warp
+    and iteration) x num_warps / the tokens of one iteration. None for kernels without a token loop."""
+    name = TOKENS_PER_ITERATION.get(row["kernel"])
+    if not row.get("loop_instr") or name not in row["constexprs"]:
+        return None
+    return row["loop_instr"] * row["num_warps"] / int(row["constexprs"][name])
 
 
 # ---- the cases: the cache configurations the project supports ---------------------------------------
@@ -268,9 +337,15 @@ def cases(quick=False):
     return out
 
 
-def gate(archs=ARCHS, quick=False, jobs=None):
-    """-> (specs, results). results[i] for (spec, arch); raises nothing: failures are in results."""
+def gate(archs=ARCHS, quick=False, jobs=None, kernels=None):
+    """-> (specs, results). results[i] for (spec, arch); raises nothing: failures are in results.
+    kernels: compile only these kernels' variants (recording them all is cheap, compiling is not)."""
     specs = record(cases(quick))
+    if kernels:
+        names = sorted({s["kernel"] for s in specs})
+        if unknown := [k for k in kernels if k not in names]:
+            raise ValueError(f"no kernel named {', '.join(unknown)}; the launchers use: {', '.join(names)}")
+        specs = [s for s in specs if s["kernel"] in kernels]
     return specs, compile_all(specs, archs, jobs)
 
 
@@ -280,17 +355,23 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer variants (no KIVI-only attention variants)")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--sass", default=None, help="print the SASS of the loops of this kernel (first variant)")
+    p.add_argument("--kernel", action="append", help="compile only this kernel's variants (repeatable)")
     p.add_argument("--json", type=Path, default=None, help="write the report rows here")
     p.add_argument("--no-report", action="store_true", help="only compile (the gate): no ptxas/SASS analysis")
     a = p.parse_args(argv)
     archs = tuple(a.arch or ARCHS)
     t0 = time.perf_counter()
-    specs, results = gate(archs, a.quick, a.jobs)
+    try:
+        specs, results = gate(archs, a.quick, a.jobs, a.kernel)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     rows, failed = [], 0
     for r in results:
         s = specs[r["index"]]
         row = dict(kernel=s["kernel"], variant=variant(s), arch=r["arch"], case=s["case"], ok=r["ok"],
                    compile_s=round(r["seconds"], 2), constexprs={k: str(v) for k, v in constexpr_names(s).items()},
+                   num_warps=s["num_warps"], num_stages=s["num_stages"],
                    first_ptr=next((t[1:] for t in s["signature"].values() if t.startswith("*")), None))
         if not r["ok"]:
             failed += 1
@@ -298,24 +379,37 @@ def main(argv=None):
         else:
             row["tf32"] = "tf32" in r["ptx"]
         if r["ok"] and not a.no_report:
-            row.update(resource_usage(r["cubin"]), shared=r["shared"], loop_loads=loop_loads(sass(r["cubin"])))
+            text = sass(r["cubin"])
+            row.update(resource_usage(r["cubin"]), shared=r["shared"], loop_loads=loop_loads(text),
+                       **hot_loop(text, HOT_LOOP.get(s["kernel"], "longest")))
+            row["instr_per_token"] = per_token(row)
             if a.sass and s["kernel"] == a.sass and not any(x["kernel"] == a.sass and x.get("sass_shown") for x in rows):
                 row["sass_shown"] = True
-                print(sass(r["cubin"]))
+                print(text)
         rows.append(row)
     print(f"# {len(specs)} kernel variants x {len(archs)} targets compiled in {time.perf_counter() - t0:.0f} s "
           f"(triton {triton.__version__}); {failed} failed")
     if not a.no_report:
-        print("| kernel | variant | arch | regs | local (spill) B | smem B | loads in loops (bits: n) | tf32 dot |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| kernel | case | variant | arch | regs | local/stack B | smem B | hot loop instr | instr/token | "
+              "STS/LDS in loop | smem round trip | LDL+STL in loop | loads in loops (bits: n) | tf32 dot |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if not row["ok"]:
             print(f"FAILED {row['kernel']} [{row['variant']}] sm_{row['arch']} ({row['case']}): {row['error']}")
         elif not a.no_report:
             order = lambda w: (w.startswith("cp"), -int(w.lstrip("cp")))  # noqa: E731
             loads = ", ".join(f"{w}b: {n}" for w, n in sorted(row["loop_loads"].items(), key=lambda x: order(x[0]))) or "-"
-            print(f"| {row['kernel']} | {row['variant']} | {row['arch']} | {row['registers']} | "
-                  f"{row['local_bytes']} | {row['shared']} | {loads} | {'yes' if row['tf32'] else 'no'} |")
+            per_tok = f"{row['instr_per_token']:.1f}" if row["instr_per_token"] is not None else "-"
+            if "loop_instr" in row:
+                hot = (f"{row['loop_instr']} | {per_tok} | {row['sts']}/{row['lds']} | "
+                       f"{'yes' if row['smem_roundtrip'] else 'no'} | {row['local']}")
+            else:
+                hot = "- | - | - | - | -"
+            cs = row["case"].split("; ")  # (every case is in the JSON)
+            case = "; ".join(cs[:2]) + (f" (+{len(cs) - 2} more)" if len(cs) > 2 else "")
+            print(f"| {row['kernel']} | {case} | {row['variant']} | {row['arch']} | {row['registers']} | "
+                  f"{row['local_bytes']}/{row['stack']} | {row['shared']} | {hot} | "
+                  f"{loads} | {'yes' if row['tf32'] else 'no'} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 1 if failed else 0

@@ -262,6 +262,34 @@ def test_byte_floors_without_running():
     assert "| 4096 | 1 | specache-1bit |" in bench.main(["--floors", "--contexts", "4096", "--caches", "full,specache"])
 
 
+def test_kernel_sweep_needs_cuda_and_says_so_in_one_line():
+    import subprocess
+    import sys
+    from tests.helpers import ROOT
+    r = subprocess.run([sys.executable, "bench.py", "--kernels", "--sweep"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr == "error: --sweep times Triton kernels on a CUDA GPU, and there is none here\n", r.stderr
+
+
+def test_every_sweep_configuration_is_one_the_launchers_take():
+    """Each kernel path and configuration the GPU sweep times goes through the launcher (interpreted
+    here: warps and stages are ignored, the split count is not) and matches the torch reference."""
+    import kernels
+    import bench_kernels
+    g = torch.Generator().manual_seed(0)
+    c, store, fetched, q2 = bench_kernels.lowbit_kernel_case(2, 4, 64, 128, 2, torch.float32, torch.device("cpu"), g,
+                                                             group=32, k=8)
+    ref, ref_lse = kernels.attention_lowbit_ref(q2, store, c.residual_rows(2), fetched, c.sm_scale)
+    configs = bench_kernels.sweep_configs(4)
+    assert len(configs) == 1 + 9 + 2 and {cfg.get("n_splits") for cfg in configs} == {None, 2, 8}
+    for name, launcher in bench_kernels.sweep_kernels().items():
+        for cfg in configs:
+            out, lse = launcher(q2, store, c.residual_rows(2), fetched, c.sm_scale, **cfg)
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=f"{name} {cfg}")
+            torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
 # ---- gpu_check.py (make gpu-check) --------------------------------------------------------------------
 def test_gpu_check_without_cuda_says_so_in_one_line():
     import subprocess

@@ -100,3 +100,55 @@ def test_gate_catches_what_the_interpreter_lets_through(tmp_path):
             print("rejected", type(e).__name__, e)
     ''', interpret=False)
     assert "rejected" in compiled.stdout and "Loop-carried variable" in compiled.stdout, compiled.stdout + compiled.stderr
+
+
+def sass_text(body: list[str]) -> str:
+    """`cuobjdump -sass` text of instructions at 0x00, 0x10, ... (each with its encoding line)."""
+    lines = ["\tcode for sm_90a", "\t\tFunction : k"]
+    for i, ins in enumerate(body):
+        lines.append(f"        /*{16 * i:04x}*/                   {ins} ;                /* 0x000000000000000{i % 10} */")
+        lines.append("                                                                 /* 0x000fe20000000800 */")
+    return "\n".join(lines)
+
+
+@pytest.fixture()
+def aot(monkeypatch):
+    """triton_aot without compiling anything (it refuses to import under the interpreter)."""
+    import importlib
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    return importlib.import_module("triton_aot")
+
+
+def test_hot_loop_cost_of_a_synthetic_sass(aot):
+    """An outer loop (0x20-0x90) around loop A (0x30-0x80: STS + LDS = a shared-memory round trip, a
+    spill reload, a barrier), then loop B (0xb0-0x100: LDSM only, fed by LDGSTS), a forward branch
+    and the trailing self-branch; B takes a second, earlier backward branch to its label."""
+    body = ["LDC R1, c[0x0][0x28]", "S2R R0, SR_TID.X",
+            "IMAD R2, R0, 0x4, RZ",                                            # 0x20 outer
+            "LDG.E.128 R4, desc[UR4][R2.64]",                                  # 0x30 A
+            "STS.128 [R3], R4", "BAR.SYNC.DEFER_BLOCKING 0x0", "LDS.64 R8, [R3+0x10]",
+            "LDL R12, [R1+0x8]", "@P0 BRA 0x30",                               # 0x80
+            "@P1 BRA 0x20",                                                     # 0x90 outer
+            "@!P3 BRA 0x200",                                                   # 0xa0 forward
+            "LDGSTS.E.BYPASS.LTC128B.128 [R5], desc[UR4][R6.64]",                      # 0xb0 B
+            "LDSM.16.M88.4 R16, [R5]", "@P2 BRA 0xb0", "NOP", "HMMA.16816.F32.BF16 R20, R16, R18, R20",
+            "@!P2 BRA 0xb0",                                                    # 0x100
+            "EXIT", "BRA 0x120"]
+    text = sass_text(body)
+    assert aot.loops(text) == [(0x20, 0x90), (0x30, 0x80), (0xb0, 0x100)]
+    assert aot.innermost(aot.loops(text)) == [(0x30, 0x80), (0xb0, 0x100)]
+    hot = aot.hot_loop(text)  # A: 6 instructions, B: 5 (the NOP does not count)
+    assert hot == dict(loop_instr=6, inner_loop_instr=[6, 5], sts=1, lds=1, local=1, bar=1, smem_roundtrip=True), hot
+    assert aot.loop_loads(text) == {"128": 1, "cp128": 1}
+    row = dict(kernel="_attn_split_kernel", constexprs={"GROUP_K": "64"}, num_warps=4, **hot)
+    assert aot.per_token(row) == 6 * 4 / 64
+    assert aot.per_token(dict(row, kernel="_attn_combine_kernel")) is None
+
+    body[14:14] = ["IADD3 R1, R2, R3, RZ", "FFMA R1, R2, R3, R4"]  # B grows to 7: now the hot loop, no STS
+    body[-1] = "BRA 0x140"  # (the trailing self-branch moved)
+    text = sass_text(body)
+    assert aot.innermost(aot.loops(text)) == [(0x30, 0x80), (0xb0, 0x120)]
+    hot = aot.hot_loop(text)
+    assert hot == dict(loop_instr=7, inner_loop_instr=[6, 7], sts=0, lds=1, local=0, bar=0, smem_roundtrip=False), hot
+    assert aot.hot_loop(text, "first")["loop_instr"] == 6  # (the attention kernel's pick: its first loop)
+    assert aot.hot_loop(sass_text(["S2R R0, SR_TID.X", "EXIT", "BRA 0x20"])) == {}

@@ -14,6 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
 import quant  # noqa: E402
@@ -354,6 +356,58 @@ def test_triton_attention_matches_reference(case):
     # 16-bit inputs: the dots take 16-bit operands (tensor cores), so lse is ~1e-3 relative off
     torch.testing.assert_close(got[1], want[1], **(dict(atol=1e-4, rtol=1e-4) if c.q.dtype == torch.float32
                                                    else dict(atol=2e-2, rtol=5e-3)))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", ["G3-T2-fetch", "G1-T2-gk64-gv32", "G3-T2-fp16", "G4-T1-1bit-fetch-zip"])
+def test_triton_attention_word_path_matches_reference(case):
+    """The word-unpacking path (what caches the bit-plane path does not take still use) on the cases
+    the launcher now sends down the bit-plane path."""
+    c = make_case(**CASES[case])
+    assert kernels._planes_layout(c.store, c.q.shape[-1], c.q.shape[1] // c.store.k_codes.shape[1] * c.q.shape[2],
+                                  c.q.dtype) is not None
+    want = kernels.attention_lowbit_ref(*c.args())
+    got = kernels.attention_lowbit_triton(*c.args(), planes=False)
+    torch.testing.assert_close(got[0], want[0], **tol(want[0].dtype, 1e-4))
+
+
+def test_bit_plane_path_takes_plain_codes_only():
+    hier, mixed, d48 = (make_case(**CASES[k]) for k in ("G3-T8-hier-fetch", "G1-T1-mixed-1/2", "B2-D48-4bit"))
+    for c in (hier, mixed, d48):
+        assert kernels._planes_layout(c.store, c.q.shape[-1], 8, c.q.dtype) is None
+        with pytest.raises(ValueError, match="bit-plane"):
+            kernels._planes_layout(c.store, c.q.shape[-1], 8, c.q.dtype, planes=True)
+    plain = make_case(**CASES["G1-T2-gk64-gv32"])  # two value groups: two row copies of 2 query rows
+    assert kernels._planes_layout(plain.store, 64, 2, torch.float32) == (2, 16, 0, 0.0)
+    assert kernels._planes_layout(plain.store, 64, 2, torch.float16)[2:] == (1, 1024.0)  # (interpreted)
+    assert kernels._planes_layout(plain.store, 64, 32, torch.float32) is None  # 64 tile rows
+
+
+@triton.jit
+def _plane_codes_probe(codes, out, N: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                       DT: tl.constexpr, CODES: tl.constexpr):
+    rows = tl.arange(0, N)
+    cols = tl.arange(0, BLOCK_D)
+    dt = tl.float32 if DT == 0 else tl.float16 if DT == 1 else tl.bfloat16
+    c = kernels._plane_codes(codes, rows[:, None], cols[None, :], dt, BITS, BLOCK_D, CODES)
+    tl.store(out + rows[:, None] * BLOCK_D + cols[None, :], c.to(tl.float32))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dt,codes,off", [(0, 0, 0), (1, 1, 1024), (2, 1, 128)])
+def test_plane_codes_are_the_packed_codes_in_plane_major_order(bits, dt, codes, off):
+    """Column j*W + i of a row is channel i*(8/bits) + j; 16-bit tiles read MAGIC + code exactly."""
+    if dt == 2 and bits == 8:
+        pytest.skip("bf16 holds 128 + c exactly only for c < 128: 8-bit bf16 converts (CODES 0)")
+    g = torch.Generator().manual_seed(bits)
+    N, D = 4, 64
+    c = torch.randint(0, 2 ** bits, (N, D), generator=g, dtype=torch.uint8)
+    out = torch.empty(N, D)
+    _plane_codes_probe[(1,)](quant.pack_bits(c, bits), out, N=N, BITS=bits, BLOCK_D=D, DT=dt, CODES=codes)
+    per = 8 // bits
+    order = torch.arange(D).view(D // per, per).t().flatten()  # column j*W + i <- channel i*per + j
+    assert torch.equal(out, c[:, order].float() + off)
 
 
 @needs_interpreter

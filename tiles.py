@@ -1,0 +1,152 @@
+"""Triton building blocks of the decode kernels (kernels.py, topk.py) that read low-bit tiles: key
+group constants, code tiles unpacked from 32-bit words or bytes (KIVI, QuantSpec's INT8 view,
+ZipCache's mixed codes), the bit-plane tiles of the attention kernel's plane path, fetched-row
+masks and the online softmax. Their torch counterparts are quant.py's unpacking and kernels.py's
+references; the kernels that use them are checked against those (tests/test_kernels.py)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ref_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
+    """ZipCache mixed precision: (compact refinement row, has one) of each of a key group's rows;
+    grp_row = the group's first refinement row (flat)."""
+    if RB > 0:
+        slot = tl.load(ref_map + rows, mask=n_ok, other=255).to(tl.int32)
+        has = n_ok & (slot != 255)
+        return grp_row * N_REF + tl.where(has, slot, 0), has
+    return rows, n_ok
+
+
+@triton.jit
+def _integer_units(scale, HIER: tl.constexpr, RB: tl.constexpr):
+    """A stored scale in the units of _load_codes' integers: QuantSpec's INT8 view counts sixteenths
+    of the upper plane's step, ZipCache's mixed codes halves of the salient step."""
+    if HIER:
+        scale = scale / 16
+    if RB > 0:
+        scale = scale / 2
+    return scale
+
+
+@triton.jit
+def _key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER: tl.constexpr, RB: tl.constexpr):
+    """A key group's constants for the key dot: its per-channel scale (divided to match _load_codes'
+    integers) and zero, and its rows' refinement rows (ZipCache). grp: the flat group index."""
+    sk = _integer_units(tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32), HIER, RB)
+    zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    ref_rows, ref_ok = _ref_rows(ref_map, rows, n_ok, grp, N_REF, RB)
+    return sk, zk, ref_rows, ref_ok
+
+
+@triton.jit
+def _load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
+                RB: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Integer codes of a [BLOCK_N, BLOCK_D] tile of rows `rows` (flat bh*S + n): KIVI's c,
+    QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16), or ZipCache's mixed codes
+    2^(RB+1) U + (2L where the row has refinement row `ref_rows`, else 2^RB - 1) (scale s_hi/2).
+    `codes`/`lo`/`ref` point at int32 words (WORDS) or bytes."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if WORDS:
+        PER: tl.constexpr = 32 // BITS
+        N_WORDS: tl.constexpr = BLOCK_D // PER
+        w_ptr = rows[:, None] * N_WORDS + tl.arange(0, N_WORDS)[None, :]
+        shifts = (tl.arange(0, PER) * BITS)[None, None, :]
+        w = tl.load(codes + w_ptr, mask=n_ok[:, None], other=0)
+        c = tl.reshape((w[:, :, None] >> shifts) & MASK, (BLOCK_N, BLOCK_D))
+        if HIER:
+            wl = tl.load(lo + w_ptr, mask=n_ok[:, None], other=0)
+            c = 16 * c + tl.reshape((wl[:, :, None] >> shifts) & 15, (BLOCK_N, BLOCK_D)) - 8
+    else:
+        PER_BYTE: tl.constexpr = 8 // BITS
+        byte = rows[:, None] * (D // PER_BYTE) + offs_d[None, :] // PER_BYTE
+        shift = ((offs_d % PER_BYTE) * BITS)[None, :]
+        ok = n_ok[:, None] & (offs_d < D)[None, :]
+        c = (tl.load(codes + byte, mask=ok, other=0).to(tl.int32) >> shift) & MASK
+        if HIER:
+            c = 16 * c + ((tl.load(lo + byte, mask=ok, other=0).to(tl.int32) >> shift) & 15) - 8
+    if RB > 0:
+        RMASK: tl.constexpr = (1 << RB) - 1
+        if WORDS:
+            PER_R: tl.constexpr = 32 // RB
+            NW_R: tl.constexpr = BLOCK_D // PER_R
+            wr = tl.load(ref + ref_rows[:, None] * NW_R + tl.arange(0, NW_R)[None, :], mask=ref_ok[:, None], other=0)
+            low = tl.reshape((wr[:, :, None] >> (tl.arange(0, PER_R) * RB)[None, None, :]) & RMASK, (BLOCK_N, BLOCK_D))
+        else:
+            PB_R: tl.constexpr = 8 // RB
+            byte_r = ref_rows[:, None] * (D // PB_R) + offs_d[None, :] // PB_R
+            ok_r = ref_ok[:, None] & (offs_d < D)[None, :]
+            low = (tl.load(ref + byte_r, mask=ok_r, other=0).to(tl.int32) >> ((offs_d % PB_R) * RB)[None, :]) & RMASK
+        c = (c << (RB + 1)) + tl.where(ref_ok[:, None], 2 * low, RMASK)
+    return c
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _fetched_mask(n0, fidx, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] bool, True where position n0 + n is held as a fetched fp row: one OR over the fetched
+    positions of a BLOCK_N (<= 64) bit word, instead of a [BLOCK_N, K] comparison."""
+    rel = fidx - n0
+    one = tl.full(rel.shape, 1, tl.int64)
+    word = tl.reduce(tl.where((rel >= 0) & (rel < BLOCK_N), one << rel.to(tl.int64), 0), 0, _or)
+    return ((word >> tl.arange(0, BLOCK_N).to(tl.int64)) & 1) != 0
+
+
+@triton.jit
+def _fetched_hits(offs_n, fidx):
+    """[BLOCK_N] int32, 1 where position offs_n is held as a fetched fp row (fidx: positions, -1 = unused)."""
+    return tl.max((offs_n[:, None] == fidx[None, :]).to(tl.int32), 1)
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i, acc):
+    """Flash-attention update with scores in log2 units: -> (m, l, rescaled acc, p)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None], p
+
+
+@triton.jit
+def _magic_asm(b, shift, mask, magic, dt: tl.constexpr):
+    """Four uint8 elements of one bit plane (one 32-bit register: their bytes) -> MAGIC + code each,
+    in two registers of dt pairs: shift the plane's codes to the bottom of each byte, mask, and let
+    one prmt per two codes put each code byte under the magic exponent byte (0x43: bf16 128.0,
+    0x64: fp16 1024.0), so no int->float conversion runs. `shift`/`mask`/`magic` are int32 tensors of
+    b's shape (the first of each four is read)."""
+    ASM: tl.constexpr = ("{ .reg .b32 t; shr.b32 t, $2, $3; and.b32 t, t, $7; prmt.b32 $0, t, $11, 0x4140; "
+                         "prmt.b32 $1, t, $11, 0x4342; }")
+    CON: tl.constexpr = "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r"  # 2 outputs; 1 + 4 + 4 + 4 input registers
+    if dt == tl.bfloat16:
+        return tl.inline_asm_elementwise(ASM, CON, [b, shift, mask, magic], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(ASM, CON, [b, shift, mask, magic], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _plane_codes(codes, rows, cols, dt: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr, CODES: tl.constexpr):
+    """Codes of a tile in plane-major channel order: column j*W + i (W = bytes per row) is bit plane j
+    of byte i, channel i*PER + j (quant.pack_bits). Each element loads its byte (the PER columns of a
+    byte share one load) and shifts its plane out: no reshape or interleave, so the tile needs no
+    layout change before its dot. rows/cols/ok broadcast to the tile's shape. CODES 0: the code in dt;
+    1: CODE_OFF + code by bit operations (16-bit dt, what 2 computes); 2: the same by inline PTX."""
+    PER: tl.constexpr = 8 // BITS
+    W: tl.constexpr = BLOCK_D // PER
+    MASK: tl.constexpr = (1 << BITS) - 1
+    b = tl.load(codes + rows * W + cols % W)
+    shift = tl.broadcast_to((cols // W) * BITS, b.shape)
+    if CODES == 2:
+        magic = tl.full(b.shape, 0x43 if dt == tl.bfloat16 else 0x64, tl.int32)
+        return _magic_asm(b, shift, tl.full(b.shape, MASK * 0x01010101 if BITS < 8 else -1, tl.int32), magic, dt)
+    c = (b.to(tl.int32) >> shift) & MASK
+    if CODES == 1:
+        if dt == tl.bfloat16:
+            return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return c.to(dt)
