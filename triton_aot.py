@@ -259,6 +259,11 @@ def cases(quick=False):
     from cache import LowBitCache
     from config import CacheConfig
 
+    def both_paths(q, store, *args):  # the word path, and the bit-plane path where it fits the layout
+        fits = kernels.planes_fit(store, q.shape[-1], q.shape[1] // store.k_codes.shape[1] * q.shape[2])
+        for planes in (False, True) if fits and not quick else (False,):  # (--quick: the GPU default only)
+            kernels.attention_lowbit_triton(q, store, *args, planes=planes)
+
     def step_case(name, dtype, D, G=4, T=2, S=1024):
         def run():  # (S > 8192: the top-k merges its chunks' candidates in two rounds)
             cfg = CacheConfig.from_name(name)
@@ -271,7 +276,7 @@ def cases(quick=False):
                 K = cfg.k
                 fetched = kernels.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
                                           torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
-            kernels.attention_lowbit_triton(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
+            both_paths(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
             if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates)
                 topk.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), c.stored(), cfg.k * cfg.rerank,
                                            c.sm_scale, fetched)
@@ -285,7 +290,7 @@ def cases(quick=False):
             c.res_len.fill_(130)
             for view, T in ((4, 1), (8, gamma + 1)):
                 q = torch.zeros(1, 8, T, D, dtype=dtype)
-                kernels.attention_lowbit_triton(q, c.stored(view), c.residual_rows(T), None, c.sm_scale)
+                both_paths(q, c.stored(view), c.residual_rows(T), None, c.sm_scale)
         return run
 
     def rows_case(dtype, D):
@@ -352,7 +357,7 @@ def gate(archs=ARCHS, quick=False, jobs=None, kernels=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, action="append", help="80, 90 (default both)")
-    p.add_argument("--quick", action="store_true", help="fewer variants (no KIVI-only attention variants)")
+    p.add_argument("--quick", action="store_true", help="fewer variants: no KIVI-only attention variants, no bit-plane attention (not the GPU default)")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--sass", default=None, help="print the SASS of the loops of this kernel (first variant)")
     p.add_argument("--kernel", action="append", help="compile only this kernel's variants (repeatable)")

@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 # minutes of single-threaded ptxas on a cold cache. It starts in the background as soon as
 # collection shows it will run, on the core the (single-threaded) suite leaves free, and its tests
 # move to the end of the run, by which time it has usually finished. SPECACHE_GATE picks the matrix:
-# "quick" (make test: sm_90, all variants but the KIVI-only ones) or "full" (make test-full and
+# "quick" (make test: sm_90, the GPU-default variants but the KIVI-only ones) or "full" (make test-full and
 # CI: every variant for sm_80 and sm_90).
 GATE_MATRIX = {"quick": (["--quick", "--arch", "90"], {90}), "full": ([], {80, 90})}
 
