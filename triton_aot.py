@@ -265,12 +265,15 @@ def cases(quick=False):
         out.append((f"specache-1bit {dn} D128 32k", step_case("specache-1bit", dtype, 128, S=32768 + 128)))
         out.append((f"specache-1bit-best-rr2 {dn} D128 32k", step_case("specache-1bit-best-rr2", dtype, 128, S=32768 + 128)))
         out.append((f"rows {dn}", rows_case(dtype, 128)))
+    # the selection alone, on keys another kernel wrote (its round 0 is a launch of its own)
+    out.append(("radix select of given keys", lambda: topk.radix_select_triton(torch.zeros(8, 32768, dtype=torch.int32),
+                                                                               64, 1024)))
     return out
 
 
-def gate(archs=ARCHS, quick=False, jobs=None):
+def gate(archs=ARCHS, quick=False, jobs=None, only=None):
     """-> (specs, results). results[i] for (spec, arch); raises nothing: failures are in results."""
-    specs = record(cases(quick))
+    specs = [s for s in record(cases(quick)) if not only or s["kernel"] in only]
     return specs, compile_all(specs, archs, jobs)
 
 
@@ -279,13 +282,14 @@ def main(argv=None):
     p.add_argument("--arch", type=int, action="append", help="80, 90 (default both)")
     p.add_argument("--quick", action="store_true", help="fewer variants (no KIVI-only attention variants)")
     p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--kernel", action="append", help="compile only this kernel's variants (repeatable)")
     p.add_argument("--sass", default=None, help="print the SASS of the loops of this kernel (first variant)")
     p.add_argument("--json", type=Path, default=None, help="write the report rows here")
     p.add_argument("--no-report", action="store_true", help="only compile (the gate): no ptxas/SASS analysis")
     a = p.parse_args(argv)
     archs = tuple(a.arch or ARCHS)
     t0 = time.perf_counter()
-    specs, results = gate(archs, a.quick, a.jobs)
+    specs, results = gate(archs, a.quick, a.jobs, a.kernel)
     rows, failed = [], 0
     for r in results:
         s = specs[r["index"]]
