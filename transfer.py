@@ -30,20 +30,20 @@ import topk
 def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0, values_only=False):
     """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], idx [B,Hkv,k] or None, new_*
     [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., idx]
-    (ring slots before ring_off hold rows kept on the device: attention sinks)."""
+    where idx >= 0 (-1: the slot keeps its row; ring slots before ring_off hold rows kept on the
+    device: attention sinks)."""
     if new_k is not None:
         pos = new_pos.reshape(1).to(host_k.device)
         host_k.index_copy_(2, pos, new_k.to(host_k.device, host_k.dtype))
         host_v.index_copy_(2, pos, new_v.to(host_v.device, host_v.dtype))
     if idx is not None:
         B, Hkv, S, D = host_k.shape
-        flat = (idx.to(host_k.device) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
+        idx = idx.to(host_k.device)
+        flat = (idx.clamp(min=0) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
         for host, ring in ((host_v, ring_v),) if values_only else ((host_k, ring_k), (host_v, ring_v)):
-            rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D)
-            if ring_off:
-                ring[:, :, ring_off:].copy_(rows)
-            else:
-                ring.copy_(rows)
+            rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D).to(ring.dtype)
+            slots = ring[:, :, ring_off:] if ring_off else ring
+            slots.copy_(torch.where(idx[..., None] >= 0, rows, slots))
 
 
 # (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)

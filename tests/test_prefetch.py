@@ -152,14 +152,33 @@ def test_triton_transfer_matches_reference(with_idx, with_new):
     idx = torch.randint(0, 64, (2, 3, 8), generator=g) if with_idx else None
     if with_idx:
         idx[1, 2, 5] = 17  # the new token's own row
+        idx[0, 1, 2:4] = -1  # slots that keep their row
     new = [torch.randn(2, 3, 1, 40, generator=g) for _ in range(2)] if with_new else [None, None]
     pos = torch.tensor(17) if with_new else None
-    ref = [[h.clone() for h in host], [torch.zeros(2, 3, 8, 40) for _ in range(2)]]
-    tri = [[h.clone() for h in host], [torch.zeros(2, 3, 8, 40) for _ in range(2)]]
+    ring = [torch.randn(2, 3, 8, 40, generator=g) for _ in range(2)]
+    ref = [[h.clone() for h in host], [r.clone() for r in ring]]
+    tri = [[h.clone() for h in host], [r.clone() for r in ring]]
     transfer.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos)
     transfer.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos)
     for a, b in zip(ref[0] + ref[1], tri[0] + tri[1]):
         assert torch.equal(a, b)
+    if with_idx:
+        assert torch.equal(ref[1][0][0, 1, 2:4], ring[0][0, 1, 2:4])
+
+
+def test_record_rows_keeps_held_rows_in_place():
+    """A selection the ring partly holds: those rows keep their slots, only the others are copied,
+    into the freed slots; the ring then holds exactly the selection's valid rows."""
+    fetch_idx = torch.tensor([[[9, 9, 5, 3, 8, 1, 7]]])  # slots 0-1: sinks (not touched)
+    fetch_valid = torch.tensor([[[True, True, True, True, False, True, True]]])
+    idx = torch.tensor([[[7, 2, 8, 5, 4]]])  # 7 and 5 are held; 8 sits in a slot marked invalid
+    valid = torch.tensor([[[True, True, True, True, False]]])
+    rows = prefetch.record_rows(idx, valid, fetch_idx, fetch_valid, 2)
+    assert rows.tolist() == [[[-1, 2, 8, -1, -1]]]  # slot 2 (5) and 6 (7) kept; 2 and 8 into slots 3 and 4
+    assert fetch_idx.tolist() == [[[9, 9, 5, 2, 8, 0, 7]]]
+    assert fetch_valid.tolist() == [[[True, True, True, True, True, False, True]]]
+    again = prefetch.record_rows(idx, valid, fetch_idx, fetch_valid, 2)  # the same selection: nothing to copy
+    assert (again == -1).all() and fetch_idx.tolist() == [[[9, 9, 5, 2, 8, 0, 7]]]
 
 
 def make_rerank_prefetcher(C=5, k=2, sinks=1, **kw):
@@ -287,12 +306,20 @@ def test_triton_staging_copies_the_transfer_inputs(R):
     prefetch.stage_triton(None if R else idx, new_k, new_v, pos, *staged, rerank, s_rerank, record)
     for a, b in zip(staged[1:] + list(s_rerank or ()), (new_k, new_v, pos) + (rerank or ())):
         assert torch.equal(a, b)
-    assert torch.equal(staged[0], torch.zeros_like(idx) if R else idx)
     want_idx, want_valid = torch.full((2, 3, 11), -1), torch.zeros(2, 3, 11, dtype=torch.bool)
-    if not R:
-        prefetch.record_rows(idx, valid, want_idx, want_valid, 3)
-        assert (want_idx[:, :, 3:] == idx).all() and (want_idx[:, :, :3] == -1).all()
+    if R:
+        assert torch.equal(staged[0], torch.zeros_like(idx))
+    else:
+        assert torch.equal(staged[0], prefetch.record_rows(idx, valid, want_idx, want_valid, 3))
+        assert (want_idx[:, :, :3] == -1).all() and torch.equal(want_valid[:, :, 3:].sum(-1), valid.sum(-1))
     assert torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
+    if not R:  # the next selection shares rows with the ring: the launch keeps them where the reference does
+        idx2 = torch.where(torch.rand(2, 3, 8, generator=g) < 0.5, idx.roll(3, -1), torch.randint(0, 99, (2, 3, 8), generator=g))
+        valid2 = torch.rand(2, 3, 8, generator=g) > 0.2
+        prefetch.stage_triton(idx2, None, None, None, *staged, record=(valid2, fetch_idx, fetch_valid, 3))
+        rows = prefetch.record_rows(idx2, valid2, want_idx, want_valid, 3)
+        assert ((rows == -1) & want_valid[:, :, 3:]).any() and (rows >= 0).any()  # (some rows kept, some copied)
+        assert torch.equal(staged[0], rows) and torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
 
 
 def test_wait_blocks_until_the_delayed_copy_landed():
