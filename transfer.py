@@ -2,10 +2,11 @@
 prefetch.py decides when they run (the side stream, its staging and events); this file is what
 they do, a torch reference beside each Triton kernel.
 
-  transfer_rows  one launch per layer and step, K and V together: write the step's real token
-                 (new_k/new_v [B,Hkv,1,D]) to host row new_pos, and gather host rows idx
-                 [B,Hkv,k] into the layer's ring (a row equal to new_pos comes from new_k/new_v:
-                 the same kernel cannot be relied on to have written it to the host first).
+  transfer_rows  one launch per layer and step, K and V together, on a small persistent grid: write
+                 the step's real token (new_k/new_v [B,Hkv,1,D]) to host row new_pos, and gather
+                 host rows idx [B,Hkv,k] into the layer's ring (a row equal to new_pos comes from
+                 new_k/new_v: the same kernel cannot be relied on to have written it to the host
+                 first; idx -1: the slot keeps the row it holds, see prefetch.record_rows).
   rerank_rows    re-ranking (name part rrN): of the selecting token's low-bit top-(N*k)
                  candidates, the k whose fp keys score best (the score of topk.rerank_exact) go
                  to the ring, with their positions. Two launches, one program per candidate in
@@ -68,42 +69,62 @@ def _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs):
     tl.store(host_v + dst, tl.load(new_v + bh * D + offs, mask=ok, other=0.0).to(host_v.dtype.element_ty), mask=ok)
 
 
+TRANSFER_PROGRAMS = 16  # the transfer's persistent grid: at most this many SMs beside the main stream's kernels
+TRANSFER_ROWS = 16  # ring slots per tile: 16 whole host rows (4 KiB of K at D 128 in 16 bits), in flight together
+
+
 @triton.jit
-def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF,
-                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K and V into ring slot OFF + j
-    (of RING); program K writes the new token's row to the host. Host pointers are UVA on CUDA."""
-    bh = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_D)
+def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF, BH,
+                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (P,), P <= TRANSFER_PROGRAMS: a small persistent grid, so the side stream holds few SMs
+    while the main stream computes. Program p gathers the tiles p, p + P, ... of BLOCK_R ring slots
+    (kv head-major): slot j of kv head bh gets K and V host row idx[bh, j] (UVA on CUDA: each row a
+    whole, aligned D-vector, so the reads are coalesced), a row equal to the token's position from
+    new_k/new_v, nothing for idx -1 (the slot keeps its row). Then it writes the step's token to
+    host row new_pos for kv heads p, p + P, ..."""
+    p = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
     new_pos = -1  # (no row is the token without HAS_NEW)
     if HAS_NEW:
         new_pos = tl.load(new_pos_ptr).to(tl.int64)
-    if j < K:
-        if HAS_IDX:
-            i = tl.load(idx + bh * K + j).to(tl.int64)
-            ok = offs < tl.where((i >= 0) & (i < S), D, 0)
-            dst = (bh * RING + OFF + j) * D + offs
-            kx = _host_row(host_k, new_k, bh, i, new_pos, S, D, offs, HAS_NEW)
-            vx = _host_row(host_v, new_v, bh, i, new_pos, S, D, offs, HAS_NEW)
-            tl.store(ring_k + dst, kx.to(ring_k.dtype.element_ty), mask=ok)
-            tl.store(ring_v + dst, vx.to(ring_v.dtype.element_ty), mask=ok)
-    else:
-        if HAS_NEW:
-            _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs)
+    if HAS_IDX:
+        for t0 in range(p * BLOCK_R, BH * K, n_prog * BLOCK_R):
+            t = t0 + tl.arange(0, BLOCK_R).to(tl.int64)
+            bh, j = t // K, t % K
+            i = tl.load(idx + t, mask=t < BH * K, other=-1).to(tl.int64)
+            ok = (t < BH * K) & (i >= 0) & (i < S)
+            from_host = (ok & (i != new_pos))[:, None] & d_ok[None, :]
+            src = (bh * S + i)[:, None] * D + offs_d[None, :]
+            kx = tl.load(host_k + src, mask=from_host, other=0.0)
+            vx = tl.load(host_v + src, mask=from_host, other=0.0)
+            if HAS_NEW:
+                tok = (ok & (i == new_pos))[:, None] & d_ok[None, :]
+                own = bh[:, None] * D + offs_d[None, :]
+                kx = tl.where(tok, tl.load(new_k + own, mask=tok, other=0.0).to(kx.dtype), kx)
+                vx = tl.where(tok, tl.load(new_v + own, mask=tok, other=0.0).to(vx.dtype), vx)
+            dst = (bh * RING + OFF + j)[:, None] * D + offs_d[None, :]
+            tl.store(ring_k + dst, kx.to(ring_k.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+            tl.store(ring_v + dst, vx.to(ring_v.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    if HAS_NEW:
+        for bh in range(p, BH, n_prog):
+            _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs_d)  # (bh * S + new_pos: int64)
 
 
-def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
+def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0,
+                         programs=TRANSFER_PROGRAMS):
     B, Hkv, S, D = host_k.shape
     K = idx.shape[2] if idx is not None else 0
     for t in (host_k, host_v, ring_k, ring_v):
         assert t.is_contiguous()
     any_t = ring_k  # absent inputs: any valid pointer
-    _transfer_rows_kernel[(B * Hkv, K + 1)](
+    grid = (max(1, min(programs, max(triton.cdiv(B * Hkv * K, TRANSFER_ROWS), B * Hkv))),)
+    _transfer_rows_kernel[grid](
         host_k, host_v, ring_k, ring_v, idx.contiguous() if idx is not None else any_t,
         new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
-        new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off,
-        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_D=triton.next_power_of_2(D))
+        new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off, B * Hkv,
+        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_R=TRANSFER_ROWS, BLOCK_D=triton.next_power_of_2(D))
 
 
 def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0):

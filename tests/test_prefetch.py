@@ -145,8 +145,11 @@ def test_transfer_writes_the_token_and_gathers_rows():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("with_idx,with_new", [(True, True), (True, False), (False, True)])
-def test_triton_transfer_matches_reference(with_idx, with_new):
+@pytest.mark.parametrize("with_idx,with_new,programs", [(True, True, 16), (True, False, 16), (False, True, 16),
+                                                      (True, True, 2)])
+def test_triton_transfer_matches_reference(with_idx, with_new, programs):
+    """The persistent grid: 48 slots in 3 tiles of 16 over 6 programs (one per kv head's token row),
+    or 2 programs looping over the tiles and the token rows. Slots with idx -1 keep their rows."""
     g = torch.Generator().manual_seed(0)
     host = [torch.randn(2, 3, 64, 40, generator=g) for _ in range(2)]
     idx = torch.randint(0, 64, (2, 3, 8), generator=g) if with_idx else None
@@ -159,7 +162,7 @@ def test_triton_transfer_matches_reference(with_idx, with_new):
     ref = [[h.clone() for h in host], [r.clone() for r in ring]]
     tri = [[h.clone() for h in host], [r.clone() for r in ring]]
     transfer.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos)
-    transfer.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos)
+    transfer.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos, programs=programs)
     for a, b in zip(ref[0] + ref[1], tri[0] + tri[1]):
         assert torch.equal(a, b)
     if with_idx:
