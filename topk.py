@@ -181,8 +181,8 @@ def _best_row(p, offs_g, g_ok, R: tl.constexpr):
 # largest key's (found by rounds < r); after 4 rounds the k-th key T is known, and the selection is
 # every key > T and the first (k - #keys > T) keys == T. Each round is a launch over the same
 # (kv head, chunk) grid, adding its chunks' histograms with atomics: no host sync, a static grid.
-RADIX: tl.constexpr = 256
-HIST_ROW: tl.constexpr = 4 * 256 + 2  # per kv head: the 4 rounds' histograms, then the two collect counters
+RADIX = tl.constexpr(256)
+HIST_ROW = tl.constexpr(4 * 256 + 2)  # per kv head: the 4 rounds' histograms, then the two collect counters
 
 
 @triton.jit
@@ -271,7 +271,7 @@ def radix_select_triton(keys, k: int, chunk: int, hist=None):
     grid = (BH, S_PAD // chunk)
     first_round = 1
     if hist is None:
-        hist, first_round = torch.zeros(BH, HIST_ROW, dtype=torch.int32, device=keys.device), 0
+        hist, first_round = torch.zeros(BH, HIST_ROW.value, dtype=torch.int32, device=keys.device), 0
     for r in range(first_round, 4):
         _radix_round_kernel[grid](keys, hist, S_PAD, k, CHUNK=chunk, ROUND=r)
     BLOCK_K = max(16, triton.next_power_of_2(k))
@@ -298,7 +298,7 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
     f = fetched
     K = f.k.shape[2] if f is not None else 0
     keys = torch.empty(BH, n_chunks * chunk, dtype=torch.int32, device=dev)
-    hist = torch.zeros(BH, HIST_ROW, dtype=torch.int32, device=dev)
+    hist = torch.zeros(BH, HIST_ROW.value, dtype=torch.int32, device=dev)
     c = lambda x: x.contiguous() if x is not None else q_row  # noqa: E731
     _topk_score_kernel[(BH, n_chunks)](
         q_rows.contiguous(), lse_rows.contiguous(), k_codes, c(k_lo), c(store.k_scale), c(store.k_zero),
