@@ -196,7 +196,7 @@ def _radix_threshold(hist_row, K, ROUNDS: tl.constexpr):
     """From the histograms of rounds < ROUNDS -> (prefix, need): the ROUNDS high digits of the K-th
     largest key, and how many of the keys with that prefix belong to the K largest."""
     bins = tl.arange(0, RADIX)
-    prefix = K * 0
+    prefix = 0
     need = K
     for r in tl.static_range(ROUNDS):
         h = tl.load(hist_row + r * RADIX + bins)
