@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transfer import rerank_rows, rerank_scratch, transfer_rows, transfer_rows_ref
+from transfer import record_rows, rerank_rows, rerank_scratch, transfer_rows, transfer_rows_ref
 
 Tensor = torch.Tensor
 _PREFETCHERS = weakref.WeakValueDictionary()  # id -> Prefetcher: the custom ops find their streams here
@@ -70,7 +70,7 @@ def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n
         offs_k = tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         i = tl.load(idx + bh * K + offs_k, mask=k_ok, other=0)
-        if HAS_RECORD:  # record_rows: rows the ring holds stay in their slots; copy only the others
+        if HAS_RECORD:  # transfer.record_rows: rows the ring holds stay in their slots; copy only the others
             slots = bh * RING + OFF + offs_k
             old = tl.load(rec_idx + slots, mask=k_ok, other=-1)
             old_ok = tl.load(rec_valid + slots, mask=k_ok, other=0) != 0
@@ -105,24 +105,6 @@ def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n
         md = m_ok[:, None] & d_ok[None, :]
         tl.store(s_q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], tl.load(q + q_src, mask=md), mask=md)
         tl.store(s_lse + bh * M + offs_m, tl.load(lse + b * l_sb + head * l_sh + r * l_sr, mask=m_ok), mask=m_ok)
-
-
-def record_rows(idx, valid, fetch_idx, fetch_valid, off):
-    """Which positions the ring's slots [off, ..) will hold (fetch_idx/fetch_valid [B,Hkv,off+k], which
-    say what they hold now) for the selection idx/valid [B,Hkv,k]: a selected row the ring already
-    holds keeps its slot; the others take the freed slots in order. -> the host row to copy into
-    each slot, -1 for none (consecutive steps' selections overlap: only the new rows cross the bus)."""
-    old, old_ok = fetch_idx[:, :, off:], fetch_valid[:, :, off:]
-    same = (old[..., :, None] == idx[..., None, :]) & old_ok[..., :, None] & valid[..., None, :]  # [slot, row]
-    keep, miss = same.any(-1), valid & ~same.any(-2)
-    free = ~keep
-    put = free[..., :, None] & miss[..., None, :] & \
-        ((free.cumsum(-1) - free.long())[..., :, None] == (miss.cumsum(-1) - miss.long())[..., None, :])
-    got = put.any(-1)
-    row = torch.where(put, idx[..., None, :], 0).sum(-1)
-    fetch_idx[:, :, off:] = torch.where(keep, old, torch.where(got, row, 0))
-    fetch_valid[:, :, off:] = keep | got
-    return torch.where(got, row, -1)
 
 
 def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):

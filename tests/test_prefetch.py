@@ -248,10 +248,11 @@ def test_rerank_on_the_side_stream_lands_late_and_reads_staged_inputs():
 @needs_interpreter
 @pytest.mark.parametrize("with_new,R,off", [(True, 1, 4), (False, 2, 0)])
 def test_triton_rerank_matches_reference(with_new, R, off):
-    """The re-ranking kernels (one program per candidate: its key and score into the scratch, then
-    its rank as its slot and, for the k best, its value) against the torch reference: same rows in
-    the same slots, the same positions and validity, the token written to the host; one kv head
-    with 6 valid candidates for 8 slots, one candidate the token."""
+    """The re-ranking kernels (per candidate: its key and score into the scratch; per kv head: the
+    ranks and the winners' slots; per candidate: a winner's key and value) against the torch
+    reference: same rows in the same slots, the same positions and validity, the token written to
+    the host; one kv head with 6 valid candidates for 8 slots, one candidate the token. Then a
+    second step over a ring that holds some of the winners: they keep their slots in both."""
     g = torch.Generator().manual_seed(0)
     B, Hkv, G, S, D, C, K = 2, 3, 3, 64, 40, 16, 8
     host = [torch.randn(B, Hkv, S, D, generator=g) for _ in range(2)]
@@ -281,6 +282,16 @@ def test_triton_rerank_matches_reference(with_new, R, off):
     if with_new:
         assert torch.equal(tk[:, :, 17], new[0][:, :, 0])
         assert tri_idx[1, 2, off] == 17 and torch.equal(tri_v[1, 2, off], new[1][1, 2, 0])
+    else:  # a second step whose candidates the ring partly holds: held winners keep their slots
+        first = [t.clone() for t in outs[0]]
+        cand2 = torch.where(torch.arange(C) % 2 == 0, cand.roll(1, -1), (cand + 1) % S)
+        q2 = q + 0.5 * torch.randn(q.shape, generator=g)
+        for fn, (hk, hv, *bufs) in zip((transfer.rerank_rows_ref, transfer.rerank_rows_triton), outs):
+            fn(hk, hv, *bufs, cand2, valid, q2, lse, 0.2, ring_off=off)
+        assert torch.equal(ref_ok, tri_ok) and torch.equal(ref_idx, tri_idx)
+        assert torch.equal(ref_k[ref_ok], tri_k[tri_ok]) and torch.equal(ref_v[ref_ok], tri_v[tri_ok])
+        kept = (ref_idx == first[4]) & ref_ok & first[5]
+        assert kept[:, :, off:].any() and not kept[:, :, off:].all()
 
 
 @needs_interpreter
