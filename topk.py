@@ -177,7 +177,7 @@ def _best_row(p, offs_g, g_ok, R: tl.constexpr):
 # ---- radix selection (FlashInfer's top_k, Quest's RAFT select): 8 bits per round ------------------
 # A score p >= 0 has the key bits(p) + 1 (the fp32 bits of a non-negative float order as integers);
 # a position that is no candidate has key 0. Keys fit 31 bits, so int32 shifts never sign-extend.
-# Round r histograms digit r (bits 31-8r-7 .. 24-8r) of the keys whose higher digits equal the k-th
+# Round r histograms digit r (bits 31-8r down to 24-8r) of the keys whose higher digits equal the k-th
 # largest key's (found by rounds < r); after 4 rounds the k-th key T is known, and the selection is
 # every key > T and the first (k - #keys > T) keys == T. Each round is a launch over the same
 # (kv head, chunk) grid, adding its chunks' histograms with atomics: no host sync, a static grid.
