@@ -159,7 +159,8 @@ HIT_SERIES = {"hit": "top-k hit % (vs exact top-k)", "hit_mass": "hit % (vs most
               "hit_own": "hit % (vs own low-bit top-k)", "mass": "attention mass held %",
               "mass_topk": "mass of exact top-k %", "mass_best": "mass of most-mass top-k %", "err": "output error %",
               "err_topk": "error with exact top-k %", "err_own": "error with own low-bit top-k %",
-              "err_none": "error with no fp16 rows %", "exact": "exact token hit %"}
+              "err_none": "error with no fp16 rows %", "exact": "exact token hit %",
+              "reuse": "fetched rows already in the ring %"}
 
 
 OLD_SERIES = {"topk": "hit", "topk_lowbit": "hit_own"}  # results written before the probe's names

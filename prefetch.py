@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transfer import rerank_rows, rerank_scratch, transfer_rows, transfer_rows_ref
+from transfer import record_rows, rerank_rows, rerank_scratch, transfer_rows, transfer_rows_ref
 
 Tensor = torch.Tensor
 _PREFETCHERS = weakref.WeakValueDictionary()  # id -> Prefetcher: the custom ops find their streams here
@@ -69,11 +69,24 @@ def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n
     if HAS_IDX:
         offs_k = tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        i = tl.load(idx + bh * K + offs_k, mask=k_ok)
+        i = tl.load(idx + bh * K + offs_k, mask=k_ok, other=0)
+        if HAS_RECORD:  # transfer.record_rows: rows the ring holds stay in their slots; copy only the others
+            slots = bh * RING + OFF + offs_k
+            old = tl.load(rec_idx + slots, mask=k_ok, other=-1)
+            old_ok = tl.load(rec_valid + slots, mask=k_ok, other=0) != 0
+            new_ok = tl.load(valid + bh * K + offs_k, mask=k_ok, other=0) != 0
+            same = ((old[:, None] == i[None, :]) & old_ok[:, None] & new_ok[None, :]).to(tl.int32)  # [slot, row]
+            keep = tl.max(same, 1) > 0
+            miss = (new_ok & (tl.max(same, 0) == 0)).to(tl.int32)
+            free = ((keep == 0) & k_ok).to(tl.int32)
+            put = (free[:, None] != 0) & (miss[None, :] != 0) & \
+                ((tl.cumsum(free, 0) - free)[:, None] == (tl.cumsum(miss, 0) - miss)[None, :])
+            got = tl.max(put.to(tl.int32), 1) > 0
+            row = tl.sum(tl.where(put, i[None, :], 0), 1)
+            tl.store(rec_idx + slots, tl.where(keep, old, tl.where(got, row, 0)), mask=k_ok)
+            tl.store(rec_valid + slots, (keep | got).to(tl.int8), mask=k_ok)
+            i = tl.where(got, row, -1)
         tl.store(s_idx + bh * K + offs_k, i, mask=k_ok)
-        if HAS_RECORD:
-            tl.store(rec_idx + bh * RING + OFF + offs_k, i, mask=k_ok)
-            tl.store(rec_valid + bh * RING + OFF + offs_k, tl.load(valid + bh * K + offs_k, mask=k_ok), mask=k_ok)
     if HAS_NEW:
         src = b * n_sb + h * n_sh + offs_d * n_sd
         tl.store(s_k + bh * D + offs_d, tl.load(new_k + src, mask=d_ok), mask=d_ok)
@@ -92,12 +105,6 @@ def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n
         md = m_ok[:, None] & d_ok[None, :]
         tl.store(s_q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], tl.load(q + q_src, mask=md), mask=md)
         tl.store(s_lse + bh * M + offs_m, tl.load(lse + b * l_sb + head * l_sh + r * l_sr, mask=m_ok), mask=m_ok)
-
-
-def record_rows(idx, valid, fetch_idx, fetch_valid, off):
-    """Which positions the ring's slots [off, ..) will hold: fetch_idx/fetch_valid [B,Hkv,off+k]."""
-    fetch_idx[:, :, off:] = idx
-    fetch_valid[:, :, off:] = valid
 
 
 def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
@@ -137,10 +144,8 @@ def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rer
     record = (valid, fetch_idx, fetch_valid, off), idx and valid into the cache's fetch_idx/fetch_valid."""
     if s_idx.is_cuda:
         return stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank, s_rerank, record)
-    if record is not None:
-        record_rows(idx, *record)
     if idx is not None:
-        s_idx.copy_(idx)
+        s_idx.copy_(record_rows(idx, *record) if record is not None else idx)
     if new_k is not None:
         s_k.copy_(new_k)
         s_v.copy_(new_v)
@@ -316,9 +321,8 @@ class Prefetcher:
             torch.ops.specache.fetch_start(bufs, idx, valid, new_k, new_v, new_pos, self.pid, layer)
         else:
             record = self._record(bufs, idx, valid)
-            if record is not None:
-                record_rows(idx, *record)
-            self._transfer(layer, bufs[0], bufs[1], idx, new_k, new_v, new_pos)
+            rows = record_rows(idx, *record) if record is not None else idx
+            self._transfer(layer, bufs[0], bufs[1], rows, new_k, new_v, new_pos)
 
     def _record(self, bufs, idx, valid):
         """record_rows' arguments after idx, or None when there is nothing to record."""
@@ -386,12 +390,13 @@ class Prefetcher:
         else:  # staged: indices to the host (one sync: eager only), gather, one non_blocking copy
             if new_k is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, None, new_k, new_v, new_pos)
-            if idx is not None:
+            if idx is not None:  # (slots with idx -1 keep their row)
                 idx_host = idx.to("cpu")
                 pairs = ((self.host_k, self.staging_k, ring_k), (self.host_v, self.staging_v, ring_v))
                 for host, staging, ring in pairs:
-                    torch.gather(host[layer], 2, idx_host[..., None].expand_as(staging), out=staging)
-                    ring[:, :, self.ring_off:].copy_(staging, non_blocking=True)
+                    torch.gather(host[layer], 2, idx_host.clamp(min=0)[..., None].expand_as(staging), out=staging)
+                    slots = ring[:, :, self.ring_off:]
+                    slots.copy_(torch.where(idx[..., None] >= 0, staging.to(ring.device, non_blocking=True), slots))
 
     # ---- the async path (run by the custom ops) ----------------------------------------------------
     def _check_ring(self, layer, bufs):

@@ -21,6 +21,9 @@ fp16 while it attends (the ring: fetched rows and attention sinks):
             low-bit, against exact attention (mean over query heads); err_topk / err_own / err_none:
             the same with the exact top-k rows, with its own low-bit top-k rows, with no fp16 rows.
             The error is what the next layer sees; hit and mass only say how the choice overlaps.
+  reuse     |R' ∩ R| / |R'|: of the rows the ring holds after the step (R', this step's fetch;
+            sinks aside), the share it already held before the step (R): rows a transfer that
+            moves only what the ring lacks would not copy again.
 Steps with nothing quantized yet are not recorded.
 """
 import torch
@@ -30,7 +33,8 @@ import topk
 from cache import SpeCache
 from kernels import Fetched, Residual
 
-KEYS = ("hit", "hit_mass", "hit_own", "mass", "mass_topk", "mass_best", "err", "err_topk", "err_own", "err_none")
+KEYS = ("hit", "hit_mass", "hit_own", "mass", "mass_topk", "mass_best", "err", "err_topk", "err_own", "err_none",
+        "reuse")
 
 
 class FetchProbe:
@@ -112,11 +116,11 @@ class FetchProbe:
             if rec is None:
                 return
             # Sequential/oracle fetch inside the step: the real token used what the ring holds now.
-            held = _held(cache) if cache.fetch in ("sequential", "oracle") else rec["held"]
-            held = held[:, :, cache.sinks:]
+            before, after = rec["held"][:, :, cache.sinks:], _held(cache)[:, :, cache.sinks:]
+            held = after if cache.fetch in ("sequential", "oracle") else before
             p, top, best, own = rec.pop("p"), rec.pop("top"), rec.pop("best"), rec.pop("own")
             rec.update(hit=_overlap(held, top), hit_mass=_overlap(held, best), hit_own=_overlap(held, own),
-                       mass=_mass(p, held), err=rec.pop("err_with")(held))
+                       mass=_mass(p, held), err=rec.pop("err_with")(held), reuse=_reuse(before, after))
             del rec["held"]
             self.records[i].append(rec)
         return hook
@@ -148,6 +152,12 @@ def _overlap(held, top) -> float:
     """Mean over batch and kv heads of |held ∩ top| / |top|."""
     hit = (top[..., :, None] == held[..., None, :]).any(-1).float()
     return float(hit.mean())
+
+
+def _reuse(before, after) -> float:
+    """|after ∩ before| / |after| over the valid (>= 0) rows of all kv heads (0 when after is empty)."""
+    kept = (after[..., :, None] == before[..., None, :]).any(-1) & (after >= 0)
+    return float(kept.sum() / (after >= 0).sum().clamp_min(1))
 
 
 def _mass(p, rows) -> float:

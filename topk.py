@@ -107,17 +107,17 @@ def rerank_exact(q_row, lse_row, keys, valid, k, sm_scale):
 # Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
 # =============================================================================================
 @triton.jit
-def _topk_chunk_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_idx, f_valid, f_k, scratch, cand,
+def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_idx, f_valid, f_k, keys, hist,
                        k_ref, ref_map, qk_scale, S, S_PAD, K, D, G, FIRST, N_REF, R: tl.constexpr,
                        BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
                        HAS_FETCH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK_G: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr):
+                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     """Grid (B*Hkv, n_chunks). Scores one chunk of CHUNK quantized positions for the selecting query
     tokens (R of them, rows m = g*R + r): score[p] = max_r sum_g 2^(q_gr.k'_p - lse_gr) (the
     attention probability summed over the kv head's query heads, the best token's; fetched positions
-    use their fp rows), and keeps the chunk's BLOCK_K best as int64 keys (score bits << 32 |
-    position) for _topk_merge_kernel. Positions below FIRST are never candidates."""
+    use their fp rows). Writes each position's radix key (_radix_key) and adds the chunk's histogram
+    of the keys' top 8 bits to the kv head's round-0 histogram (the selection's first round, fused).
+    Positions below FIRST or past n_quant are never candidates (key 0)."""
     bh = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs_g = tl.arange(0, BLOCK_G)
@@ -131,7 +131,6 @@ def _topk_chunk_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
                  other=0.0)
     qt = qt.to(tl.float32) * qk_scale
     lse_g = tl.load(lse + bh * G * R + offs_g, mask=g_ok, other=float("inf")).to(tl.float32) * 1.4426950408889634
-    offs_k = tl.arange(0, BLOCK_K)
     offs_f = tl.arange(0, BLOCK_F)
     if HAS_FETCH:  # exact probabilities of the fetched rows (Algorithm 3's A)
         f_ok = offs_f < K
@@ -159,13 +158,11 @@ def _topk_chunk_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
             hit = offs_n[:, None] == fidx[None, :]
             exact = tl.sum(tl.where(hit, f_exact[None, :], 0.0), 1)
             prob = tl.where(tl.max(hit.to(tl.int32), 1) > 0, exact, prob)
-        tl.store(scratch + bh * S_PAD + offs_n, tl.where(n_ok, prob, -1.0))
-    tl.debug_barrier()  # the chunk's scores, written by all threads, are read back by all threads
-    offs_c = tl.arange(0, CHUNK)
-    x = tl.load(scratch + bh * S_PAD + lo + offs_c)
-    key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (lo + offs_c).to(tl.int64)
-    top = tl.topk(key, BLOCK_K)
-    tl.store(cand + (bh * tl.num_programs(1) + chunk) * BLOCK_K + offs_k, top)
+        tl.store(keys + bh * S_PAD + offs_n, _radix_key(prob, n_ok))
+    tl.debug_barrier()  # the chunk's keys, written by all threads, are read back by all threads
+    key = tl.load(keys + bh * S_PAD + lo + tl.arange(0, CHUNK))
+    h = tl.histogram(key >> 24, RADIX)
+    tl.atomic_add(hist + bh * HIST_ROW + tl.arange(0, RADIX), h, mask=h > 0)
 
 
 @triton.jit
@@ -177,28 +174,114 @@ def _best_row(p, offs_g, g_ok, R: tl.constexpr):
     return best
 
 
+# ---- radix selection (FlashInfer's top_k, Quest's RAFT select): 8 bits per round ------------------
+# A score p >= 0 has the key bits(p) + 1 (the fp32 bits of a non-negative float order as integers);
+# a position that is no candidate has key 0. Keys fit 31 bits, so int32 shifts never sign-extend.
+# Round r histograms digit r (bits 31-8r down to 24-8r) of the keys whose higher digits equal the k-th
+# largest key's (found by rounds < r); after 4 rounds the k-th key T is known, and the selection is
+# every key > T and the first (k - #keys > T) keys == T. Each round is a launch over the same
+# (kv head, chunk) grid, adding its chunks' histograms with atomics: no host sync, a static grid.
+RADIX = tl.constexpr(256)
+HIST_ROW = tl.constexpr(4 * 256 + 2)  # per kv head: the 4 rounds' histograms, then the two collect counters
+
+
 @triton.jit
-def _topk_merge_kernel(cand, out_keys, top_score, top_idx, N_CAND, PER_PROG, K, BLOCK_K: tl.constexpr,
-                       BLOCK_C: tl.constexpr, FINAL: tl.constexpr):
-    """Grid (B*Hkv, n_groups): the best BLOCK_K of candidates [g*PER_PROG, +PER_PROG) of a kv head.
-    Not FINAL: -> keys out_keys[bh, g*BLOCK_K:], for another round. FINAL (one group): -> (score,
-    position); slots without a valid position (fewer than K quantized) get score -1 and position 0."""
+def _radix_key(score, ok):
+    bits = tl.minimum(score.to(tl.int32, bitcast=True), 0x7F800000)  # (NaN ranks as +inf)
+    return tl.where(ok, bits + 1, 0)
+
+
+@triton.jit
+def _radix_threshold(hist_row, K, ROUNDS: tl.constexpr):
+    """From the histograms of rounds < ROUNDS -> (prefix, need): the ROUNDS high digits of the K-th
+    largest key, and how many of the keys with that prefix belong to the K largest."""
+    bins = tl.arange(0, RADIX)
+    prefix = 0
+    need = K
+    for r in tl.static_range(ROUNDS):
+        h = tl.load(hist_row + r * RADIX + bins)
+        above = tl.sum(h, 0) - tl.cumsum(h, 0)  # keys in higher buckets
+        here = (above < need) & (above + h >= need)  # exactly one bucket holds the need-th key
+        b = tl.max(tl.where(here, bins, 0), 0)
+        need = need - tl.sum(tl.where(bins == b, above, 0), 0)
+        prefix = (prefix << 8) | b
+    return prefix, need
+
+
+@triton.jit
+def _radix_round_kernel(keys, hist, S_PAD, K, CHUNK: tl.constexpr, ROUND: tl.constexpr):
+    """Grid (B*Hkv, n_chunks): one chunk's histogram of digit ROUND over the keys that share the K-th
+    key's higher digits, added to the kv head's histogram of round ROUND (ROUND 0: every key, for keys
+    that did not come from _topk_score_kernel)."""
     bh = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1)
-    offs = grp * PER_PROG + tl.arange(0, BLOCK_C)
-    keys = tl.load(cand + bh * N_CAND + offs, mask=(offs < N_CAND) & (offs < (grp + 1) * PER_PROG), other=-(2**62))
-    top = tl.topk(keys, BLOCK_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    if FINAL:
-        score = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        valid = score >= 0
-        tl.store(top_score + bh * K + offs_k, tl.where(valid, score, -1.0), mask=offs_k < K)
-        tl.store(top_idx + bh * K + offs_k, tl.where(valid, top & 0xFFFFFFFF, 0), mask=offs_k < K)
+    key = tl.load(keys + bh * S_PAD + tl.program_id(1) * CHUNK + tl.arange(0, CHUNK))
+    if ROUND == 0:
+        h = tl.histogram(key >> 24, RADIX)
     else:
-        tl.store(out_keys + (bh * tl.num_programs(1) + grp) * BLOCK_K + offs_k, top)
+        prefix, _ = _radix_threshold(hist + bh * HIST_ROW, K, ROUND)
+        h = tl.histogram((key >> (24 - 8 * ROUND)) & 255, RADIX, mask=(key >> (32 - 8 * ROUND)) == prefix)
+    tl.atomic_add(hist + bh * HIST_ROW + ROUND * RADIX + tl.arange(0, RADIX), h, mask=h > 0)
 
 
-MERGE_FAN = 8  # candidate lists per merge program
+@triton.jit
+def _radix_collect_kernel(keys, hist, sel_key, sel_pos, S_PAD, K, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (B*Hkv, n_chunks): the chunk's keys > T go to slots [0, K - need) and its keys == T to the
+    next free of slots [K - need, K) while any is left (which ties get in: the order the chunks
+    arrive). Slots are claimed with two atomic counters per kv head; unsorted."""
+    bh = tl.program_id(0).to(tl.int64)
+    row = hist + bh * HIST_ROW
+    t, need = _radix_threshold(row, K, 4)
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    key = tl.load(keys + bh * S_PAD + offs)
+    gt = (key > t).to(tl.int32)
+    eq = (key == t).to(tl.int32)
+    n_gt = tl.sum(gt, 0)
+    n_eq = tl.sum(eq, 0)
+    base_gt = tl.atomic_add(row + 4 * RADIX, n_gt, mask=n_gt > 0)
+    base_eq = tl.atomic_add(row + 4 * RADIX + 1, n_eq, mask=n_eq > 0)
+    slot = tl.where(gt != 0, base_gt + tl.cumsum(gt, 0) - gt, K - need + base_eq + tl.cumsum(eq, 0) - eq)
+    take = ((gt != 0) | (eq != 0)) & (slot < K)  # (slot < K always holds for keys > T: a guard)
+    tl.store(sel_key + bh * BLOCK_K + slot, key, mask=take)
+    tl.store(sel_pos + bh * BLOCK_K + slot, offs, mask=take)
+
+
+@triton.jit
+def _radix_order_kernel(sel_key, sel_pos, top_score, top_idx, K, BLOCK_K: tl.constexpr):
+    """Grid (B*Hkv,): the K selected keys in descending order (rank = keys ahead of it, ties by slot)
+    -> (score, position); a slot with key 0 (fewer than K candidates) gets score -1 and position 0."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    ok = offs < K
+    key = tl.load(sel_key + bh * BLOCK_K + offs, mask=ok, other=-1)
+    pos = tl.load(sel_pos + bh * BLOCK_K + offs, mask=ok, other=0)
+    ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (offs[None, :] < offs[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), 1)
+    valid = key > 0
+    tl.store(top_score + bh * K + rank, tl.where(valid, (key - 1).to(tl.float32, bitcast=True), -1.0), mask=ok)
+    tl.store(top_idx + bh * K + rank, tl.where(valid, pos, 0).to(tl.int64), mask=ok)
+
+
+def radix_select_triton(keys, k: int, chunk: int, hist=None):
+    """keys [BH, S_PAD] int32 (_radix_key images; S_PAD a multiple of chunk) -> (score, position)
+    [BH, k] of the k largest, descending. `hist`: a [BH, HIST_ROW] int32 workspace whose round-0
+    histogram the producer of the keys already added (_topk_score_kernel); None: zeros, round 0 here.
+    The selection reads nothing but keys, so any producer of scores (e.g. an attention kernel that
+    writes the selecting row's probabilities) can hand them over."""
+    BH, S_PAD = keys.shape
+    grid = (BH, S_PAD // chunk)
+    first_round = 1
+    if hist is None:
+        hist, first_round = torch.zeros(BH, HIST_ROW.value, dtype=torch.int32, device=keys.device), 0
+    for r in range(first_round, 4):
+        _radix_round_kernel[grid](keys, hist, S_PAD, k, CHUNK=chunk, ROUND=r)
+    BLOCK_K = max(16, triton.next_power_of_2(k))
+    sel_key = torch.empty(BH, BLOCK_K, dtype=torch.int32, device=keys.device)
+    sel_pos = torch.empty(BH, BLOCK_K, dtype=torch.int32, device=keys.device)
+    _radix_collect_kernel[grid](keys, hist, sel_key, sel_pos, S_PAD, k, CHUNK=chunk, BLOCK_K=BLOCK_K)
+    top_score = torch.empty(BH, k, dtype=torch.float32, device=keys.device)
+    top_idx = torch.empty(BH, k, dtype=torch.int64, device=keys.device)
+    _radix_order_kernel[(BH,)](sel_key, sel_pos, top_score, top_idx, k, BLOCK_K=BLOCK_K)
+    return top_score, top_idx
 
 
 def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
@@ -209,39 +292,26 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
     words, BLOCK_D, k_codes, _, k_lo, _, k_ref, _ = _code_layout(store, D)
-    BLOCK_K = max(16, triton.next_power_of_2(k))
-    chunk = max(min(chunk, triton.next_power_of_2(S)), BLOCK_K, store.group_k)
+    chunk = max(min(chunk, triton.next_power_of_2(S)), store.group_k)
     n_chunks = triton.cdiv(S, chunk)
     BH, G, dev = B * Hkv, H // Hkv, q_row.device
     f = fetched
     K = f.k.shape[2] if f is not None else 0
-    scratch = torch.empty(BH, n_chunks * chunk, dtype=torch.float32, device=dev)
-    cand = torch.empty(BH, n_chunks * BLOCK_K, dtype=torch.int64, device=dev)
+    keys = torch.empty(BH, n_chunks * chunk, dtype=torch.int32, device=dev)
+    hist = torch.zeros(BH, HIST_ROW.value, dtype=torch.int32, device=dev)
     c = lambda x: x.contiguous() if x is not None else q_row  # noqa: E731
-    _topk_chunk_kernel[(BH, n_chunks)](
+    _topk_score_kernel[(BH, n_chunks)](
         q_rows.contiguous(), lse_rows.contiguous(), k_codes, c(k_lo), c(store.k_scale), c(store.k_zero),
         c(store.n_quant), c(f.idx) if f else q_row, f.valid.contiguous().view(torch.uint8) if f else q_row,
-        c(f.k) if f else q_row, scratch, cand, c(k_ref), c(store.ref_map), float(sm_scale) * LOG2E, S,
+        c(f.k) if f else q_row, keys, hist, c(k_ref), c(store.ref_map), float(sm_scale) * LOG2E, S,
         n_chunks * chunk, K, D, G, first, store.n_ref, R,
         BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
         WORDS=words, GROUP_K=store.group_k, HAS_FETCH=f is not None,
         DOT=_dot_precision(q_row.dtype), UPCAST=_upcast(q_row.dtype), CHUNK=chunk,
-        BLOCK_G=max(16, triton.next_power_of_2(G * R)), BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
+        BLOCK_G=max(16, triton.next_power_of_2(G * R)), BLOCK_D=BLOCK_D,
         BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))), **launch)
-    top_score = torch.empty(B, Hkv, k, dtype=torch.float32, device=dev)
-    top_idx = torch.empty(B, Hkv, k, dtype=torch.int64, device=dev)
-    # merge the chunks' candidates MERGE_FAN lists at a time: one program sorting all of them (33
-    # lists of 64 at 32k, padded to 4,096 keys) took 50 us per layer on an H100; lists of 512 sort fast
-    n = n_chunks
-    while n > MERGE_FAN:
-        groups = triton.cdiv(n, MERGE_FAN)
-        nxt = torch.empty(BH, groups * BLOCK_K, dtype=torch.int64, device=dev)
-        _topk_merge_kernel[(BH, groups)](cand, nxt, top_score, top_idx, n * BLOCK_K, MERGE_FAN * BLOCK_K, k,
-                                         BLOCK_K=BLOCK_K, BLOCK_C=MERGE_FAN * BLOCK_K, FINAL=False)
-        cand, n = nxt, groups
-    _topk_merge_kernel[(BH, 1)](cand, cand, top_score, top_idx, n * BLOCK_K, n * BLOCK_K, k, BLOCK_K=BLOCK_K,
-                                BLOCK_C=triton.next_power_of_2(n * BLOCK_K), FINAL=True)
-    return top_score, top_idx
+    top_score, top_idx = radix_select_triton(keys, k, chunk, hist)
+    return top_score.view(B, Hkv, k), top_idx.view(B, Hkv, k)
 
 
 # =============================================================================================

@@ -2,16 +2,18 @@
 prefetch.py decides when they run (the side stream, its staging and events); this file is what
 they do, a torch reference beside each Triton kernel.
 
-  transfer_rows  one launch per layer and step, K and V together: write the step's real token
-                 (new_k/new_v [B,Hkv,1,D]) to host row new_pos, and gather host rows idx
-                 [B,Hkv,k] into the layer's ring (a row equal to new_pos comes from new_k/new_v:
-                 the same kernel cannot be relied on to have written it to the host first).
+  transfer_rows  one launch per layer and step, K and V together, on a small persistent grid: write
+                 the step's real token (new_k/new_v [B,Hkv,1,D]) to host row new_pos, and gather
+                 host rows idx [B,Hkv,k] into the layer's ring (a row equal to new_pos comes from
+                 new_k/new_v: the same kernel cannot be relied on to have written it to the host
+                 first; idx -1: the slot keeps the row it holds, see record_rows).
   rerank_rows    re-ranking (name part rrN): of the selecting token's low-bit top-(N*k)
                  candidates, the k whose fp keys score best (the score of topk.rerank_exact) go
-                 to the ring, with their positions. Two launches, one program per candidate in
-                 each: the first reads a candidate's fp key and scores it, the second ranks it
-                 among its kv head's and, if it is among the k best, writes its key, position and
-                 value. Bus bytes per layer and kv head: N*k keys + k values.
+                 to the ring, with their positions. Three launches: one program per candidate
+                 reads its fp key and scores it; one per kv head ranks the candidates and lays
+                 the winners out (record_rows: rows the ring holds stay); one per candidate
+                 writes a winner the ring lacks. Bus bytes per layer and kv head: N*k keys + at
+                 most k values.
 
 On CUDA the host store is pinned and the kernels read it directly over unified virtual
 addressing (UVA): the indices never leave the device and nothing syncs. On CPU the references
@@ -24,26 +26,44 @@ import triton.language as tl
 import topk
 
 
+def record_rows(idx, valid, fetch_idx, fetch_valid, off):
+    """Which positions the ring's slots [off, ..) will hold (fetch_idx/fetch_valid [B,Hkv,off+k], which
+    say what they hold now) for the selection idx/valid [B,Hkv,k]: a selected row the ring already
+    holds keeps its slot; the others take the freed slots in order. -> the host row to copy into
+    each slot, -1 for none (consecutive steps' selections overlap: only the new rows cross the bus)."""
+    old, old_ok = fetch_idx[:, :, off:], fetch_valid[:, :, off:]
+    same = (old[..., :, None] == idx[..., None, :]) & old_ok[..., :, None] & valid[..., None, :]  # [slot, row]
+    keep, miss = same.any(-1), valid & ~same.any(-2)
+    free = ~keep
+    put = free[..., :, None] & miss[..., None, :] & \
+        ((free.cumsum(-1) - free.long())[..., :, None] == (miss.cumsum(-1) - miss.long())[..., None, :])
+    got = put.any(-1)
+    row = torch.where(put, idx[..., None, :], 0).sum(-1)
+    fetch_idx[:, :, off:] = torch.where(keep, old, torch.where(got, row, 0))
+    fetch_valid[:, :, off:] = keep | got
+    return torch.where(got, row, -1)
+
+
 # =============================================================================================
 # the transfer: torch reference (CPU) and Triton kernel (CUDA), one launch for K and V
 # =============================================================================================
 def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0, values_only=False):
     """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], idx [B,Hkv,k] or None, new_*
     [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., idx]
-    (ring slots before ring_off hold rows kept on the device: attention sinks)."""
+    where idx >= 0 (-1: the slot keeps its row; ring slots before ring_off hold rows kept on the
+    device: attention sinks)."""
     if new_k is not None:
         pos = new_pos.reshape(1).to(host_k.device)
         host_k.index_copy_(2, pos, new_k.to(host_k.device, host_k.dtype))
         host_v.index_copy_(2, pos, new_v.to(host_v.device, host_v.dtype))
     if idx is not None:
         B, Hkv, S, D = host_k.shape
-        flat = (idx.to(host_k.device) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
+        idx = idx.to(host_k.device)
+        flat = (idx.clamp(min=0) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
         for host, ring in ((host_v, ring_v),) if values_only else ((host_k, ring_k), (host_v, ring_v)):
-            rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D)
-            if ring_off:
-                ring[:, :, ring_off:].copy_(rows)
-            else:
-                ring.copy_(rows)
+            rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D).to(ring.dtype)
+            slots = ring[:, :, ring_off:] if ring_off else ring
+            slots.copy_(torch.where(idx[..., None] >= 0, rows, slots))
 
 
 # (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)
@@ -68,42 +88,62 @@ def _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs):
     tl.store(host_v + dst, tl.load(new_v + bh * D + offs, mask=ok, other=0.0).to(host_v.dtype.element_ty), mask=ok)
 
 
+TRANSFER_PROGRAMS = 16  # the transfer's persistent grid: at most this many SMs beside the main stream's kernels
+TRANSFER_ROWS = 16  # ring slots per tile: 16 whole host rows (4 KiB of K at D 128 in 16 bits), in flight together
+
+
 @triton.jit
-def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF,
-                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, K + 1). Program j < K gathers row idx[bh, j] of K and V into ring slot OFF + j
-    (of RING); program K writes the new token's row to the host. Host pointers are UVA on CUDA."""
-    bh = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_D)
+def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF, BH,
+                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (P,), P <= TRANSFER_PROGRAMS: a small persistent grid, so the side stream holds few SMs
+    while the main stream computes. Program p gathers the tiles p, p + P, ... of BLOCK_R ring slots
+    (kv head-major): slot j of kv head bh gets K and V host row idx[bh, j] (UVA on CUDA: each row a
+    whole, aligned D-vector, so the reads are coalesced), a row equal to the token's position from
+    new_k/new_v, nothing for idx -1 (the slot keeps its row). Then it writes the step's token to
+    host row new_pos for kv heads p, p + P, ..."""
+    p = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
     new_pos = -1  # (no row is the token without HAS_NEW)
     if HAS_NEW:
         new_pos = tl.load(new_pos_ptr).to(tl.int64)
-    if j < K:
-        if HAS_IDX:
-            i = tl.load(idx + bh * K + j).to(tl.int64)
-            ok = offs < tl.where((i >= 0) & (i < S), D, 0)
-            dst = (bh * RING + OFF + j) * D + offs
-            kx = _host_row(host_k, new_k, bh, i, new_pos, S, D, offs, HAS_NEW)
-            vx = _host_row(host_v, new_v, bh, i, new_pos, S, D, offs, HAS_NEW)
-            tl.store(ring_k + dst, kx.to(ring_k.dtype.element_ty), mask=ok)
-            tl.store(ring_v + dst, vx.to(ring_v.dtype.element_ty), mask=ok)
-    else:
-        if HAS_NEW:
-            _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs)
+    if HAS_IDX:
+        for t0 in range(p * BLOCK_R, BH * K, n_prog * BLOCK_R):
+            t = t0 + tl.arange(0, BLOCK_R).to(tl.int64)
+            bh, j = t // K, t % K
+            i = tl.load(idx + t, mask=t < BH * K, other=-1).to(tl.int64)
+            ok = (t < BH * K) & (i >= 0) & (i < S)
+            from_host = (ok & (i != new_pos))[:, None] & d_ok[None, :]
+            src = (bh * S + i)[:, None] * D + offs_d[None, :]
+            kx = tl.load(host_k + src, mask=from_host, other=0.0)
+            vx = tl.load(host_v + src, mask=from_host, other=0.0)
+            if HAS_NEW:
+                tok = (ok & (i == new_pos))[:, None] & d_ok[None, :]
+                own = bh[:, None] * D + offs_d[None, :]
+                kx = tl.where(tok, tl.load(new_k + own, mask=tok, other=0.0).to(kx.dtype), kx)
+                vx = tl.where(tok, tl.load(new_v + own, mask=tok, other=0.0).to(vx.dtype), vx)
+            dst = (bh * RING + OFF + j)[:, None] * D + offs_d[None, :]
+            tl.store(ring_k + dst, kx.to(ring_k.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+            tl.store(ring_v + dst, vx.to(ring_v.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    if HAS_NEW:
+        for bh in range(p, BH, n_prog):
+            _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs_d)  # (bh * S + new_pos: int64)
 
 
-def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
+def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0,
+                         programs=TRANSFER_PROGRAMS):
     B, Hkv, S, D = host_k.shape
     K = idx.shape[2] if idx is not None else 0
     for t in (host_k, host_v, ring_k, ring_v):
         assert t.is_contiguous()
     any_t = ring_k  # absent inputs: any valid pointer
-    _transfer_rows_kernel[(B * Hkv, K + 1)](
+    grid = (max(1, min(programs, max(triton.cdiv(B * Hkv * K, TRANSFER_ROWS), B * Hkv))),)
+    _transfer_rows_kernel[grid](
         host_k, host_v, ring_k, ring_v, idx.contiguous() if idx is not None else any_t,
         new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
-        new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off,
-        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_D=triton.next_power_of_2(D))
+        new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off, B * Hkv,
+        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_R=TRANSFER_ROWS, BLOCK_D=triton.next_power_of_2(D))
 
 
 def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0):
@@ -121,19 +161,18 @@ def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand
                     sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
     """Of the candidate host rows cand [B,Hkv,C] (cand_valid: real ones), keep the K = ring slots - ring_off
     whose fp keys score best for the query rows q_rows [B,H,R,D] (lse_rows [B,H,R]; the score of
-    topk.rerank_exact); write their keys and values to ring slots [ring_off, ...) in descending
-    score, their positions and validity (score >= 0) to fetch_idx/fetch_valid, and the real token
-    (new_*) to host row new_pos, whose candidate copy is taken from new_k/new_v."""
+    topk.rerank_exact); lay them out in ring slots [ring_off, ...) as record_rows does (a row the
+    ring holds keeps its slot, the others, best first, take the freed slots), write the keys and
+    values of the rows the ring lacks, their positions and validity (score >= 0) to
+    fetch_idx/fetch_valid, and the real token (new_*) to host row new_pos, whose candidate copy is
+    taken from new_k/new_v."""
     C = cand.shape[2]
     keys = host_k.gather(2, cand[..., None].expand(*cand.shape, host_k.shape[-1]))
     if new_k is not None:
         keys = torch.where((cand == new_pos)[..., None], new_k.to(keys.dtype), keys)
     score, pick = topk.rerank_exact(q_rows, lse_rows, keys, cand_valid, min(ring_k.shape[2] - ring_off, C), sm_scale)
-    idx = cand.gather(-1, pick)
-    fetch_idx[:, :, ring_off:] = idx
-    fetch_valid[:, :, ring_off:] = score >= 0
-    ring_k[:, :, ring_off:] = keys.gather(2, pick[..., None].expand(-1, -1, -1, keys.shape[-1])).to(ring_k.dtype)
-    transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off, values_only=True)
+    rows = record_rows(cand.gather(-1, pick), score >= 0, fetch_idx, fetch_valid, ring_off)
+    transfer_rows_ref(host_k, host_v, ring_k, ring_v, rows, new_k, new_v, new_pos, ring_off)
 
 
 @triton.jit
@@ -167,14 +206,47 @@ def _rerank_score_kernel(host_k, cand, cand_valid, q, lse, new_k, new_pos_ptr, k
 
 
 @triton.jit
-def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, keys, score, new_k, new_v,
-                        new_pos_ptr, S, C, K, D, RING, OFF, HAS_NEW: tl.constexpr, BLOCK_C: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, C + 1): program (bh, c < C) ranks candidate c among its kv head's C scores (the
-    number of candidates that beat it, ties to the lower index), so the top-K needs no sort; if its
-    rank is below K it writes ring slot OFF + rank: the key from the scratch, the value from the
-    host (UVA; the token's own row from new_v), its position and validity (score >= 0). Only the K
-    winners' values cross the bus. Program C writes the step's token to host row new_pos."""
+def _rerank_layout_kernel(cand, score, fetch_idx, fetch_valid, target, C, K, RING, OFF, BLOCK_C: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Grid (B*Hkv,): rank the kv head's C candidates by score (ties to the lower index, so the top-K
+    needs no sort) and lay the K best out as record_rows does: a winner the ring already holds keeps
+    its slot; the others, best first, take the freed slots. Writes fetch_idx/fetch_valid [.., RING]
+    from slot OFF and target[bh, c], the ring slot candidate c's key and value go to (-1: none,
+    not a winner or already held)."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    s = tl.load(score + bh * C + offs_c, mask=c_ok, other=-2.0)  # (-2 beats nothing)
+    i = tl.load(cand + bh * C + offs_c, mask=c_ok, other=-1)
+    ahead = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (offs_c[None, :] < offs_c[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), 1)
+    ok = c_ok & (rank < K) & (s >= 0)  # the real winners
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    slots = bh * RING + OFF + offs_k
+    old = tl.load(fetch_idx + slots, mask=k_ok, other=-1)
+    old_ok = tl.load(fetch_valid + slots, mask=k_ok, other=0) != 0
+    same = ((old[:, None] == i[None, :]) & old_ok[:, None] & ok[None, :]).to(tl.int32)  # [slot, candidate]
+    keep = tl.max(same, 1) > 0
+    miss = ok & (tl.max(same, 0) == 0)
+    free = ((keep == 0) & k_ok).to(tl.int32)
+    miss_rank = tl.sum((miss[None, :] & (rank[None, :] < rank[:, None])).to(tl.int32), 1)  # missing winners ahead
+    put = (free[:, None] != 0) & miss[None, :] & ((tl.cumsum(free, 0) - free)[:, None] == miss_rank[None, :])
+    got = tl.max(put.to(tl.int32), 1) > 0
+    tl.store(fetch_idx + slots, tl.where(keep, old, tl.where(got, tl.sum(tl.where(put, i[None, :], 0), 1), 0)),
+             mask=k_ok)
+    tl.store(fetch_valid + slots, (keep | got).to(tl.int8), mask=k_ok)
+    to_slot = tl.where(tl.max(put.to(tl.int32), 0) > 0, tl.sum(tl.where(put, offs_k[:, None], 0), 0), -1)
+    tl.store(target + bh * C + offs_c, to_slot, mask=c_ok)
+
+
+@triton.jit
+def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, new_pos_ptr, S, C, D, RING,
+                        OFF, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, C + 1): program (bh, c < C) writes candidate c's key (from the scratch) and value
+    (from the host over UVA; the token's own row from new_v) to ring slot OFF + target[bh, c] if it
+    has one: only the winners the ring lacks move their values over the bus. Program C writes the
+    step's token to host row new_pos."""
     bh = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -183,16 +255,10 @@ def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, 
     if HAS_NEW:
         new_pos = tl.load(new_pos_ptr).to(tl.int64)
     if c < C:
-        offs_c = tl.arange(0, BLOCK_C)
-        mine = tl.load(score + bh * C + c)
-        others = tl.load(score + bh * C + offs_c, mask=offs_c < C, other=-2.0)  # (-2 beats nothing)
-        rank = tl.sum(((others > mine) | ((others == mine) & (offs_c < c))).to(tl.int32), 0)
-        if rank < K:
+        slot = tl.load(target + bh * C + c)
+        if slot >= 0:
             i = tl.load(cand + bh * C + c).to(tl.int64)
-            slot = bh * RING + OFF + rank
-            tl.store(fetch_idx + slot, i)
-            tl.store(fetch_valid + slot, (mine >= 0).to(tl.int8))
-            dst = slot * D + offs_d
+            dst = (bh * RING + OFF + slot) * D + offs_d
             tl.store(ring_k + dst, tl.load(keys + (bh * C + c) * D + offs_d, mask=d_ok), mask=d_ok)
             val = _host_row(host_v, new_v, bh, i, new_pos, S, D, offs_d, HAS_NEW)
             tl.store(ring_v + dst, val.to(ring_v.dtype.element_ty), mask=d_ok)
@@ -202,33 +268,38 @@ def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, 
 
 
 def rerank_scratch(B, Hkv, C, D, dtype, device):
-    """Device scratch of the two re-ranking launches: the candidates' fp keys and their scores."""
+    """Device scratch of the re-ranking launches: the candidates' fp keys, their scores and ring slots."""
     return (torch.empty(B, Hkv, C, D, dtype=dtype, device=device),
-            torch.empty(B, Hkv, C, dtype=torch.float32, device=device))
+            torch.empty(B, Hkv, C, dtype=torch.float32, device=device),
+            torch.empty(B, Hkv, C, dtype=torch.int32, device=device))
 
 
 def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
                        sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0, scratch=None):
-    """rerank_rows_ref in two launches with one program per candidate (score, then rank and pick).
+    """rerank_rows_ref in three launches: one program per candidate (read its key, score it), one
+    per kv head (rank, lay out the winners), one per candidate (move a winner the ring lacks).
     scratch: rerank_scratch(...) (the Prefetcher preallocates one, shared by its layers: the side
     stream runs them in turn); allocated here when None."""
     B, Hkv, S, D = host_k.shape
     C, (H, R) = cand.shape[2], q_rows.shape[1:3]
     for t in (host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid):
         assert t.is_contiguous()
-    keys, score = scratch if scratch is not None else rerank_scratch(B, Hkv, C, D, ring_k.dtype, ring_k.device)
-    assert keys.shape == (B, Hkv, C, D) and keys.dtype == ring_k.dtype and score.shape == (B, Hkv, C)
+    keys, score, target = scratch if scratch is not None else rerank_scratch(B, Hkv, C, D, ring_k.dtype, ring_k.device)
+    assert keys.shape == (B, Hkv, C, D) and keys.dtype == ring_k.dtype and score.shape == target.shape == (B, Hkv, C)
     has_new, any_t = new_k is not None, ring_k  # absent inputs: any valid pointer
     new_k, new_v, pos = (new_k.contiguous(), new_v.contiguous(), new_pos) if has_new else (any_t, any_t, any_t)
     cand, M, BLOCK_D = cand.contiguous(), H // Hkv * R, triton.next_power_of_2(D)
+    K = min(ring_k.shape[2] - ring_off, C)
     _rerank_score_kernel[(B * Hkv, C)](
         host_k, cand, cand_valid.contiguous().view(torch.int8), q_rows.contiguous(), lse_rows.float().contiguous(),
         new_k, pos, keys, score, float(sm_scale), S, C, D, M, R,
         HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D)
+    _rerank_layout_kernel[(B * Hkv,)](cand, score, fetch_idx, fetch_valid.view(torch.int8), target, C, K,
+                                      ring_k.shape[2], ring_off, BLOCK_C=triton.next_power_of_2(C),
+                                      BLOCK_K=triton.next_power_of_2(K), num_warps=8)  # ([C, C] ranks)
     _rerank_pick_kernel[(B * Hkv, C + 1)](
-        host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid.view(torch.int8), cand, keys, score, new_k, new_v, pos,
-        S, C, min(ring_k.shape[2] - ring_off, C), D, ring_k.shape[2], ring_off,
-        HAS_NEW=has_new, BLOCK_C=triton.next_power_of_2(C), BLOCK_D=BLOCK_D)
+        host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, pos, S, C, D, ring_k.shape[2], ring_off,
+        HAS_NEW=has_new, BLOCK_D=BLOCK_D)
 
 
 def rerank_rows(*args, scratch=None, **kw):

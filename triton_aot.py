@@ -214,7 +214,7 @@ def loop_loads(sass_text: str) -> dict:
 
 
 # What one iteration of a kernel's hot loop processes, in KV tokens: the constexpr that sets it.
-TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_topk_chunk_kernel": "GROUP_K"}
+TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_topk_score_kernel": "GROUP_K"}
 # Which innermost loop is the hot one (default: the longest). The attention kernel's loop over the
 # quantized slots is its first (the then-branch of `split < n_splits`; the fetched and residual fp-row
 # loops follow it), and need not be its longest.
@@ -339,6 +339,9 @@ def cases(quick=False):
         out.append((f"specache-1bit {dn} D128 32k", step_case("specache-1bit", dtype, 128, S=32768 + 128)))
         out.append((f"specache-1bit-best-rr2 {dn} D128 32k", step_case("specache-1bit-best-rr2", dtype, 128, S=32768 + 128)))
         out.append((f"rows {dn}", rows_case(dtype, 128)))
+    # the selection alone, on keys another kernel wrote (its round 0 is a launch of its own)
+    out.append(("radix select of given keys", lambda: topk.radix_select_triton(torch.zeros(8, 32768, dtype=torch.int32),
+                                                                               64, 1024)))
     return out
 
 

@@ -42,9 +42,9 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90(gate_rows):
     assert r.returncode == 0 and rows and not failed, (r.stdout[-3000:] + r.stderr[-3000:])
     assert {row["arch"] for row in rows} == archs
     kernels = {row["kernel"] for row in rows}
-    assert {"_attn_split_kernel", "_attn_combine_kernel", "_topk_chunk_kernel", "_topk_merge_kernel",
-            "_transfer_rows_kernel", "_stage_kernel", "_rerank_score_kernel",
-            "_rerank_pick_kernel"} <= kernels, kernels
+    assert {"_attn_split_kernel", "_attn_combine_kernel", "_topk_score_kernel", "_radix_round_kernel",
+            "_radix_collect_kernel", "_radix_order_kernel", "_transfer_rows_kernel", "_stage_kernel",
+            "_rerank_score_kernel", "_rerank_layout_kernel", "_rerank_pick_kernel"} <= kernels, kernels
 
 
 def test_fp32_variants_use_ieee_dots_and_16bit_variants_tensor_cores(gate_rows):

@@ -145,21 +145,43 @@ def test_transfer_writes_the_token_and_gathers_rows():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("with_idx,with_new", [(True, True), (True, False), (False, True)])
-def test_triton_transfer_matches_reference(with_idx, with_new):
+@pytest.mark.parametrize("with_idx,with_new,programs", [(True, True, 16), (True, False, 16), (False, True, 16),
+                                                      (True, True, 2)])
+def test_triton_transfer_matches_reference(with_idx, with_new, programs):
+    """The persistent grid: 48 slots in 3 tiles of 16 over 6 programs (one per kv head's token row),
+    or 2 programs looping over the tiles and the token rows. Slots with idx -1 keep their rows."""
     g = torch.Generator().manual_seed(0)
     host = [torch.randn(2, 3, 64, 40, generator=g) for _ in range(2)]
     idx = torch.randint(0, 64, (2, 3, 8), generator=g) if with_idx else None
     if with_idx:
         idx[1, 2, 5] = 17  # the new token's own row
+        idx[0, 1, 2:4] = -1  # slots that keep their row
     new = [torch.randn(2, 3, 1, 40, generator=g) for _ in range(2)] if with_new else [None, None]
     pos = torch.tensor(17) if with_new else None
-    ref = [[h.clone() for h in host], [torch.zeros(2, 3, 8, 40) for _ in range(2)]]
-    tri = [[h.clone() for h in host], [torch.zeros(2, 3, 8, 40) for _ in range(2)]]
+    ring = [torch.randn(2, 3, 8, 40, generator=g) for _ in range(2)]
+    ref = [[h.clone() for h in host], [r.clone() for r in ring]]
+    tri = [[h.clone() for h in host], [r.clone() for r in ring]]
     transfer.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos)
-    transfer.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos)
+    transfer.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos, programs=programs)
     for a, b in zip(ref[0] + ref[1], tri[0] + tri[1]):
         assert torch.equal(a, b)
+    if with_idx:
+        assert torch.equal(ref[1][0][0, 1, 2:4], ring[0][0, 1, 2:4])
+
+
+def test_record_rows_keeps_held_rows_in_place():
+    """A selection the ring partly holds: those rows keep their slots, only the others are copied,
+    into the freed slots; the ring then holds exactly the selection's valid rows."""
+    fetch_idx = torch.tensor([[[9, 9, 5, 3, 8, 1, 7]]])  # slots 0-1: sinks (not touched)
+    fetch_valid = torch.tensor([[[True, True, True, True, False, True, True]]])
+    idx = torch.tensor([[[7, 2, 8, 5, 4]]])  # 7 and 5 are held; 8 sits in a slot marked invalid
+    valid = torch.tensor([[[True, True, True, True, False]]])
+    rows = prefetch.record_rows(idx, valid, fetch_idx, fetch_valid, 2)
+    assert rows.tolist() == [[[-1, 2, 8, -1, -1]]]  # slot 2 (5) and 6 (7) kept; 2 and 8 into slots 3 and 4
+    assert fetch_idx.tolist() == [[[9, 9, 5, 2, 8, 0, 7]]]
+    assert fetch_valid.tolist() == [[[True, True, True, True, True, False, True]]]
+    again = prefetch.record_rows(idx, valid, fetch_idx, fetch_valid, 2)  # the same selection: nothing to copy
+    assert (again == -1).all() and fetch_idx.tolist() == [[[9, 9, 5, 2, 8, 0, 7]]]
 
 
 def make_rerank_prefetcher(C=5, k=2, sinks=1, **kw):
@@ -226,10 +248,11 @@ def test_rerank_on_the_side_stream_lands_late_and_reads_staged_inputs():
 @needs_interpreter
 @pytest.mark.parametrize("with_new,R,off", [(True, 1, 4), (False, 2, 0)])
 def test_triton_rerank_matches_reference(with_new, R, off):
-    """The re-ranking kernels (one program per candidate: its key and score into the scratch, then
-    its rank as its slot and, for the k best, its value) against the torch reference: same rows in
-    the same slots, the same positions and validity, the token written to the host; one kv head
-    with 6 valid candidates for 8 slots, one candidate the token."""
+    """The re-ranking kernels (per candidate: its key and score into the scratch; per kv head: the
+    ranks and the winners' slots; per candidate: a winner's key and value) against the torch
+    reference: same rows in the same slots, the same positions and validity, the token written to
+    the host; one kv head with 6 valid candidates for 8 slots, one candidate the token. Then a
+    second step over a ring that holds some of the winners: they keep their slots in both."""
     g = torch.Generator().manual_seed(0)
     B, Hkv, G, S, D, C, K = 2, 3, 3, 64, 40, 16, 8
     host = [torch.randn(B, Hkv, S, D, generator=g) for _ in range(2)]
@@ -259,6 +282,16 @@ def test_triton_rerank_matches_reference(with_new, R, off):
     if with_new:
         assert torch.equal(tk[:, :, 17], new[0][:, :, 0])
         assert tri_idx[1, 2, off] == 17 and torch.equal(tri_v[1, 2, off], new[1][1, 2, 0])
+    else:  # a second step whose candidates the ring partly holds: held winners keep their slots
+        first = [t.clone() for t in outs[0]]
+        cand2 = torch.where(torch.arange(C) % 2 == 0, cand.roll(1, -1), (cand + 1) % S)
+        q2 = q + 0.5 * torch.randn(q.shape, generator=g)
+        for fn, (hk, hv, *bufs) in zip((transfer.rerank_rows_ref, transfer.rerank_rows_triton), outs):
+            fn(hk, hv, *bufs, cand2, valid, q2, lse, 0.2, ring_off=off)
+        assert torch.equal(ref_ok, tri_ok) and torch.equal(ref_idx, tri_idx)
+        assert torch.equal(ref_k[ref_ok], tri_k[tri_ok]) and torch.equal(ref_v[ref_ok], tri_v[tri_ok])
+        kept = (ref_idx == first[4]) & ref_ok & first[5]
+        assert kept[:, :, off:].any() and not kept[:, :, off:].all()
 
 
 @needs_interpreter
@@ -287,12 +320,20 @@ def test_triton_staging_copies_the_transfer_inputs(R):
     prefetch.stage_triton(None if R else idx, new_k, new_v, pos, *staged, rerank, s_rerank, record)
     for a, b in zip(staged[1:] + list(s_rerank or ()), (new_k, new_v, pos) + (rerank or ())):
         assert torch.equal(a, b)
-    assert torch.equal(staged[0], torch.zeros_like(idx) if R else idx)
     want_idx, want_valid = torch.full((2, 3, 11), -1), torch.zeros(2, 3, 11, dtype=torch.bool)
-    if not R:
-        prefetch.record_rows(idx, valid, want_idx, want_valid, 3)
-        assert (want_idx[:, :, 3:] == idx).all() and (want_idx[:, :, :3] == -1).all()
+    if R:
+        assert torch.equal(staged[0], torch.zeros_like(idx))
+    else:
+        assert torch.equal(staged[0], prefetch.record_rows(idx, valid, want_idx, want_valid, 3))
+        assert (want_idx[:, :, :3] == -1).all() and torch.equal(want_valid[:, :, 3:].sum(-1), valid.sum(-1))
     assert torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
+    if not R:  # the next selection shares rows with the ring: the launch keeps them where the reference does
+        idx2 = torch.where(torch.rand(2, 3, 8, generator=g) < 0.5, idx.roll(3, -1), torch.randint(0, 99, (2, 3, 8), generator=g))
+        valid2 = torch.rand(2, 3, 8, generator=g) > 0.2
+        prefetch.stage_triton(idx2, None, None, None, *staged, record=(valid2, fetch_idx, fetch_valid, 3))
+        rows = prefetch.record_rows(idx2, valid2, want_idx, want_valid, 3)
+        assert ((rows == -1) & want_valid[:, :, 3:]).any() and (rows >= 0).any()  # (some rows kept, some copied)
+        assert torch.equal(staged[0], rows) and torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
 
 
 def test_wait_blocks_until_the_delayed_copy_landed():

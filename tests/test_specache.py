@@ -232,7 +232,7 @@ def test_fetch_probe_measures_without_changing_the_tokens(model, full_tokens):
     with FetchProbe(caches) as probe:
         out, _ = generate(model, prompt(), NEW, speculative=True)
     assert torch.equal(out, plain)
-    for key in ("hit", "hit_mass", "hit_own", "mass", "mass_topk", "mass_best"):
+    for key in ("hit", "hit_mass", "hit_own", "mass", "mass_topk", "mass_best", "reuse"):
         vals = probe.per_step(key)
         assert len(vals) >= NEW - 5 and all(0.0 <= v <= 1.0 + 1e-6 for v in vals), key
     best = probe.per_step("mass_best")
@@ -246,6 +246,11 @@ def test_fetch_probe_measures_without_changing_the_tokens(model, full_tokens):
         assert probe.per_step(key) and all(h == 1.0 for h in probe.per_step(key)), key
     for key in ("mass_topk", "mass_best"):
         assert all(abs(m - t) < 1e-6 for m, t in zip(probe.per_step("mass"), probe.per_step(key))), key
+    # every quantized row fetched: the ring lacks only the rows a flush quantized during the step
+    recs = probe.records[0]
+    n = [r["n_quant"] for r in recs]
+    assert [r["reuse"] for r in recs[:-1]] == pytest.approx([a / b for a, b in zip(n, n[1:])])
+    assert any(a < b for a, b in zip(n, n[1:]))  # (a flush happened)
 
 
 def test_most_mass_topk_weighs_heads_by_their_real_attention():
