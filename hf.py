@@ -38,8 +38,11 @@ from model import ModelArgs
 NAME = "specache"  # the attn_implementation
 VERSIONS = ("5.23", "6")  # tested with 5.23.0 (requirements-test.txt)
 # Families whose attention goes through the standard interface with q/k/v as the caches store them
-# (post-RoPE, one head_dim, no soft-capping or learned sinks); tests/test_hf.py checks each.
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+# (post-RoPE, one head_dim, no soft-capping or learned sinks, one attention kind in every layer);
+# tests/test_hf.py checks each against transformers' own generate(). Gemma 2/3 (soft-capping, mixed
+# sliding and global layers) are not among them.
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo2", "olmoe",
+             "phi", "phi3", "granite", "granitemoe", "starcoder2", "smollm3", "cohere", "helium", "ministral")
 
 
 class HFError(ValueError):
@@ -182,8 +185,12 @@ def _register():
 def model_args(config) -> ModelArgs:
     """ModelArgs of a transformers config: what the caches and the byte accounting need."""
     c = config.get_text_config()
-    types_ = getattr(c, "layer_types", None) or []
-    window = getattr(c, "sliding_window", None) if "sliding_attention" in types_ or c.model_type == "mistral" else None
+    window = getattr(c, "sliding_window", None)
+    kinds = set(getattr(c, "layer_types", None) or ["full_attention" if window is None else "sliding_attention"])
+    if len(kinds) > 1 or not kinds <= {"full_attention", "sliding_attention"}:  # as transformers' own caches read it
+        raise HFError(f"model type {c.model_type!r}: layers of kinds {', '.join(sorted(kinds))}; the caches give every "
+                      f"layer the same attention (full, or one sliding window)")
+    window = window if kinds == {"sliding_attention"} else None
     heads = c.num_attention_heads
     return ModelArgs(name=getattr(c, "_name_or_path", "") or c.model_type, dim=c.hidden_size, n_layers=c.num_hidden_layers,
                      n_heads=heads, n_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
@@ -206,9 +213,14 @@ class HFModel(nn.Module):
         if hf_model.config._attn_implementation != NAME:
             hf_model.set_attn_implementation(NAME)
         self.args = model_args(hf_model.config)
+        self._new_layers()
+
+    def _new_layers(self):
+        """The slots the caches hang in (as model.Transformer's layers[i].attention.kv_cache) and the
+        transformers Cache over them."""
         self.layers = [types.SimpleNamespace(attention=types.SimpleNamespace(kv_cache=None))
                        for _ in range(self.args.n_layers)]
-        self.cache = None
+        self.cache = _HFCache([layer.attention for layer in self.layers], self.args.max_seq_len)
 
     @property
     def tok_embeddings(self):
@@ -217,7 +229,7 @@ class HFModel(nn.Module):
     def setup_caches(self, make_cache) -> list:
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = make_cache(i)
-        self.cache = _HFCache([layer.attention for layer in self.layers], self.args.max_seq_len)
+        self.cache.seen = 0
         return [layer.attention.kv_cache for layer in self.layers]
 
     def forward(self, idx, input_pos, mode="decode"):
@@ -249,7 +261,7 @@ class HFModel(nn.Module):
 
         draft = copy.copy(self)
         draft._modules = dict(self._modules, hf=swap(self.hf))
-        draft.layers = [types.SimpleNamespace(attention=types.SimpleNamespace(kv_cache=None)) for _ in self.layers]
+        draft._new_layers()
         return draft
 
 

