@@ -1,7 +1,7 @@
 """This project's KV caches inside a Hugging Face transformers model.
 
     import hf                                          # registers attn_implementation "specache"
-    model = AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.float32)   # any attn_implementation
     out = model.generate(ids, custom_generate=hf.generate, cache_config="specache-1bit-best", max_new_tokens=64)
 
     python generate.py --hf DIR --cache specache --bits 1 --k 64 --prompt "..."       # the CLI
@@ -117,6 +117,7 @@ def _cache_class():
         def __init__(self, slots, capacity):
             super().__init__(layers=[_CacheLayer(s, capacity) for s in slots])
             self.seen, self.mode, self.input_pos = 0, None, None
+            self.inferred = None  # tokens of a forward whose step update() inferred (ends after the last layer)
 
         def begin(self, mode, input_pos):
             self.mode, self.input_pos = mode, input_pos
@@ -133,13 +134,14 @@ def _cache_class():
                 T = key_states.shape[2]
                 mode = "prefill" if T > 1 or self.seen == 0 else "decode"
                 self.begin(mode, torch.arange(self.seen, self.seen + T, device=key_states.device))
-                self._auto = T
+                self.inferred = T
             _ACTIVE.entry = (self, layer_idx, key_states, value_states)
             return key_states, value_states
 
         def after_layer(self, layer_idx):
-            if layer_idx == len(self.layers) - 1 and getattr(self, "_auto", None) is not None:
-                self._auto = self.end(self._auto)
+            if layer_idx == len(self.layers) - 1 and self.inferred is not None:
+                self.end(self.inferred)  # prefill keeps every token, a one-token decode step its one
+                self.inferred = None
     return HFCache
 
 
@@ -386,3 +388,9 @@ class _Warped:
 
     def __call__(self, idx, input_pos, mode="decode"):
         return self.view.warp(self.view(idx, input_pos, mode))
+
+
+try:  # register the attention at import, so from_pretrained(..., attn_implementation="specache") works
+    check_transformers()
+except HFError:
+    pass  # reported when the adapter is used

@@ -263,6 +263,9 @@ def test_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
     with pytest.raises(hf.HFError, match=r"tested with transformers >=5.23,<6, found 4.57.1: pip install"):
         hf.check_transformers()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SystemExit, match=r"^error: hf.py is tested with transformers >=5.23,<6, found 4.57.1"):
+        generate.main(["--hf", str(tmp_path), "--prompt", "x"])
 
 
 # ---- the default model, loaded by transformers from its GGUF ----------------------------------------------
