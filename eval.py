@@ -129,7 +129,7 @@ class Runner:
         self.torch, self.gen = torch, generate
         if a.threads:
             torch.set_num_threads(a.threads)
-        if not (a.checkpoint / "config.json").exists():
+        if not a.hf and not (a.checkpoint / "config.json").exists():
             raise SystemExit(f"error: no checkpoint at {a.checkpoint} (run `python convert_hf.py smollm2 --out {a.checkpoint}`)")
         self.device = torch.device(a.device)
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16

@@ -322,7 +322,7 @@ def config_from_flags(a) -> CacheConfig:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py; Llama/Mistral/Qwen2/Qwen3)")
+    p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py: Llama, Mistral, Qwen2/3, ...)")
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

@@ -310,8 +310,10 @@ def load(path, device="cpu", dtype=torch.float32):
     path = Path(path)
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise HFError(f"{path} is not a transformers model directory (config.json: {e})") from None
+    except OSError as e:
+        raise HFError(f"{path} is not a transformers model directory: cannot read config.json ({e.strerror})") from None
+    except ValueError as e:
+        raise HFError(f"{path / 'config.json'} is not valid JSON ({e})") from None
     check_model_type(cfg.get("model_type", "unknown"))
     transformers = check_transformers()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=NAME)
