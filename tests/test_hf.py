@@ -250,6 +250,9 @@ def test_eval_niah_cli(both, tmp_path):
 
 
 def test_one_line_errors(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match=r"^error: \S+missing is not a transformers model directory: cannot read "
+                                         r"config.json \(No such file or directory\)$"):
+        generate.main(["--hf", str(tmp_path / "missing")])
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(SystemExit, match=r"^error: model type 'gpt2' is not supported by the transformers adapter "
                                          r"\(supported: llama, mistral, qwen2, qwen3, "):
