@@ -38,11 +38,12 @@ from model import ModelArgs
 NAME = "specache"  # the attn_implementation
 VERSIONS = ("5.23", "6")  # tested with 5.23.0 (requirements-test.txt)
 # Families whose attention goes through the standard interface with q/k/v as the caches store them
-# (post-RoPE, one head_dim, no soft-capping or learned sinks, one attention kind in every layer);
-# tests/test_hf.py checks each against transformers' own generate(). Gemma 2/3 (soft-capping, mixed
-# sliding and global layers) are not among them.
+# (post-RoPE, one head_dim, no soft-capping or learned sinks, full or sliding-window layers);
+# tests/test_hf.py checks each against transformers' own generate(). Gemma 3's local layers get a
+# windowed fp cache (HFModel.setup_caches); Gemma 2 (attention soft-capping) is not supported.
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo2", "olmoe",
-             "phi", "phi3", "granite", "granitemoe", "starcoder2", "smollm3", "cohere", "helium", "ministral")
+             "phi", "phi3", "granite", "granitemoe", "starcoder2", "smollm3", "cohere", "helium", "ministral",
+             "gemma3_text")
 
 
 class HFError(ValueError):
@@ -154,6 +155,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                       f"(hf.HFModel.setup_caches) or use custom_generate=hf.generate")
     cache, layer_idx = entry[0], entry[1]
     _ACTIVE.entry = None
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise HFError("attention logit soft-capping and learned attention sinks are not implemented by the caches")
     D = query.shape[-1]
     if scaling is not None and abs(scaling * D ** 0.5 - 1) > 1e-6:
         query = query * (scaling * D ** 0.5)  # the caches scale by 1/sqrt(D)
@@ -184,21 +187,31 @@ def _register():
 
 
 # ---- the project's model interface over a transformers model ----------------------------------------
-def model_args(config) -> ModelArgs:
-    """ModelArgs of a transformers config: what the caches and the byte accounting need."""
+def layer_windows(config) -> list:
+    """Each layer's sliding window, None for a global layer (as transformers' own caches read
+    `layer_types`, else `sliding_window`). Raises HFError for other layer kinds."""
     c = config.get_text_config()
     window = getattr(c, "sliding_window", None)
-    kinds = set(getattr(c, "layer_types", None) or ["full_attention" if window is None else "sliding_attention"])
-    if len(kinds) > 1 or not kinds <= {"full_attention", "sliding_attention"}:  # as transformers' own caches read it
-        raise HFError(f"model type {c.model_type!r}: layers of kinds {', '.join(sorted(kinds))}; the caches give every "
-                      f"layer the same attention (full, or one sliding window)")
-    window = window if kinds == {"sliding_attention"} else None
+    kinds = getattr(c, "layer_types", None) or ["full_attention" if window is None else "sliding_attention"] * c.num_hidden_layers
+    if not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise HFError(f"model type {c.model_type!r}: layers of kinds {', '.join(sorted(set(kinds)))}; the caches "
+                      f"implement full and sliding-window attention")
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def model_args(config) -> ModelArgs:
+    """ModelArgs of a transformers config: what the caches and the byte accounting need. A window
+    in every layer is the model's sliding_window (as Mistral's); mixed layers (Gemma 3) have none
+    here: HFModel gives their local layers a windowed fp cache of their own."""
+    c = config.get_text_config()
+    windows = layer_windows(config)
     heads = c.num_attention_heads
     return ModelArgs(name=getattr(c, "_name_or_path", "") or c.model_type, dim=c.hidden_size, n_layers=c.num_hidden_layers,
                      n_heads=heads, n_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                      head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
                      intermediate_size=getattr(c, "intermediate_size", 0), max_seq_len=c.max_position_embeddings,
-                     tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), sliding_window=window)
+                     tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+                     sliding_window=windows[0] if len(set(windows)) == 1 else None)
 
 
 class HFModel(nn.Module):
@@ -215,7 +228,10 @@ class HFModel(nn.Module):
         if hf_model.config._attn_implementation != NAME:
             hf_model.set_attn_implementation(NAME)
         self.args = model_args(hf_model.config)
+        windows = layer_windows(hf_model.config)
+        self.local = windows if len(set(windows)) > 1 else [None] * len(windows)  # mixed: the local layers
         self._new_layers()
+        self.join = None  # a prefetcher whose step the last layer does not end (its layer is local)
 
     def _new_layers(self):
         """The slots the caches hang in (as model.Transformer's layers[i].attention.kv_cache) and the
@@ -229,8 +245,20 @@ class HFModel(nn.Module):
         return self.hf.get_input_embeddings()
 
     def setup_caches(self, make_cache) -> list:
+        """make_cache(i) per layer (model.Transformer.setup_caches). A model with local and global
+        layers (Gemma 3) keeps the chosen cache in its global layers, and an fp cache masked to the
+        window in its local ones (of the same capacity: not a ring of the window's size)."""
+        from cache import FullCache, LowBitCache, SpeCache
+        self.join = None
         for i, layer in enumerate(self.layers):
-            layer.attention.kv_cache = make_cache(i)
+            c = make_cache(i)
+            if self.local[i] is not None and isinstance(c, (FullCache, LowBitCache)):
+                if isinstance(c, SpeCache) and i == len(self.layers) - 1:
+                    self.join = c.prefetcher  # SpeCache.forward ends the step in the last layer: here, forward()
+                like = c.k_cache if isinstance(c, FullCache) else c.k_res
+                c = FullCache(like.shape[0], like.shape[1], c.k_cache.shape[2] if isinstance(c, FullCache) else c.capacity,
+                              like.shape[3], like.dtype, like.device, sliding_window=self.local[i])
+            layer.attention.kv_cache = c
         self.cache.seen = 0
         return [layer.attention.kv_cache for layer in self.layers]
 
@@ -242,6 +270,8 @@ class HFModel(nn.Module):
                           use_cache=True, logits_to_keep=1 if mode == "prefill" else 0)
         finally:
             self.cache.end({"prefill": T, "decode": 1}.get(mode, 0))
+        if self.join is not None and mode != "prefill":
+            self.join.end_step()
         return out.logits.float()
 
     def int4_draft(self, group=32) -> "HFModel":
