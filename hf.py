@@ -192,7 +192,8 @@ def layer_windows(config) -> list:
     `layer_types`, else `sliding_window`). Raises HFError for other layer kinds."""
     c = config.get_text_config()
     window = getattr(c, "sliding_window", None)
-    kinds = getattr(c, "layer_types", None) or ["full_attention" if window is None else "sliding_attention"] * c.num_hidden_layers
+    kinds = getattr(c, "layer_types", None) or \
+        ["full_attention" if window is None else "sliding_attention"] * c.num_hidden_layers
     if not set(kinds) <= {"full_attention", "sliding_attention"}:
         raise HFError(f"model type {c.model_type!r}: layers of kinds {', '.join(sorted(set(kinds)))}; the caches "
                       f"implement full and sliding-window attention")
@@ -225,9 +226,9 @@ class HFModel(nn.Module):
         check_transformers()
         check_model_type(hf_model.config.model_type)
         self.hf = hf_model
+        self.args = model_args(hf_model.config)
         if hf_model.config._attn_implementation != NAME:
             hf_model.set_attn_implementation(NAME)
-        self.args = model_args(hf_model.config)
         windows = layer_windows(hf_model.config)
         self.local = windows if len(set(windows)) > 1 else [None] * len(windows)  # mixed: the local layers
         self._new_layers()
@@ -388,15 +389,14 @@ def generate(model, input_ids, logits_processor=None, stopping_criteria=None, ge
     eos = generation_config.eos_token_id
     eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     gen.setup_caches(view, config, B, P + new + 1)
-    warp = generation_config.do_sample and len(logits_processor or [])
-    if warp:  # the warpers act on each row's logits; sample() then draws from softmax(warped)
-        view.warp = lambda logits: logits_processor(None, logits.flatten(0, -2)).view_as(logits)
     if streamer is None and stream is not None:
         streamer = stream
         streamer.put(input_ids.cpu())  # what generate() does before the loop for its own `streamer`
     on_token = (lambda t: streamer.put(t.cpu())) if streamer is not None else None
     try:
-        out, _ = gen.generate(_Warped(view) if warp else view, input_ids, new, speculative=config.two_tokens,
+        warped = generation_config.do_sample and len(logits_processor or [])
+        out, _ = gen.generate(_Warped(view, logits_processor) if warped else view, input_ids, new,
+                              speculative=config.two_tokens,
                               temperature=1.0 if generation_config.do_sample else 0.0, eos_ids=eos, chunk=prefill_chunk,
                               on_token=on_token, resync=config.kind == "specache" and config.fetch == "resync")
     finally:
@@ -413,13 +413,15 @@ def generate(model, input_ids, logits_processor=None, stopping_criteria=None, ge
 
 
 class _Warped:
-    """HFModel with the sampling warpers applied to its logits (what sample() then draws from)."""
+    """HFModel with transformers' sampling warpers applied to each row's logits: sample() at
+    temperature 1 then draws from softmax(warped logits), which is what transformers samples."""
 
-    def __init__(self, view):
-        self.view, self.layers = view, view.layers
+    def __init__(self, view, warpers):
+        self.view, self.layers, self.warpers = view, view.layers, warpers
 
     def __call__(self, idx, input_pos, mode="decode"):
-        return self.view.warp(self.view(idx, input_pos, mode))
+        logits = self.view(idx, input_pos, mode)
+        return self.warpers(None, logits.flatten(0, -2)).view_as(logits)
 
 
 try:  # register the attention at import, so from_pretrained(..., attn_implementation="specache") works
