@@ -129,12 +129,19 @@ class Runner:
         self.torch, self.gen = torch, generate
         if a.threads:
             torch.set_num_threads(a.threads)
-        if not (a.checkpoint / "config.json").exists():
+        if not a.hf and not (a.checkpoint / "config.json").exists():
             raise SystemExit(f"error: no checkpoint at {a.checkpoint} (run `python convert_hf.py smollm2 --out {a.checkpoint}`)")
         self.device = torch.device(a.device)
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
-        self.model = load_model(a.checkpoint, device=self.device, dtype=dtype)
-        self.tok = load_tokenizer(a.checkpoint)
+        if a.hf:  # a transformers model directory through hf.py
+            import hf
+            try:
+                self.model, self.tok = hf.load(a.hf, self.device, dtype)
+            except ValueError as e:
+                raise SystemExit(f"error: {e}")
+        else:
+            self.model = load_model(a.checkpoint, device=self.device, dtype=dtype)
+            self.tok = load_tokenizer(a.checkpoint)
         self.chunk = a.prefill_chunk
         self.replay = PrefillReplay()
         # Compiled steps need one cache shape for the whole run, or every prompt recompiles.
@@ -464,6 +471,7 @@ def parse_args(argv=None):
         s.add_argument("--residual", default=None, help="fp residual window (default 128 KIVI, 64 SpeCache); a list sweeps")
         s.add_argument("--lengths", default=None, help="prompt lengths in tokens")
         s.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+        s.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py)")
         s.add_argument("--device", default="cpu")
         s.add_argument("--threads", type=int, default=1)
         s.add_argument("--compile", action="store_true", help="compile the decode step (one cache size per run)")
@@ -473,9 +481,14 @@ def parse_args(argv=None):
             s.add_argument(flag, **kw)
     a = p.parse_args(argv)
     if a.cmd == "prompt":
+        a.hf = None
         if a.length < 1 or not 0 <= a.depth <= 1:
             raise SystemExit("error: --length must be >= 1 and --depth in [0, 1]")
         return a
+    if a.hf:
+        if a.compile:
+            raise SystemExit("error: --compile is not available with --hf (the transformers forward runs eagerly)")
+        a.checkpoint = a.hf  # its name labels the results
     for name, value in {**DEFAULTS[a.cmd], **(QUICK[a.cmd] if a.quick else {})}.items():
         if getattr(a, name, None) is None:
             setattr(a, name, value)

@@ -328,6 +328,7 @@ def config_from_flags(a) -> CacheConfig:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py: Llama, Mistral, Qwen2/3, ...)")
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -412,15 +413,21 @@ def main(argv=None):
     device = check_device(a.device)
     if a.threads:
         torch.set_num_threads(a.threads)
-    if not (a.checkpoint / "config.json").exists():
+    if a.hf and (a.compile or a.compile_prefill):
+        fail("--compile is not available with --hf (the transformers forward runs eagerly)")
+    if not a.hf and not (a.checkpoint / "config.json").exists():
         fail(f"no checkpoint at {a.checkpoint} (run `make demo`, or `python convert_hf.py SOURCE --out {a.checkpoint}`)")
     torch.manual_seed(a.seed)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
 
     from tokenizer import load_tokenizer
     try:
-        tok = load_tokenizer(a.checkpoint)
-        model = load_model(a.checkpoint, device=device, dtype=dtype)
+        if a.hf:
+            import hf
+            model, tok = hf.load(a.hf, device, dtype)
+        else:
+            tok = load_tokenizer(a.checkpoint)
+            model = load_model(a.checkpoint, device=device, dtype=dtype)
     except ValueError as e:
         fail(str(e))
     text = read_prompt(a)

@@ -82,6 +82,8 @@ def make_draft(model, group: int = 32):
     embedding too) are Int4Linear; embeddings, norms, the rope table and the KV caches are the model's
     own (the caches are attached by setup_caches on `model` and shared by reference)."""
     import copy
+    if hasattr(model, "int4_draft"):  # a transformers model (hf.HFModel): its own module tree
+        return model.int4_draft(group)
     draft = copy.copy(model)  # shares parameters and buffers
     draft._modules = dict(model._modules)
     draft.layers = nn.ModuleList()

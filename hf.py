@@ -1,0 +1,430 @@
+"""This project's KV caches inside a Hugging Face transformers model.
+
+    import hf                                          # registers attn_implementation "specache"
+    model = AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.float32)   # any attn_implementation
+    out = model.generate(ids, custom_generate=hf.generate, cache_config="specache-1bit-best", max_new_tokens=64)
+
+    python generate.py --hf DIR --cache specache --bits 1 --k 64 --prompt "..."       # the CLI
+    python eval.py niah --hf DIR --quick --out results/hf-niah
+
+How the pieces fit (transformers >= 5.23, < 6):
+  HFCache     a transformers `Cache` whose layers (CacheLayer) are this project's caches (cache.py:
+              FullCache, LowBitCache = KIVI/ZipCache, SpeCache, QuantSpecCache). `update()` keeps
+              the step's K/V for the attention call that follows it in the same attention module.
+  attention   registered with `AttentionInterface` as "specache" (with a mask function under the
+              same name): hands (q, k, v, positions, mode) to the layer's cache, which stores them
+              and computes attention itself (kernels.py: Triton on CUDA, torch reference on CPU).
+              The caches mask by position (causal, Mistral's window), so the mask function builds
+              nothing; it only refuses padding, which the caches do not implement.
+  HFModel     the transformers model seen through model.Transformer's interface (`args`, `layers[i]
+              .attention.kv_cache`, `setup_caches`, `forward(idx, input_pos, mode)`): generate.py's
+              setup_caches / prefill / pre_decode / decode_step / generate and eval.py's Runner run
+              on it unchanged: Algorithm 1's prefill, Algorithm 2's pre-decoding, Algorithm 3's
+              two-token steps with the speculative token's K/V dropped (mode "decode" keeps one).
+  generate    the decode loop for `model.generate(..., custom_generate=hf.generate)`.
+"""
+import copy
+import json
+import threading
+import types
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from config import CacheConfig
+from model import ModelArgs
+
+NAME = "specache"  # the attn_implementation
+VERSIONS = ("5.23", "6")  # tested with 5.23.0 (requirements-test.txt)
+# Families whose attention goes through the standard interface with q/k/v as the caches store them
+# (post-RoPE, one head_dim, no soft-capping or learned sinks, full or sliding-window layers);
+# tests/test_hf.py checks each against transformers' own generate(). Gemma 3's local layers get a
+# windowed fp cache (HFModel.setup_caches); Gemma 2 (attention soft-capping) is not supported.
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo2", "olmoe",
+             "phi", "phi3", "granite", "granitemoe", "starcoder2", "smollm3", "cohere", "helium", "ministral",
+             "gemma3_text")
+
+
+class HFError(ValueError):
+    """A model or setting this adapter cannot run (the CLIs print it as one `error:` line)."""
+
+
+def check_transformers():
+    """Import transformers, or raise HFError when it is missing or outside the tested range."""
+    try:
+        import transformers
+    except ImportError:
+        raise HFError(f"--hf needs transformers: pip install 'transformers>={VERSIONS[0]},<{VERSIONS[1]}'") from None
+    from packaging.version import Version
+    v = Version(transformers.__version__)
+    if not Version(VERSIONS[0]) <= v < Version(VERSIONS[1]):
+        raise HFError(f"hf.py is tested with transformers >={VERSIONS[0]},<{VERSIONS[1]}, found {transformers.__version__}: "
+                      f"pip install 'transformers>={VERSIONS[0]},<{VERSIONS[1]}'")
+    _register()
+    return transformers
+
+
+def check_model_type(model_type: str):
+    if model_type not in SUPPORTED:
+        raise HFError(f"model type {model_type!r} is not supported by the transformers adapter "
+                      f"(supported: {', '.join(SUPPORTED)})")
+
+
+# ---- the cache ---------------------------------------------------------------------------------------
+_ACTIVE = threading.local()  # the (cache, layer, k, v) of the update() the attention call belongs to
+
+
+def _layer_class():
+    from transformers.cache_utils import CacheLayerMixin
+
+    class CacheLayer(CacheLayerMixin):
+        """One layer: `slot.kv_cache` is the project's cache module (HFModel.layers[i].attention)."""
+        is_compileable = False
+
+        def __init__(self, slot, capacity):
+            super().__init__()
+            self.slot, self.capacity, self.is_initialized = slot, capacity, True
+
+        def lazy_initialization(self, key_states, value_states):
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return key_states, value_states  # the cache stores them when attention hands them over
+
+        def get_mask_sizes(self, query_length):
+            return self.capacity, 0
+
+        def get_seq_length(self):
+            return 0
+
+        def get_max_length(self):
+            return self.capacity
+
+        def reset(self):
+            raise HFError("an HFCache is not reset: build a new one (HFModel.setup_caches)")
+    return CacheLayer
+
+
+def _cache_class():
+    from transformers.cache_utils import Cache
+
+    class HFCache(Cache):
+        """A transformers Cache over the project's caches. `mode` and `input_pos` of the next forward
+        are set by HFModel.forward (`begin`); a forward without them (model(ids, past_key_values=
+        cache)) is a prefill when it has more than one token or nothing is stored yet, else a
+        one-token decode step, at the positions after the tokens stored so far (`seen`)."""
+
+        def __init__(self, slots, capacity):
+            super().__init__(layers=[_CacheLayer(s, capacity) for s in slots])
+            self.seen, self.mode, self.input_pos = 0, None, None
+            self.inferred = None  # tokens of a forward whose step update() inferred (ends after the last layer)
+
+        def begin(self, mode, input_pos):
+            self.mode, self.input_pos = mode, input_pos
+
+        def end(self, kept):
+            self.seen += kept
+            self.mode = self.input_pos = None
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return self.seen
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx == 0 and self.mode is None:  # a forward that nobody announced: infer its step
+                T = key_states.shape[2]
+                mode = "prefill" if T > 1 or self.seen == 0 else "decode"
+                self.begin(mode, torch.arange(self.seen, self.seen + T, device=key_states.device))
+                self.inferred = T
+            _ACTIVE.entry = (self, layer_idx, key_states, value_states)
+            return key_states, value_states
+
+        def after_layer(self, layer_idx):
+            if layer_idx == len(self.layers) - 1 and self.inferred is not None:
+                self.end(self.inferred)  # prefill keeps every token, a one-token decode step its one
+                self.inferred = None
+    return HFCache
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The AttentionInterface function: the layer's cache stores k/v and attends (q [B,H,T,D] ->
+    out [B,T,H,D], no weights). Only runs with an HFCache as past_key_values."""
+    entry = getattr(_ACTIVE, "entry", None)
+    if entry is None or entry[1] != module.layer_idx or entry[2] is not key:
+        raise HFError(f"attn_implementation {NAME!r} runs with this project's caches: pass past_key_values=HFCache "
+                      f"(hf.HFModel.setup_caches) or use custom_generate=hf.generate")
+    cache, layer_idx = entry[0], entry[1]
+    _ACTIVE.entry = None
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise HFError("attention logit soft-capping and learned attention sinks are not implemented by the caches")
+    D = query.shape[-1]
+    if scaling is not None and abs(scaling * D ** 0.5 - 1) > 1e-6:
+        query = query * (scaling * D ** 0.5)  # the caches scale by 1/sqrt(D)
+    out = cache.layers[layer_idx].slot.kv_cache(query, key, value, cache.input_pos, cache.mode)
+    cache.after_layer(layer_idx)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
+    """The caches mask by position themselves; padding they cannot do."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise HFError("padded batches are not supported by this project's caches: give prompts of one length")
+    return None
+
+
+_CacheLayer = _HFCache = None
+
+
+def _register():
+    global _CacheLayer, _HFCache
+    if _HFCache is not None:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, mask)
+    _CacheLayer, _HFCache = _layer_class(), _cache_class()
+
+
+# ---- the project's model interface over a transformers model ----------------------------------------
+def layer_windows(config) -> list:
+    """Each layer's sliding window, None for a global layer (as transformers' own caches read
+    `layer_types`, else `sliding_window`). Raises HFError for other layer kinds."""
+    c = config.get_text_config()
+    window = getattr(c, "sliding_window", None)
+    kinds = getattr(c, "layer_types", None) or \
+        ["full_attention" if window is None else "sliding_attention"] * c.num_hidden_layers
+    if not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise HFError(f"model type {c.model_type!r}: layers of kinds {', '.join(sorted(set(kinds)))}; the caches "
+                      f"implement full and sliding-window attention")
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def model_args(config) -> ModelArgs:
+    """ModelArgs of a transformers config: what the caches and the byte accounting need. A window
+    in every layer is the model's sliding_window (as Mistral's); mixed layers (Gemma 3) have none
+    here: HFModel gives their local layers a windowed fp cache of their own."""
+    c = config.get_text_config()
+    windows = layer_windows(config)
+    heads = c.num_attention_heads
+    return ModelArgs(name=getattr(c, "_name_or_path", "") or c.model_type, dim=c.hidden_size, n_layers=c.num_hidden_layers,
+                     n_heads=heads, n_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                     head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
+                     intermediate_size=getattr(c, "intermediate_size", 0), max_seq_len=c.max_position_embeddings,
+                     tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+                     sliding_window=windows[0] if len(set(windows)) == 1 else None)
+
+
+class HFModel(nn.Module):
+    """A transformers causal LM behind model.Transformer's interface: generate.setup_caches attaches
+    the project's caches (`setup_caches`), and `forward(idx, input_pos, mode)` runs the transformers
+    forward with them through the "specache" attention. Returns fp32 logits (prefill: the last
+    position's only, which is all prefill() reads)."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        check_transformers()
+        check_model_type(hf_model.config.model_type)
+        self.hf = hf_model
+        self.args = model_args(hf_model.config)
+        if hf_model.config._attn_implementation != NAME:
+            hf_model.set_attn_implementation(NAME)
+        windows = layer_windows(hf_model.config)
+        self.local = windows if len(set(windows)) > 1 else [None] * len(windows)  # mixed: the local layers
+        self._new_layers()
+        self.join = None  # a prefetcher whose step the last layer does not end (its layer is local)
+
+    def _new_layers(self):
+        """The slots the caches hang in (as model.Transformer's layers[i].attention.kv_cache) and the
+        transformers Cache over them."""
+        self.layers = [types.SimpleNamespace(attention=types.SimpleNamespace(kv_cache=None))
+                       for _ in range(self.args.n_layers)]
+        self.cache = _HFCache([layer.attention for layer in self.layers], self.args.max_seq_len)
+
+    @property
+    def tok_embeddings(self):
+        return self.hf.get_input_embeddings()
+
+    def setup_caches(self, make_cache) -> list:
+        """make_cache(i) per layer (model.Transformer.setup_caches). A model with local and global
+        layers (Gemma 3) keeps the chosen cache in its global layers, and an fp cache masked to the
+        window in its local ones (of the same capacity: not a ring of the window's size)."""
+        from cache import FullCache, LowBitCache, SpeCache
+        self.join = None
+        for i, layer in enumerate(self.layers):
+            c = make_cache(i)
+            if self.local[i] is not None and isinstance(c, (FullCache, LowBitCache)):
+                if isinstance(c, SpeCache) and i == len(self.layers) - 1:
+                    self.join = c.prefetcher  # SpeCache.forward ends the step in the last layer: here, forward()
+                like = c.k_cache if isinstance(c, FullCache) else c.k_res
+                c = FullCache(like.shape[0], like.shape[1], c.k_cache.shape[2] if isinstance(c, FullCache) else c.capacity,
+                              like.shape[3], like.dtype, like.device, sliding_window=self.local[i])
+            layer.attention.kv_cache = c
+        self.cache.seen = 0
+        return [layer.attention.kv_cache for layer in self.layers]
+
+    def forward(self, idx, input_pos, mode="decode"):
+        B, T = idx.shape
+        self.cache.begin(mode, input_pos)
+        try:
+            out = self.hf(input_ids=idx, position_ids=input_pos[None].expand(B, T), past_key_values=self.cache,
+                          use_cache=True, logits_to_keep=1 if mode == "prefill" else 0)
+        finally:
+            self.cache.end({"prefill": T, "decode": 1}.get(mode, 0))
+        if self.join is not None and mode != "prefill":
+            self.join.end_step()
+        return out.logits.float()
+
+    def int4_draft(self, group=32) -> "HFModel":
+        """QuantSpec's draft (quantspec.make_draft): the same module tree with every linear layer of
+        the decoder and the head replaced by a group-wise INT4 copy (biases kept in full precision);
+        embeddings, norms and rotary tables are shared. The caches are shared by share_caches."""
+        from quantspec import Int4Linear
+
+        def swap(m):
+            if isinstance(m, nn.Linear):
+                if m.in_features % group:
+                    raise HFError(f"QuantSpec's INT4 draft needs in_features ({m.in_features}) divisible by "
+                                  f"--draft-group {group}")
+                q = Int4Linear(m.weight.detach(), group)
+                return q if m.bias is None else _Biased(q, m.bias.detach())
+            new = copy.copy(m)
+            new._modules = {n: swap(c) if c is not None else None for n, c in m._modules.items()}
+            return new
+
+        draft = copy.copy(self)
+        draft._modules = dict(self._modules, hf=swap(self.hf))
+        draft._new_layers()
+        return draft
+
+
+class _Biased(nn.Module):
+    def __init__(self, linear, bias):
+        super().__init__()
+        self.linear, self.bias = linear, bias
+
+    def forward(self, x):
+        return self.linear(x) + self.bias.to(x.dtype)
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind tokenizer.Tokenizer's interface (encode, encode_prompt, chat,
+    decode, bos_id, eos_ids, add_bos)."""
+
+    def __init__(self, tok, eos_ids=()):
+        self.tok = tok
+        self.bos_id = tok.bos_token_id
+        self.eos_ids = set(eos_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+        probe = tok("a")["input_ids"]
+        self.add_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
+
+    def encode(self, text, bos=False):
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return [self.bos_id] + ids if bos and self.bos_id is not None else ids
+
+    def encode_prompt(self, text, chat=False):
+        return self.encode(self.chat(text), bos=False) if chat else self.encode(text, bos=self.add_bos)
+
+    def chat(self, prompt, system=None):
+        if not self.tok.chat_template:
+            return prompt
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids])
+
+
+def load(path, device="cpu", dtype=torch.float32):
+    """(HFModel, HFTokenizer) of a transformers model directory (config.json, safetensors, tokenizer
+    files). Raises HFError for a missing directory, an unsupported family or transformers version."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except OSError as e:
+        raise HFError(f"{path} is not a transformers model directory: cannot read config.json ({e.strerror})") from None
+    except ValueError as e:
+        raise HFError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    check_model_type(cfg.get("model_type", "unknown"))
+    transformers = check_transformers()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=NAME)
+    model = model.to(device).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return HFModel(model), HFTokenizer(tok, eos)
+
+
+# ---- model.generate(custom_generate=hf.generate) ----------------------------------------------------
+WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
+
+
+def generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+             synced_gpus=False, streamer=None, cache_config="specache", prefill_chunk=2048, stream=None, **model_kwargs):
+    """The decode loop for `model.generate(input_ids, custom_generate=hf.generate, cache_config=NAME,
+    ...)`: generate.generate (prefill, pre-decoding, two-token steps) over fresh caches of
+    `cache_config` (a config.CacheConfig or its name, e.g. "specache-1bit-best", "kivi-2bit", "full").
+    Honours max_new_tokens/max_length, eos_token_id, greedy decoding and sampling's temperature/
+    top-k/top-p/min-p; other logits processors and stopping criteria raise HFError. The streamer:
+    transformers 5.23 hands a custom_generate callable only the keyword arguments that its own
+    sampling loop does not take, so `streamer=` never arrives here; pass it as `stream=`.
+    QuantSpec runs through generate.py's --method quantspec, not here. Returns [B, P + N] ids."""
+    import generate as gen
+
+    config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
+    if config.kind == "quantspec":
+        raise HFError("QuantSpec is a draft-and-verify loop: run it with generate.py --hf DIR --method quantspec")
+    other = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in WARPERS]
+    other += [type(s).__name__ for s in (stopping_criteria or [])
+              if type(s).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria")]
+    if other or generation_config.num_beams > 1 or generation_config.return_dict_in_generate:
+        raise HFError(f"custom_generate=hf.generate does greedy decoding or plain sampling; not supported here: "
+                      f"{', '.join(other) or 'beams / return_dict_in_generate'}")
+    if model_kwargs.get("attention_mask") is not None and not bool(model_kwargs["attention_mask"].all()):
+        raise HFError("padded batches are not supported by this project's caches: give prompts of one length")
+    prev = model.config._attn_implementation
+    view = HFModel(model)
+    B, P = input_ids.shape
+    new = generation_config.max_length - P
+    eos = generation_config.eos_token_id
+    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    gen.setup_caches(view, config, B, P + new + 1)
+    if streamer is None and stream is not None:
+        streamer = stream
+        streamer.put(input_ids.cpu())  # what generate() does before the loop for its own `streamer`
+    on_token = (lambda t: streamer.put(t.cpu())) if streamer is not None else None
+    try:
+        warped = generation_config.do_sample and len(logits_processor or [])
+        out, _ = gen.generate(_Warped(view, logits_processor) if warped else view, input_ids, new,
+                              speculative=config.two_tokens,
+                              temperature=1.0 if generation_config.do_sample else 0.0, eos_ids=eos, chunk=prefill_chunk,
+                              on_token=on_token, resync=config.kind == "specache" and config.fetch == "resync")
+    finally:
+        model.set_attn_implementation(prev)
+    if streamer is not None:
+        streamer.end()
+    if eos:  # rows that ended: pad after their first eos, as transformers does
+        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else min(eos)
+        ended = torch.zeros(B, dtype=torch.bool, device=out.device)
+        for i in range(out.shape[1]):
+            out[:, i] = torch.where(ended, pad, out[:, i])
+            ended |= torch.isin(out[:, i], torch.tensor(sorted(eos), device=out.device))
+    return torch.cat([input_ids, out], 1)
+
+
+class _Warped:
+    """HFModel with transformers' sampling warpers applied to each row's logits: sample() at
+    temperature 1 then draws from softmax(warped logits), which is what transformers samples."""
+
+    def __init__(self, view, warpers):
+        self.view, self.layers, self.warpers = view, view.layers, warpers
+
+    def __call__(self, idx, input_pos, mode="decode"):
+        logits = self.view(idx, input_pos, mode)
+        return self.warpers(None, logits.flatten(0, -2)).view_as(logits)
+
+
+try:  # register the attention at import, so from_pretrained(..., attn_implementation="specache") works
+    check_transformers()
+except HFError:
+    pass  # reported when the adapter is used
