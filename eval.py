@@ -214,13 +214,16 @@ def run_cells(cells, results: Results, fn, desc: str):
     """cells: [(key fields, payload)]; fn(fields, payload) -> record. Skips cells already in the results."""
     from tqdm import tqdm
 
+    import tp
+    tp.begin_cells(results)  # under torchrun: each rank takes a share and appends to its own file
     todo = [(f, p) for f, p in cells if Results.key(f) not in results.done]
     if len(todo) < len(cells):
         print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {results.path}: skipped", file=sys.stderr)
-    for fields, payload in tqdm(todo, desc=desc, unit="cell", dynamic_ncols=True):
+    for fields, payload in tqdm(tp.my_cells(todo), desc=desc, unit="cell", dynamic_ncols=True):
         t0 = time.perf_counter()
         record = fn(fields, payload)
         results.add(Results.key(fields), dict(fields, **record, seconds=round(time.perf_counter() - t0, 2)))
+    tp.end_cells(results)  # rank 0 folds the ranks' files into the one results file; the others end here
 
 
 def base_fields(cmd, a, m: CacheConfig) -> dict:
@@ -511,6 +514,8 @@ def main(argv=None):
         return cmd_prompt(a)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
     sys.path.insert(0, str(ROOT))
+    import tp  # torchrun: the cells are spread over the ranks, one model per rank (docs/tp.md)
+    a.device = str(tp.init_eval(__import__("torch").device(a.device), a.out / "results.jsonl"))
     runner = Runner(a)
     results = Results(a.out)
     print(f"{a.cmd}: {', '.join(label(m, a.method_list) for m in a.method_list)} -> {a.out}", file=sys.stderr)
@@ -520,4 +525,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(ROOT))
+    __import__("tp").main(main)
