@@ -215,10 +215,10 @@ def run_cells(cells, results: Results, fn, desc: str):
     from tqdm import tqdm
 
     import tp
-    tp.begin_cells(results)  # under torchrun: each rank takes a share and appends to its own file
     todo = [(f, p) for f, p in cells if Results.key(f) not in results.done]
     if len(todo) < len(cells):
         print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {results.path}: skipped", file=sys.stderr)
+    tp.begin_cells(results)  # under torchrun: each rank takes a share and appends to its own file
     for fields, payload in tqdm(tp.my_cells(todo), desc=desc, unit="cell", dynamic_ncols=True):
         t0 = time.perf_counter()
         record = fn(fields, payload)

@@ -223,3 +223,29 @@ def test_floors_per_rank():
     assert rows[1]["comm_bytes"] == 0 and rows[2]["comm_bytes"] == (2 * 80 + 1) * T * 8192 * 2 + T * 128256 * 4 // 2
     with pytest.raises(SystemExit, match="^error: 3 ranks do not divide the model's 8 KV heads; use 1 or 2 or 4 or 8 ranks$"):
         bench.main(["--floors", "--model", "Llama-3.1-70B", "--tp", "3", "--contexts", "4096", "--caches", "specache"])
+
+
+NIAH = ["--methods", "full,specache-1bit", "--depths", "0.2,0.8", "--max-new-tokens", "6"]
+
+
+def cells(out):
+    return {r["key"]: r["output"] for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+
+
+def test_eval_cells_over_ranks_and_a_failed_rank(ckpt, tmp_path):
+    """eval.py niah on 2 ranks writes the cells one process writes, into one results file; a rank
+    that fails (here: its prompts exceed the tiny model's 512 positions) ends the run non-zero
+    instead of leaving the other rank waiting; the cells finished so far stay for a rerun."""
+    import eval as ev
+    ev.main(["niah", "--checkpoint", str(ckpt), *NIAH, "--lengths", "150,250", "--out", str(tmp_path / "one")])
+    proc = torchrun("eval.py", "niah", "--checkpoint", ckpt, *NIAH, "--lengths", "150,250", "--out", tmp_path / "two")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "two").glob("*.jsonl")) == ["results.jsonl"]
+    assert cells(tmp_path / "two") == cells(tmp_path / "one") and len(cells(tmp_path / "one")) == 8
+    bad = tmp_path / "bad"
+    proc = torchrun("eval.py", "niah", "--checkpoint", ckpt, *NIAH, "--lengths", "150,700", "--out", bad)
+    assert proc.returncode != 0
+    assert "IndexError" in proc.stderr and "[rank1]" in proc.stderr  # the long prompts are rank 1's share
+    kept = [json.loads(ln) for ln in (bad / "results.rank0.jsonl").read_text().splitlines()] \
+        if (bad / "results.rank0.jsonl").exists() else []  # what rank 0 finished before torchrun stopped it
+    assert len(kept) <= 4 and all(r["length"] == 150 for r in kept)
