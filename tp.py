@@ -112,9 +112,9 @@ class VocabShardEmbedding(nn.Embedding):
     """Rows [start, start + V/N) of the embedding; a token outside them looks up zeros, and the
     all-reduce adds the one rank's row to N-1 zeros (exact)."""
 
-    def __init__(self, vocab_size, dim, rank_, world_):
-        super().__init__(vocab_size // world_, dim)
-        self.start = rank_ * (vocab_size // world_)
+    def __init__(self, vocab_size, dim, r, n):
+        super().__init__(vocab_size // n, dim)
+        self.start = r * (vocab_size // n)
 
     def forward(self, idx):
         local = idx - self.start
