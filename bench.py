@@ -246,7 +246,7 @@ def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
     from dataclasses import replace
     from types import SimpleNamespace
     from model import Transformer
-    dtype, n = torch.bfloat16, a.tp or 1  # --tp N: one rank's bytes (its heads, FFN and vocabulary slices)
+    dtype, n = torch.bfloat16, getattr(a, "tp", None) or 1  # --tp N: one rank's bytes (its heads, FFN and vocabulary slices)
     with torch.device("meta"):  # shapes only: weight_bytes counts them without allocating
         weights = weight_bytes((Transformer(args) if n == 1 else tp.build_rank_model(args, 0, n)).to(dtype))
     one = SimpleNamespace(args=replace(tp.rank_args(args, n), n_layers=1, max_seq_len=context + 8),
@@ -437,7 +437,8 @@ def parse_args(argv=None):
         a.contexts, a.batch_sizes, a.warmup, a.steps, a.hf = [1024], [1], 2, 5, True
         a.hf_context = 1024
         a.kv_budget_gb = a.kv_budget_gb or 0.1
-    for flag in ("warmup", "steps", "prefill_chunk", "threads", "kernel_reps", "max_run_batch", "hf_context", "bandwidth_mb"):
+    for flag in ("warmup", "steps", "prefill_chunk", "threads", "kernel_reps", "max_run_batch", "hf_context", "bandwidth_mb",
+                 "tp"):
         v = getattr(a, flag)
         if v is not None and v < (0 if flag == "warmup" else 1):
             p.error(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'warmup' else 1}, got {v}")

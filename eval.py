@@ -26,6 +26,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+import tp
 from config import CacheConfig
 from eval_report import (Results, mean, write_hitrate_report, write_niah_report, write_ppl_report,
                          write_quantspec_report, write_ruler_report, write_saliency_report)
@@ -214,7 +215,6 @@ def run_cells(cells, results: Results, fn, desc: str):
     """cells: [(key fields, payload)]; fn(fields, payload) -> record. Skips cells already in the results."""
     from tqdm import tqdm
 
-    import tp
     todo = [(f, p) for f, p in cells if Results.key(f) not in results.done]
     if len(todo) < len(cells):
         print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {results.path}: skipped", file=sys.stderr)
@@ -514,8 +514,8 @@ def main(argv=None):
         return cmd_prompt(a)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
     sys.path.insert(0, str(ROOT))
-    import tp  # torchrun: the cells are spread over the ranks, one model per rank (docs/tp.md)
-    a.device = str(tp.init_eval(__import__("torch").device(a.device), a.out / "results.jsonl"))
+    import torch  # torchrun: the cells are spread over the ranks, one model per rank (docs/tp.md)
+    a.device = str(tp.init_eval(torch.device(a.device), a.out / "results.jsonl"))
     runner = Runner(a)
     results = Results(a.out)
     print(f"{a.cmd}: {', '.join(label(m, a.method_list) for m in a.method_list)} -> {a.out}", file=sys.stderr)
@@ -525,5 +525,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    __import__("tp").main(main)
+    tp.main(main)
