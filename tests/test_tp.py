@@ -3,7 +3,6 @@ model on a tiny random fp32 Llama with 4 KV heads, the compiled step as one grap
 launch errors of the CLIs. docs/tp.md says what else was checked by hand."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -34,16 +33,12 @@ def tiny(seed=0, vocab=256):
     return model.eval()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join(rank, port):
+def _join(rank, store):
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only, whatever the host name resolves to
+    # a file rendezvous: no port to pick (a port taken between picking and binding is a failed run)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
 def greedy(model, name, prompt):
@@ -60,8 +55,8 @@ def greedy(model, name, prompt):
     return gen.generate(model, prompt, NEW, speculative=cfg.two_tokens, resync=cfg.fetch == "resync")[0]
 
 
-def _parity(rank, port, out):
-    _join(rank, port)
+def _parity(rank, store, out):
+    _join(rank, store)
     import tp
     import generate as gen
     full = tiny()
@@ -82,8 +77,8 @@ def _parity(rank, port, out):
     dist.destroy_process_group()
 
 
-def _compiled(rank, port, out):
-    _join(rank, port)
+def _compiled(rank, store, out):
+    _join(rank, store)
     import tp
     import generate as gen
     from torch._dynamo.utils import counters
@@ -101,8 +96,8 @@ def _compiled(rank, port, out):
     dist.destroy_process_group()
 
 
-def _loads_slices(rank, port, out, ckpt_dir):
-    _join(rank, port)
+def _loads_slices(rank, store, out, ckpt_dir):
+    _join(rank, store)
     import tp
     from pathlib import Path
     local = tp.load_model(Path(ckpt_dir))  # each rank reads its rows/columns from the two shard files
@@ -115,9 +110,11 @@ def _loads_slices(rank, port, out, ckpt_dir):
 
 
 def spawn(fn, *args):
+    import tempfile
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    mp.start_processes(fn, args=(free_port(), q, *args), nprocs=WORLD, start_method="spawn")
+    store = os.path.join(tempfile.mkdtemp(prefix="tp-rdzv-"), "store")
+    mp.start_processes(fn, args=(store, q, *args), nprocs=WORLD, start_method="spawn")
     return q.get()
 
 
@@ -168,9 +165,9 @@ def ckpt(tmp_path_factory):
 
 
 def torchrun(*args, n=WORLD):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
            *map(str, args)] if n else [sys.executable, *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
