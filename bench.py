@@ -7,6 +7,8 @@
     python bench.py --compile --contexts 2048 --kv-budget-gb 0.5 --max-run-batch 4           # Table 3 on a KV budget
     python bench.py --compile --contexts 4096 --caches full,kivi,specache --hf                # side by side with HF
     python bench.py --floors --contexts 32768 --batch-sizes 1,16                              # byte floors, nothing runs
+    python bench.py --floors --model Llama-3.1-70B --tp 8 --contexts 131072                   # per rank of 8 (docs/tp.md)
+    torchrun --nproc-per-node 8 bench.py --model Llama-3.1-70B --random-weights --compile     # tensor parallel
 
 Caches are config.CacheConfig names (full, kivi-2bit, specache-1bit-sequential, ...); --bits/--k/--group/
 --residual/--quant apply to every low-bit name that does not set them. `NAME+2tok` feeds a
@@ -42,7 +44,9 @@ from bench_report import md_table, mb, report  # noqa: E402
 import quant  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402
-from model import KNOWN_CONFIGS, load_model, random_model  # noqa: E402
+import tp  # noqa: E402
+from model import KNOWN_CONFIGS  # noqa: E402
+from tp import load_model, random_model  # noqa: E402 - model.py's, or this rank's slices under torchrun
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
 
@@ -242,10 +246,10 @@ def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
     from dataclasses import replace
     from types import SimpleNamespace
     from model import Transformer
-    dtype = torch.bfloat16
+    dtype, n = torch.bfloat16, getattr(a, "tp", None) or 1  # --tp N: one rank's bytes (its heads, FFN and vocabulary slices)
     with torch.device("meta"):  # shapes only: weight_bytes counts them without allocating
-        weights = weight_bytes(Transformer(args).to(dtype))
-    one = SimpleNamespace(args=replace(args, n_layers=1, max_seq_len=context + 8),
+        weights = weight_bytes((Transformer(args) if n == 1 else tp.build_rank_model(args, 0, n)).to(dtype))
+    one = SimpleNamespace(args=replace(tp.rank_args(args, n), n_layers=1, max_seq_len=context + 8),
                           tok_embeddings=SimpleNamespace(weight=torch.empty(0, dtype=dtype)),
                           setup_caches=lambda make: [make(0)])
     rows = []
@@ -264,7 +268,7 @@ def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
         rows.append(dict(context=context, batch=batch, cache=cfg.name, weight_bytes=weights, kv_read_bytes=kv,
                          kv_device_bytes=c.device_bytes() * args.n_layers, pcie_bytes=pcie,
                          floor_ms=1e3 * (weights + kv) / (H100_GBS * 1e9), kv_floor_us=1e6 * kv / (H100_GBS * 1e9),
-                         pcie_us=1e6 * pcie / (PCIE_GBS * 1e9)))
+                         pcie_us=1e6 * pcie / (PCIE_GBS * 1e9), comm_bytes=tp.comm_bytes(args, n, batch, T)))
     return rows
 
 
@@ -423,6 +427,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-group", type=int, default=32, choices=[32, 64, 128, 256], help="QuantSpec INT4 weight group")
     p.add_argument("--profile-steps", type=int, default=None, help="CUDA: profiled steps after the timed ones (default 3)")
     p.add_argument("--bandwidth-mb", type=int, default=256, help="tensor size of the bandwidth measurement")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks: with --floors, one rank's bytes of N; "
+                   "else run under torchrun --nproc-per-node N (the default is its world size). docs/tp.md")
     p.add_argument("--floors", action="store_true", help="only the byte floors of --model (default Llama-3.1-8B) at "
                    "--contexts x --batch-sizes, computed without running it")
     p.add_argument("--quick", action="store_true", help="1k context, eager unless --compile, small budget, HF at 1k")
@@ -433,7 +439,8 @@ def parse_args(argv=None):
         a.contexts, a.batch_sizes, a.warmup, a.steps, a.hf = [1024], [1], 2, 5, True
         a.hf_context = 1024
         a.kv_budget_gb = a.kv_budget_gb or 0.1
-    for flag in ("warmup", "steps", "prefill_chunk", "threads", "kernel_reps", "max_run_batch", "hf_context", "bandwidth_mb"):
+    for flag in ("warmup", "steps", "prefill_chunk", "threads", "kernel_reps", "max_run_batch", "hf_context", "bandwidth_mb",
+                 "tp"):
         v = getattr(a, flag)
         if v is not None and v < (0 if flag == "warmup" else 1):
             p.error(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'warmup' else 1}, got {v}")
@@ -466,14 +473,21 @@ def parse_args(argv=None):
 def floors_report(a) -> str:
     from model import ModelArgs
     args = ModelArgs.from_name(a.model or "Llama-3.1-8B")
-    rows = [r for ctx in a.contexts for b in a.batch_sizes for r in floor_rows(args, a.caches, ctx, b, a)]
+    try:
+        rows = [r for ctx in a.contexts for b in a.batch_sizes for r in floor_rows(args, a.caches, ctx, b, a)]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    per_rank = f"; per rank of {a.tp} (tensor parallel; collectives: ring all-reduce/all-gather bytes a rank sends)" \
+        if (a.tp or 1) > 1 else ""
     head = (f"# Byte floors per decode step: {args.name}, bf16, {args.n_layers} layers; H100 {H100_GBS / 1e3:.2f} TB/s, "
-            f"PCIe {PCIE_GBS:.0f} GB/s (nominal)")
+            f"PCIe {PCIE_GBS:.0f} GB/s (nominal){per_rank}")
+    comm = (a.tp or 1) > 1
     return head + "\n\n" + md_table(
         ["context", "batch", "cache", "weights MiB", "KV read MiB", "KV device MiB", "PCIe MiB", "KV floor us",
-         "step floor ms", "PCIe us"],
+         "step floor ms", "PCIe us"] + (["collectives KiB"] if comm else []),
         [[r["context"], r["batch"], r["cache"], mb(r["weight_bytes"]), mb(r["kv_read_bytes"]), mb(r["kv_device_bytes"]),
-          mb(r["pcie_bytes"]), f"{r['kv_floor_us']:.0f}", f"{r['floor_ms']:.3f}", f"{r['pcie_us']:.0f}"] for r in rows])
+          mb(r["pcie_bytes"]), f"{r['kv_floor_us']:.0f}", f"{r['floor_ms']:.3f}", f"{r['pcie_us']:.0f}"]
+         + ([f"{r['comm_bytes'] / 1024:.0f}"] if comm else []) for r in rows])
 
 
 def main(argv=None):
@@ -498,6 +512,7 @@ def main(argv=None):
             a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps(res, indent=1, default=str))
         return res
+    device = tp.init(a.tp, device)
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -546,14 +561,14 @@ def main(argv=None):
     res["grid"] = list(runner.rows.values())
     text = report(res)
     print(text)
-    if a.json:
+    if a.json and tp.rank() == 0:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(res, indent=1, default=str))
         (a.md or a.json.with_suffix(".md")).write_text(text + "\n")
-    elif a.md:
+    elif a.md and tp.rank() == 0:
         a.md.write_text(text + "\n")
     return res
 
 
 if __name__ == "__main__":
-    main()
+    tp.main(main)

@@ -26,6 +26,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+import tp
 from config import CacheConfig
 from eval_report import (Results, mean, write_hitrate_report, write_niah_report, write_ppl_report,
                          write_quantspec_report, write_ruler_report, write_saliency_report)
@@ -224,10 +225,12 @@ def run_cells(cells, results: Results, fn, desc: str):
     todo = [(f, p) for f, p in cells if Results.key(f) not in results.done]
     if len(todo) < len(cells):
         print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {results.path}: skipped", file=sys.stderr)
-    for fields, payload in tqdm(todo, desc=desc, unit="cell", dynamic_ncols=True):
+    tp.begin_cells(results)  # under torchrun: each rank takes a share and appends to its own file
+    for fields, payload in tqdm(tp.my_cells(todo), desc=desc, unit="cell", dynamic_ncols=True):
         t0 = time.perf_counter()
         record = fn(fields, payload)
         results.add(Results.key(fields), dict(fields, **record, seconds=round(time.perf_counter() - t0, 2)))
+    tp.end_cells(results)  # rank 0 folds the ranks' files into the one results file; the others end here
 
 
 def base_fields(cmd, a, m: CacheConfig) -> dict:
@@ -524,6 +527,8 @@ def main(argv=None):
         return cmd_prompt(a)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
     sys.path.insert(0, str(ROOT))
+    import torch  # torchrun: the cells are spread over the ranks, one model per rank (docs/tp.md)
+    a.device = str(tp.init_eval(torch.device(a.device), a.out / "results.jsonl"))
     runner = Runner(a)
     results = Results(a.out)
     print(f"{a.cmd}: {', '.join(label(m, a.method_list) for m in a.method_list)} -> {a.out}", file=sys.stderr)
@@ -533,4 +538,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    tp.main(main)

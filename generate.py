@@ -23,9 +23,9 @@ import torch
 
 import quant
 import quantspec
+import tp
 from cache import MemoryMeter, build_caches
 from config import CacheConfig
-from model import load_model
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
@@ -346,6 +346,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks: run under torchrun --nproc-per-node N "
+                   "(the default is torchrun's world size; the flag checks it). docs/tp.md")
     p.add_argument("--compile", action="store_true", help="compile the decode step (fullgraph; CUDA graph on CUDA)")
     p.add_argument("--compile-prefill", action="store_true",
                    help="also compile prefill (dynamic shapes; the low-bit caches' bookkeeping stays eager)")
@@ -410,11 +412,13 @@ def main(argv=None):
             fail("--method quantspec runs on the quantspec cache (--cache quantspec[-gN])")
     except ValueError as e:
         fail(str(e))
-    device = check_device(a.device)
+    device = tp.init(a.tp, check_device(a.device))
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.hf and (a.compile or a.compile_prefill):
         fail("--compile is not available with --hf (the transformers forward runs eagerly)")
+    if a.hf and tp.world() > 1:
+        fail("--hf runs on one process: tensor parallelism under torchrun takes converted checkpoints (--checkpoint)")
     if not a.hf and not (a.checkpoint / "config.json").exists():
         fail(f"no checkpoint at {a.checkpoint} (run `make demo`, or `python convert_hf.py SOURCE --out {a.checkpoint}`)")
     torch.manual_seed(a.seed)
@@ -427,7 +431,7 @@ def main(argv=None):
             model, tok = hf.load(a.hf, device, dtype)
         else:
             tok = load_tokenizer(a.checkpoint)
-            model = load_model(a.checkpoint, device=device, dtype=dtype)
+            model = tp.load_model(a.checkpoint, device=device, dtype=dtype)  # this rank's slices under torchrun
     except ValueError as e:
         fail(str(e))
     text = read_prompt(a)
@@ -513,4 +517,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
-    main()
+    tp.main(main)

@@ -59,6 +59,8 @@ KNOWN_CONFIGS = {
                             rope_theta=500000.0, max_seq_len=8192),
     "Llama-3.1-8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336, vocab_size=128256,
                          rope_theta=500000.0, max_seq_len=131072, rope_scaling=_LLAMA31_ROPE),
+    "Llama-3.1-70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, intermediate_size=28672, vocab_size=128256,
+                          rope_theta=500000.0, max_seq_len=131072, rope_scaling=_LLAMA31_ROPE),
     "Mistral-7B-v0.2": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
                             rope_theta=1000000.0, max_seq_len=32768),
     "SmolLM2-135M": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152,
