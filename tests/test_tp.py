@@ -208,7 +208,7 @@ def broken(ckpt, tmp_path, drop=None, index=False):
     return out
 
 
-@pytest.mark.parametrize("case", ["no-torchrun", "world-size", "kv-heads", "missing-tensor", "missing-shard"])
+@pytest.mark.parametrize("case", ["no-torchrun", "world-size", "kv-heads", "missing-tensor", "missing-shard", "hf"])
 def test_launch_errors_are_one_line(case, ckpt, tmp_path):
     from tests.helpers import DEFAULT_CKPT
     args, n = ["generate.py", "--checkpoint", ckpt, "--max-new-tokens", "2", "--quiet"], WORLD
@@ -221,6 +221,9 @@ def test_launch_errors_are_one_line(case, ckpt, tmp_path):
     elif case == "missing-tensor":
         args[2] = bad = broken(ckpt, tmp_path, drop="layers.1.feed_forward.w2.weight")
         want = f"error: checkpoint {bad} has no tensor layers.1.feed_forward.w2.weight"
+    elif case == "hf":
+        args[1] = "--hf"
+        want = "error: --hf runs on one process: tensor parallelism under torchrun takes converted checkpoints (--checkpoint)"
     else:
         args[2] = bad = broken(ckpt, tmp_path, index=True)
         want = f"error: checkpoint {bad} is missing shard model-00001-of-00002.safetensors (named in model.safetensors.index.json)"
