@@ -287,8 +287,9 @@ class Prefetcher:
         return (self.host_k.nbytes + self.host_v.nbytes) // self.host_k.shape[0]
 
     def bytes_per_step(self) -> int:
-        """Bytes moved host -> device by one decode step, every layer and kv head: k rows of K and V
-        (re-ranking: key_rows candidate keys and k values)."""
+        """Bytes one decode step may move host -> device, every layer and kv head: k rows of K and V
+        (re-ranking: key_rows candidate keys and k values). An upper bound: rows the ring already
+        holds are not moved again (transfer.record_rows; how many: probe.py's `reuse`)."""
         return sum(bufs[0][:, :, :1].nbytes * (self.key_rows + self.k) for bufs in self.rings if bufs is not None)
 
     # ---- prefill: Algorithm 1's offload (eager) --------------------------------------------------
