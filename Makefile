@@ -25,7 +25,7 @@ $(CKPT)/config.json: $(STAMP) convert_hf.py tokenizer.py
 	$(PY) convert_hf.py smollm2 --out $(CKPT)
 
 demo: $(CKPT)/config.json
-	$(PY) eval.py prompt --length 1000 --depth 0.5 > $(CKPT)/needle_prompt.txt
+	$(PY) tools/eval.py prompt --length 1000 --depth 0.5 > $(CKPT)/needle_prompt.txt
 	$(PY) generate.py --checkpoint $(CKPT) --bits 1 --k 64 --chat --prompt-file $(CKPT)/needle_prompt.txt --max-new-tokens 40
 
 test: $(CKPT)/config.json
@@ -41,17 +41,17 @@ test-all: $(CKPT)/config.json
 # (the venv's Python if there is one, else $(PYTHON); override with `make gpu-check GPU_PY=...`)
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
-	@$(GPU_PY) gpu_check.py
+	@$(GPU_PY) tools/gpu_check.py
 
 # Registers, spills, shared memory, hot-loop instructions per KV token, shared-memory round trips and load widths
 # of every Triton kernel variant, compiled for sm_80/sm_90 (no GPU needed; KERNEL=name compiles one kernel only).
 aot-report: $(STAMP)
-	$(PY) triton_aot.py $(if $(KERNEL),--kernel $(KERNEL))
+	$(PY) tools/triton_aot.py $(if $(KERNEL),--kernel $(KERNEL))
 
 # The PNGs in docs/ from the raw results under results/ (no model, no GPU).
 .PHONY: figures
 figures: $(STAMP)
-	$(PY) figures.py
+	$(PY) tools/figures.py
 
 clean:
 	rm -rf $(VENV) checkpoints .cache

@@ -1,5 +1,6 @@
-"""KV caches. Each attention layer owns one; model.py calls `cache(q, k, v, input_pos, mode)`.
-What a cache is, and its name, is a config.CacheConfig.
+"""KV caches. Each attention layer owns one; model.py calls `cache(q, k, v, input_pos, mode)`, where
+`mode` (MODES) says what the forward is. What a cache is, and its name, is a config.CacheConfig;
+`setup_caches` gives every layer of a model its cache.
 
 - FullCache: the 16-bit baseline (fp32 on CPU), static [B, Hkv, max_seq_len, D] buffers.
 - LowBitCache: KIVI (specache.txt §3.4, eq. 2/3): packed low-bit codes for tokens [0, n_quant) and a
@@ -8,9 +9,12 @@ What a cache is, and its name, is a config.CacheConfig.
   token in groups of `group` channels). `n_quant` and `res_len` are 0-d tensors, so one compiled
   decode graph serves every step.
 - SpeCache: LowBitCache + the full fp16 cache on the host + `n_fetch` fetched fp16 rows per kv head
-  that replace their quantized copies in attention (eq. 1). A fetch policy decides which rows;
-  the paper's (Algorithm 3) lets a speculative token's attention pick the rows the next step
-  needs and starts their transfer (prefetch.py) while the step goes on.
+  that replace their quantized copies in attention (eq. 1). A fetch policy (config.FetchPolicy)
+  decides which rows; the paper's (Algorithm 3) lets a speculative token's attention pick the rows
+  the next step needs and starts their transfer (prefetch.py) while the step goes on.
+- QuantSpecCache: QuantSpec's hierarchical INT4/INT8 store with its double fp buffer.
+A layer that attends within a sliding window shorter than the cache (Gemma 3's local layers,
+Mistral's window) keeps the FullCache, masked to its window, whatever the configuration.
 
 Byte accounting is exact: `device_bytes()` sums the tensors that live on the compute device and
 `read_bytes(T)` is what a decode step of T tokens reads from them (the kernels' byte floor).
@@ -28,13 +32,27 @@ from config import CacheConfig
 from kernels import Fetched, LowBitKV, Residual
 from prefetch import Prefetcher
 
+MODES = {  # what a forward asks of the caches (the model passes `mode` through unchanged)
+    "prefill": "Algorithm 1: a chunk of the prompt, attended exactly, then stored",
+    "decode": "a decode step (Algorithm 3's [real, speculative] or one token): the first token's K/V stays",
+    "predecode": "Algorithm 2: attend and select the first step's rows; nothing stays",
+    "draft": "QuantSpec: draft tokens over the INT4 view",
+    "verify": "QuantSpec: the target over the INT8 view, written over the round's drafts",
+}
+
 
 def causal_mask(input_pos: torch.Tensor, key_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """[T, S] bool: query at input_pos[t] may attend key at key_pos[s]."""
     mask = key_pos[None, :] <= input_pos[:, None]
-    if window is not None:  # Mistral sliding window
+    if window is not None:  # sliding window
         mask &= input_pos[:, None] - key_pos[None, :] < window
     return mask
+
+
+def exact_attention(q, k, v, input_pos, key_pos, window=None):
+    """Softmax attention of queries at input_pos over keys at key_pos, causal (and windowed)."""
+    mask = causal_mask(input_pos, key_pos, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 
@@ -65,14 +83,11 @@ class FullCache(nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, q, k, v, input_pos, mode="decode"):
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
-        self.length.copy_(torch.maximum(self.length, input_pos[-1] + 1))
-        mask = causal_mask(input_pos, self.key_pos, self.sliding_window)
-        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+        self.append_prefill(k, v, input_pos)  # every mode stores: a later step writes its positions again
+        return exact_attention(q, self.k_cache, self.v_cache, input_pos, self.key_pos, self.sliding_window)
 
     def append_prefill(self, k, v, input_pos, q=None):
-        """Store a prefill chunk's K/V [B,Hkv,T,D] at positions input_pos (eval.py's replay)."""
+        """Store K/V [B,Hkv,T,D] at positions input_pos (tools/eval.py replays a recorded prefill this way)."""
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
         self.length.copy_(torch.maximum(self.length, input_pos[-1] + 1))
@@ -153,12 +168,14 @@ class LowBitCache(nn.Module):
         buf("v_res", (B, H, R + max_step_tokens, D), dtype=dtype, device=device)
         buf("n_quant", (), dtype=torch.int64, device=device)
         buf("res_len", (), dtype=torch.int64, device=device)
-        self.meter = meter  # counts prefill's transient fp K/V; the builder counts these buffers
+        self.meter = meter  # counts prefill's transient fp K/V; setup_caches counts these buffers
+        self.custom_ops = None  # kernels behind their custom ops: None = on CUDA; True on CPU (tests): the CUDA graph
 
     # ---- what the kernels read -----------------------------------------------------------------
-    def stored(self) -> LowBitKV:
-        """The quantized tokens as the kernels read them (QuantSpec: the view `view_bits` picks)."""
-        hier8 = self.scheme == "quantspec" and self.view_bits == 8
+    def stored(self, view_bits: Optional[int] = None) -> LowBitKV:
+        """The quantized tokens as the kernels read them (QuantSpec: the view `view_bits`, 4 or 8, picks;
+        default the configuration's)."""
+        hier8 = self.scheme == "quantspec" and (view_bits or self.view_bits) == 8
         mixed = dict(k_ref=self.k_ref, v_ref=self.v_ref, ref_map=self.ref_map, ref_bits=self.ref_bits,
                      n_ref=self.n_ref) if self.mixed else {}
         return LowBitKV(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
@@ -176,7 +193,7 @@ class LowBitCache(nn.Module):
         tensor}) for k, v [B,H,n,D]; `saliency` [B,H,n] for mixed precision; `first_group` [n/group]
         marks the key group of positions [0, group): under the least-squares fit it keeps min/max
         unless the sinks are held in fp16, because the fit would pull the attention sinks' outlier
-        keys off the grid and softmax leans on them (README, "Least-squares zero/scale")."""
+        keys off the grid and softmax leans on them (docs/policies.md, the least-squares fit)."""
         meta = self.k_scale.dtype
         if self.mixed:
             return self._quantize_mixed(k, v, saliency, meta)
@@ -202,13 +219,13 @@ class LowBitCache(nn.Module):
             saliency = self.sal_acc[:, :, :n] / self.sal_cnt[:, :, :n].clamp(min=1)
         kc, kl, ks, kz = quant.quantize_mixed(k, self.bits, self.bits_hi, G, "tokens", meta)
         self.v_chan_scale.copy_(torch.where(self.n_quant == 0, quant.channel_scale(v, meta), self.v_chan_scale))
-        v_sep = quant._safe(v, meta) / self.v_chan_scale.float()[..., None, :]  # eq. 6
+        v_sep = quant.channel_separated(v, self.v_chan_scale, meta)  # eq. 6
         vc, vl, vs, vz = quant.quantize_mixed(v_sep, self.bits, self.bits_hi, self.group_v, "channels", meta)
         k_ref, v_ref, ref_map = quant.compact_refinement(kl, vl, saliency, G, self.n_ref, r)
         return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz, ref_map=ref_map), dict(k_scale=ks, k_zero=kz), \
             dict(k_ref=k_ref, v_ref=v_ref)
 
-    def _quantize_into(self, k, v, row0, saliency=None):
+    def quantize_block(self, k, v, row0, saliency=None):
         """Quantize k, v [B,H,n,D] (n a multiple of group) into slots [row0, row0+n); row0 a tensor."""
         groups = row0 // self.group + torch.arange(k.shape[2] // self.group, device=k.device)
         per_row, per_group, per_ref = self._quantize(k, v, saliency, first_group=groups == 0)
@@ -232,21 +249,45 @@ class LowBitCache(nn.Module):
                           k_ref=cut(s.k_ref, n // self.group * s.n_ref), v_ref=cut(s.v_ref, n // self.group * s.n_ref))
         return kernels.dequant_keys(part).to(self.k_res.dtype), kernels.dequant_values(part).to(self.v_res.dtype)
 
-    def prefix_kv(self, p0: int):
-        """Keys/values of positions [0, p0) for a prefill chunk: KIVI only has its low-bit copy."""
+    # ---- Algorithm 1: prefill, one layer and one chunk of the prompt ----------------------------
+    def prefill(self, q, k, v, input_pos):
+        """Exact attention of the chunk over every earlier position and itself, then the chunk into
+        the cache. The fp K/V built here are transient: the meter counts them while this layer runs."""
+        p0, held = int(input_pos[0]), int(self.n_quant) + int(self.res_len)
+        if p0 != held:
+            raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {held} tokens")
+        earlier_k, earlier_v = self.earlier_kv(p0)
+        k_all, v_all = torch.cat([earlier_k, k], 2), torch.cat([earlier_v, v], 2)
+        transient = k_all.nbytes + v_all.nbytes
+        if self.meter is not None:
+            self.meter.alloc(transient)
+        out = exact_attention(q, k_all, v_all, input_pos, torch.arange(k_all.shape[2], device=q.device))
+        self.append_prefill(k, v, input_pos, q=q)
+        if self.meter is not None:
+            self.meter.free(transient)
+        return out
+
+    def earlier_kv(self, p0: int):
+        """Keys/values of positions [0, p0), for a later chunk's exact attention: KIVI holds only its
+        low-bit copy (SpeCache reads its fp16 host store instead)."""
         nq, nr = int(self.n_quant), int(self.res_len)
         kq, vq = self.dequantized(nq)
         return torch.cat([kq, self.k_res[:, :, :nr]], 2), torch.cat([vq, self.v_res[:, :, :nr]], 2)
 
+    def blocks_to_quantize(self, n: int) -> int:
+        """Of n fp tokens (the residual and a new chunk), how many to quantize now: whole residual blocks."""
+        return n // self.residual * self.residual
+
     def append_prefill(self, k, v, input_pos, q=None):
-        """Eager: add a prefill chunk; quantize every full `residual` block, keep the rest fp.
-        Mixed precision picks salient tokens with the chunk's queries `q` (eq. 9)."""
-        nq, nr, R = int(self.n_quant), int(self.res_len), self.residual
+        """Add a chunk's K/V (eager): quantize what `blocks_to_quantize` says, keep the rest in fp.
+        ZipCache's mixed precision picks salient tokens with the chunk's queries `q` (eq. 9)."""
+        nq, nr = int(self.n_quant), int(self.res_len)
         k_all = torch.cat([self.k_res[:, :, :nr], k], 2)
         v_all = torch.cat([self.v_res[:, :, :nr], v], 2)
-        n_full = k_all.shape[2] // R * R
-        if nq + n_full > self.capacity:
-            raise ValueError(f"sequence of {nq + k_all.shape[2]} tokens exceeds the cache capacity {self.capacity}")
+        n = k_all.shape[2]
+        n_q = self.blocks_to_quantize(n)
+        if nq + n_q > self.capacity:
+            raise ValueError(f"sequence of {nq + n} tokens exceeds the cache capacity {self.capacity}")
         saliency = None
         if self.mixed:
             if q is None:
@@ -254,16 +295,14 @@ class LowBitCache(nn.Module):
             acc, cnt = self.probe_saliency(q, k, input_pos)
             acc = torch.cat([self.sal_acc[:, :, :nr], acc], 2)
             cnt = torch.cat([self.sal_cnt[:, :, :nr], cnt], 2)
-            saliency = (acc / cnt.clamp(min=1))[:, :, :n_full]
-            rest = k_all.shape[2] - n_full
-            self.sal_acc[:, :, :rest], self.sal_cnt[:, :, :rest] = acc[:, :, n_full:], cnt[:, :, n_full:]
-        if n_full:
-            self._quantize_into(k_all[:, :, :n_full], v_all[:, :, :n_full], torch.tensor(nq, device=k.device), saliency)
-        rest = k_all.shape[2] - n_full
-        self.k_res[:, :, :rest] = k_all[:, :, n_full:]
-        self.v_res[:, :, :rest] = v_all[:, :, n_full:]
-        self.n_quant.fill_(nq + n_full)
-        self.res_len.fill_(rest)
+            saliency = (acc / cnt.clamp(min=1))[:, :, :n_q]
+            self.sal_acc[:, :, :n - n_q], self.sal_cnt[:, :, :n - n_q] = acc[:, :, n_q:], cnt[:, :, n_q:]
+        if n_q:
+            self.quantize_block(k_all[:, :, :n_q], v_all[:, :, :n_q], torch.tensor(nq, device=k.device), saliency)
+        self.k_res[:, :, :n - n_q] = k_all[:, :, n_q:]
+        self.v_res[:, :, :n - n_q] = v_all[:, :, n_q:]
+        self.n_quant.fill_(nq + n_q)
+        self.res_len.fill_(n - n_q)
 
     # ---- ZipCache saliency (zipcache.txt eq. 8-9) --------------------------------------------------
     def probe_saliency(self, q, k, input_pos, probes=None):
@@ -272,7 +311,7 @@ class LowBitCache(nn.Module):
         for the residual rows and the chunk's tokens (normalized_attention)."""
         L, p0, nr = q.shape[2], int(input_pos[0]), int(self.res_len)
         probes = (quant.probe_positions(L, seed=p0) if probes is None else probes).to(q.device)
-        keys = torch.cat([self.prefix_kv(p0)[0], k], 2)  # positions [0, p0 + L)
+        keys = torch.cat([self.earlier_kv(p0)[0], k], 2)  # positions [0, p0 + L)
         acc, cnt = quant.normalized_attention(q[:, :, probes], keys, p0 + probes, self.sm_scale)
         return acc[:, :, p0 - nr:], cnt[:, :, p0 - nr:]
 
@@ -287,6 +326,25 @@ class LowBitCache(nn.Module):
         self.sal_acc.add_(torch.where(sees, p.sum(2), 0.0))
         self.sal_cnt.add_(sees.float() * (H // Hkv))
 
+    # ---- decoding -------------------------------------------------------------------------------
+    def write_step(self, k, v):
+        """The step's K/V after the kept residual rows (attention reads them there)."""
+        rows = self.res_len + torch.arange(k.shape[2], device=k.device)
+        self.k_res.index_copy_(2, rows, k)
+        self.v_res.index_copy_(2, rows, v)
+        if self.mixed:  # rows (re)written: their saliency sums start again
+            for buf in (self.sal_acc, self.sal_cnt):
+                buf.index_fill_(2, rows, 0.0)
+
+    def attend(self, q, fetched: Optional[Fetched] = None):
+        """Attention of the step's T query tokens (already appended to the residual) over
+        quantized + residual (+ fetched fp rows replacing their quantized copies)."""
+        out, lse = kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale,
+                                            use_op=self.custom_ops)
+        if self.mixed:  # the real token is a saliency probe (a policy attending twice counts it twice: same ratio)
+            self.accumulate_saliency(q[:, :, :1], lse[:, :, :1])
+        return out, lse
+
     def commit_step(self, keep: int = 1):
         """Static-shape end of a decode step: the first `keep` step tokens stay; a full residual is
         quantized into the next block (or, when not full, into the scratch block: same graph)."""
@@ -294,26 +352,9 @@ class LowBitCache(nn.Module):
         res_len = self.res_len + keep
         flush = res_len >= R
         row0 = torch.where(flush, self.n_quant, torch.full_like(self.n_quant, self.capacity))
-        self._quantize_into(self.k_res[:, :, :R], self.v_res[:, :, :R], row0)
+        self.quantize_block(self.k_res[:, :, :R], self.v_res[:, :, :R], row0)
         self.n_quant.add_(flush.long() * R)
         self.res_len.copy_(torch.where(flush, torch.zeros_like(res_len), res_len))
-
-    # ---- attention -----------------------------------------------------------------------------
-    def attend(self, q, fetched: Optional[Fetched] = None):
-        """Attention of the step's T query tokens (already appended to the residual) over
-        quantized + residual (+ fetched fp rows replacing their quantized copies)."""
-        out, lse = kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale)
-        if self.mixed:  # the real token is a saliency probe (a policy attending twice counts it twice: same ratio)
-            self.accumulate_saliency(q[:, :, :1], lse[:, :, :1])
-        return out, lse
-
-    def write_step(self, k, v):
-        rows = self.res_len + torch.arange(k.shape[2], device=k.device)
-        self.k_res.index_copy_(2, rows, k)
-        self.v_res.index_copy_(2, rows, v)
-        if self.mixed:  # rows (re)written: their saliency sums start again
-            for buf in (self.sal_acc, self.sal_cnt):
-                buf.index_fill_(2, rows, 0.0)
 
     def forward(self, q, k, v, input_pos, mode="decode"):
         if mode == "prefill":
@@ -324,34 +365,17 @@ class LowBitCache(nn.Module):
             self.commit_step(keep=1)
         return out
 
-    def prefill(self, q, k, v, input_pos):
-        """Algorithm 1: exact attention over this layer's prefix + chunk, then store low-bit.
-        The fp K/V built here are transient: the meter counts them while this layer runs."""
-        p0 = int(input_pos[0])
-        if p0 != int(self.n_quant) + int(self.res_len):
-            raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {int(self.n_quant) + int(self.res_len)} tokens")
-        pk, pv = self.prefix_kv(p0)
-        k_all, v_all = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
-        transient = k_all.nbytes + v_all.nbytes
-        if self.meter is not None:
-            self.meter.alloc(transient)
-        mask = causal_mask(input_pos, torch.arange(k_all.shape[2], device=q.device), None)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
-        self.append_prefill(k, v, input_pos, q=q)
-        if self.meter is not None:
-            self.meter.free(transient)
-        return out
-
+    # ---- bytes ---------------------------------------------------------------------------------
     def device_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers())
 
     def host_bytes(self) -> int:
         return 0
 
-    def read_bytes(self, step_tokens: int = 1) -> int:
+    def read_bytes(self, step_tokens: int = 1, view_bits: Optional[int] = None) -> int:
         """Bytes a decode step's attention reads: codes and scales of the quantized tokens (both
         planes for QuantSpec's 8-bit view, ZipCache's channel scale) and the fp residual rows."""
-        return kernels.lowbit_read_bytes(self.stored(), int(self.n_quant)) + \
+        return kernels.lowbit_read_bytes(self.stored(view_bits), int(self.n_quant)) + \
             self.k_res[:, :, :1].nbytes * 2 * (int(self.res_len) + step_tokens)
 
 
@@ -360,24 +384,19 @@ class SpeCache(LowBitCache):
 
     The ring [B, Hkv, sinks + n_fetch, D] holds the fp16 rows the real token attends to in place of
     their quantized copies: the first `sinks` positions (kept on the device once quantized) and the
-    fetched rows. Fetch policies (config.fetch), one method each:
-      speculative  Algorithm 3: the step feeds [real, speculative]; the speculative token's attention
-                   picks the next step's rows and their transfer overlaps the rest of the step.
-      union        the same step; the rows that matter most to either token (max of the two
-                   probabilities), so a wrong speculative token still leaves the real token's rows.
-      resync       the speculative step, and generate() re-runs pre-decoding (Algorithm 2) with the
-                   real token whenever the speculative token was wrong, so the chain cannot drift.
-      lag          one token per step: the real token's own attention picks the rows for the next
-                   step (the top-k one step late: no extra token, the same overlap).
-      sequential   paper Table 4: the real token's own low-bit attention picks rows; they are
-                   fetched synchronously and attention is recomputed.
-      oracle       like sequential, with the exact top-k from the fp16 keys: an accuracy upper bound.
+    fetched rows. What a decode step does is the configuration's fetch policy (config.FetchPolicy):
+      ahead       (speculative, union, resync, lag) attend with the rows fetched for this step, then
+                  the selecting token's attention picks the next step's rows and their transfer
+                  starts; it overlaps the rest of the step (Algorithm 3; Algorithm 2 in pre-decoding)
+      not ahead   (sequential, oracle: paper Table 4) the real token's own attention picks rows (the
+                  oracle: by their fp16 keys), they are fetched and waited for, attention runs again
+    `layer_idx` is this layer's index among the prefetcher's layers (the ones that fetch).
     """
 
     def __init__(self, layer_idx, prefetcher, batch, n_kv_heads, max_seq_len, head_dim, dtype, device,
                  config: CacheConfig, **kw):
         super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, **kw)
-        self.layer_idx, self.prefetcher, self.fetch = layer_idx, prefetcher, config.fetch
+        self.layer_idx, self.prefetcher, self.policy = layer_idx, prefetcher, config.policy
         self.n_fetch, self.sinks, self.rerank = prefetcher.k, config.sinks, config.rerank
         B, H, dev, n = batch, n_kv_heads, self.k_codes.device, self.sinks + prefetcher.k
         # The fp rows of this layer: module buffers, so a compiled step keeps their addresses.
@@ -394,73 +413,79 @@ class SpeCache(LowBitCache):
         """The buffers this layer's transfer writes: the ring and which positions it holds."""
         return [self.ring_k, self.ring_v, self.fetch_idx, self.fetch_valid]
 
-    # The host store holds every real token's fp16 k/v, by absolute position.
-    def prefix_kv(self, p0):
+    def fetched(self) -> Fetched:
+        """The rows in the ring and the quantized positions they replace in attention (eq. 1)."""
+        return Fetched(self.ring_k, self.ring_v, self.fetch_idx, self.fetch_valid)
+
+    # ---- Algorithm 1: the host store holds every real token's fp16 K/V, by absolute position ----
+    def earlier_kv(self, p0):
         return self.prefetcher.host_prefix(self.layer_idx, p0)
 
     def append_prefill(self, k, v, input_pos, q=None):
         super().append_prefill(k, v, input_pos, q)
         self.prefetcher.offload(self.layer_idx, k, v, input_pos)
 
-    def _quantize_into(self, k, v, row0, saliency=None):
-        super()._quantize_into(k, v, row0, saliency)
+    def quantize_block(self, k, v, row0, saliency=None):
+        super().quantize_block(k, v, row0, saliency)
         if self.sinks:  # the first block quantized: its first tokens stay in fp16 on the device
             self.prefetcher.keep_sinks([self.ring_k, self.ring_v, self.fetch_valid], k, v, row0 == 0, self.sinks)
 
-    def fetched(self) -> Fetched:
-        """The rows in the ring and the quantized positions they replace in attention (eq. 1)."""
-        return Fetched(self.ring_k, self.ring_v, self.fetch_idx, self.fetch_valid)
-
+    # ---- selection and fetch --------------------------------------------------------------------
     def select(self, q_rows, lse_rows, fetched: Optional[Fetched] = None):
         """Top-k quantized positions (sinks aside) for the query token(s) q_rows [B,H,D] or [B,H,R,D]
         -> (idx, valid) [B,Hkv,n_fetch] per kv head and None; with re-ranking, the low-bit top-(N*k)
         candidates (idx, valid) [B,Hkv,N*k] and the query rows and lse that pick the k among them
         (start_fetch). `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A)."""
-        if self.fetch == "oracle":
+        if self.policy.exact:
             score, idx = topk.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
-                                            self.n_fetch, self.sm_scale, first=self.sinks)
+                                         self.n_fetch, self.sm_scale, first=self.sinks)
         elif self.rerank > 1:
             # Re-ranking: the low-bit top-(N*k) are candidates; their fp keys decide the k where the
             # keys land (prefetch.Prefetcher.start_rerank: on the side stream on a GPU).
             score, cand = topk.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_cand, self.sm_scale, fetched,
-                                              first=self.sinks)
-            return cand, score >= 0, topk._as_rows(q_rows, lse_rows)
+                                           first=self.sinks, use_op=self.custom_ops)
+            return cand, score >= 0, topk.as_rows(q_rows, lse_rows)
         else:
             score, idx = topk.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_fetch, self.sm_scale, fetched,
-                                             first=self.sinks)
+                                          first=self.sinks, use_op=self.custom_ops)
         return idx, score >= 0, None
 
-    def start_fetch(self, idx, valid, rerank_by=None, new=(None, None, None)):
-        """Remember which rows the ring will hold and start their transfer (plus, with `new`, the
-        real token's K/V to the host store, in the same transfer). With re-ranking (rerank_by =
-        (q_rows, lse_rows)), idx are candidates and the transfer picks the rows and records them."""
+    def start_fetch(self, idx, valid, rerank_by=None, real=(None, None, None)):
+        """Remember which rows the ring will hold and start their transfer (plus, with `real` = (k, v,
+        position) of the step's real token, its write to the host store, in the same transfer). With
+        re-ranking (rerank_by = (q_rows, lse_rows)), idx are candidates and the transfer picks the rows."""
         if rerank_by is not None:
-            self.prefetcher.start_rerank(self.layer_idx, self.fetch_bufs(), idx, valid, *rerank_by, self.sm_scale, *new)
-            return
-        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), idx, valid, *new)
+            self.prefetcher.start_rerank(self.layer_idx, self.fetch_bufs(), idx, valid, *rerank_by, self.sm_scale, *real)
+        else:
+            self.prefetcher.start(self.layer_idx, self.fetch_bufs(), idx, valid, *real)
 
-    # ---- the policies --------------------------------------------------------------------------
-    def speculative(self, q, new, keep, rows=slice(-1, None)):
-        """Algorithm 3 (Algorithm 2 when not keep): q [B,H,T,D], the step's last token is the
-        speculative one (T=1: the real token itself, which is `lag`)."""
+    # ---- a decode step ----------------------------------------------------------------------------
+    def forward(self, q, k, v, input_pos, mode="decode"):
+        if mode == "prefill":
+            return self.prefill(q, k, v, input_pos)
+        keep = mode == "decode"  # pre-decoding (Algorithm 2) keeps nothing: T1 comes again as the real token
+        real = (k[:, :, :1], v[:, :, :1], input_pos[0]) if keep else (None, None, None)  # for the host store
+        self.write_step(k, v)
+        out = self.attend_then_fetch(q, keep, real) if self.policy.ahead else self.fetch_then_attend(q, keep, real)
+        if self.layer_idx == self.prefetcher.n_layers - 1:
+            self.prefetcher.end_step()
+        return out
+
+    def attend_then_fetch(self, q, keep, real):
+        """Algorithm 3: q [B,H,T,D]; the step's last token selects (T=1: the real token itself, `lag`),
+        or both tokens do (`union`)."""
         self.prefetcher.wait(self.layer_idx, self.fetch_bufs())  # this layer's fetch only
         fetched = self.fetched()
         out, lse = self.attend(q, fetched)
         if keep:
             self.commit_step(keep=1)  # only the real token's KV stays
-        # The selecting token's row picks the next step's rows among the quantized positions as they
-        # are after the flush; the transfer overlaps the remaining layers of the step.
-        self.start_fetch(*self.select(q[:, :, rows], lse[:, :, rows], fetched), new)
+        # The selecting row picks the next step's rows among the quantized positions as they are
+        # after the flush; the transfer overlaps the remaining layers of the step.
+        rows = slice(None) if self.policy.selects == "both" else slice(-1, None)
+        self.start_fetch(*self.select(q[:, :, rows], lse[:, :, rows], fetched), real)
         return out
 
-    lag = resync = speculative
-
-    def union(self, q, new, keep):
-        """The speculative step, selecting for both tokens: a position scores the larger of the real
-        and the speculative token's probabilities."""
-        return self.speculative(q, new, keep, rows=slice(None))
-
-    def sequential(self, q, new, keep):
+    def fetch_then_attend(self, q, keep, real):
         """Table 4: pick rows with the real token itself, fetch and wait, then attend."""
         _, lse = self.attend(q, self.fetched() if self.sinks else None)
         self.start_fetch(*self.select(q[:, :, :1], lse[:, :, :1]))
@@ -468,26 +493,14 @@ class SpeCache(LowBitCache):
         out, _ = self.attend(q, self.fetched())
         if keep:
             self.commit_step(keep=1)
-            self.prefetcher.start(self.layer_idx, self.fetch_bufs(), None, None, *new)
+            self.prefetcher.start(self.layer_idx, self.fetch_bufs(), None, None, *real)
         return out
 
-    oracle = sequential  # same schedule; select() takes the exact top-k
-
-    def forward(self, q, k, v, input_pos, mode="decode"):
-        if mode == "prefill":
-            return self.prefill(q, k, v, input_pos)
-        keep = mode == "decode"  # pre-decoding (Algorithm 2) keeps nothing: T1 comes again as the real token
-        new = (k[:, :, :1], v[:, :, :1], input_pos[0]) if keep else (None, None, None)
-        self.write_step(k, v)
-        out = getattr(self, self.fetch)(q, new, keep)
-        if self.layer_idx == self.prefetcher.n_layers - 1:
-            self.prefetcher.end_step()
-        return out
-
+    # ---- bytes ---------------------------------------------------------------------------------
     def host_bytes(self) -> int:
         return self.prefetcher.host_bytes_per_layer()
 
-    def read_bytes(self, step_tokens: int = 1) -> int:
+    def read_bytes(self, step_tokens: int = 1, view_bits: Optional[int] = None) -> int:
         """LowBitCache's, plus the fp rows (sinks and fetched), plus the top-k pass of the selecting
         token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them).
         Re-ranking's candidate keys cross the bus into registers (transfer.rerank_rows): bus bytes,
@@ -498,97 +511,86 @@ class SpeCache(LowBitCache):
         return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again
 
 
-class QuantSpecCache(LowBitCache):
-    """QuantSpec's cache (quantspec.txt §4.2-4.3): one hierarchical store read two ways, the draft's
-    INT4 view (upper planes) and the target's INT8 view (both planes), and a double full-precision
-    buffer of two groups for the newest tokens: F1 (the older group, always full after prefill) and
-    F2 (new tokens). A round appends the draft's tokens one by one ("draft": INT4 view), then the
-    target's KV of the same tokens plus one ("verify": INT8 view, written over the draft's), and
-    `accept(n)` keeps the first n. Only verified tokens are ever quantized: when the buffer holds two
-    groups, F1 is quantized and F2 becomes F1. Rejected tokens are dropped, never quantized. All
-    counters are tensors: the draft, verify and accept steps are static-shape graphs."""
+# ---- a model's caches ------------------------------------------------------------------------------
+class KVCaches:
+    """The caches setup_caches gave a model's layers, in layer order, with what they hold and move."""
 
-    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig, gamma=4,
-                 meter=None):
-        # residual capacity: the two groups + one round's unverified tokens
-        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens=gamma + 1,
-                         meter=meter)
-        self.gamma = gamma
-        self.register_buffer("n_draft", torch.zeros((), dtype=torch.int64, device=self.k_codes.device), persistent=False)
+    def __init__(self, config: CacheConfig, layers: list, prefetcher: Optional[Prefetcher], meter: MemoryMeter):
+        self.config, self.layers, self.prefetcher, self.meter = config, layers, prefetcher, meter
 
-    def stored(self, view: int = 8) -> LowBitKV:
-        s = super().stored()
-        return s if view == 8 else s._replace(k_codes_lo=None, v_codes_lo=None)
+    def __iter__(self):
+        return iter(self.layers)
 
-    def append_prefill(self, k, v, input_pos, q=None):
-        """Quantize whole groups, keeping between one and two groups of the newest tokens in fp."""
-        nq, nr, G = int(self.n_quant), int(self.res_len), self.group
-        k_all = torch.cat([self.k_res[:, :, :nr], k], 2)
-        v_all = torch.cat([self.v_res[:, :, :nr], v], 2)
-        n = k_all.shape[2]
-        n_q = max(0, (n - G) // G * G)  # leaves n - n_q in [G, 2G) once n >= G
-        if nq + n_q > self.capacity:
-            raise ValueError(f"sequence of {nq + n} tokens exceeds the cache capacity {self.capacity}")
-        if n_q:
-            self._quantize_into(k_all[:, :, :n_q], v_all[:, :, :n_q], torch.tensor(nq, device=k.device))
-        self.k_res[:, :, :n - n_q] = k_all[:, :, n_q:]
-        self.v_res[:, :, :n - n_q] = v_all[:, :, n_q:]
-        self.n_quant.fill_(nq + n_q)
-        self.res_len.fill_(n - n_q)
+    def __len__(self):
+        return len(self.layers)
 
-    def forward(self, q, k, v, input_pos, mode="verify"):
-        if mode == "prefill":
-            return self.prefill(q, k, v, input_pos)
-        if mode not in ("draft", "verify"):
-            raise ValueError(f"the quantspec cache runs 'draft' and 'verify' steps, not {mode!r}")
-        T = k.shape[2]
-        draft = mode == "draft"
-        at = self.res_len + (self.n_draft if draft else 0)  # verify writes over the round's draft rows
-        rows = at + torch.arange(T, device=k.device)
-        self.k_res.index_copy_(2, rows, k)
-        self.v_res.index_copy_(2, rows, v)
-        out, _ = kernels.attention_lowbit(q, self.stored(4 if draft else 8), Residual(self.k_res, self.v_res, at + T),
-                                          None, self.sm_scale)
-        if draft:
-            self.n_draft.add_(T)
-        return out
+    def __getitem__(self, i):
+        return self.layers[i]
 
-    def accept(self, n):
-        """Keep the first n (a 0-d tensor) of the round's verified tokens; quantize F1 when the
-        buffer reached two groups (static shape: otherwise into the scratch block)."""
-        G = self.group
-        self.res_len.add_(n)
-        self.n_draft.zero_()
-        full = self.res_len >= 2 * G
-        row0 = torch.where(full, self.n_quant, torch.full_like(self.n_quant, self.capacity))
-        self._quantize_into(self.k_res[:, :, :G], self.v_res[:, :, :G], row0)
-        C = self.k_res.shape[2]
-        for buf in (self.k_res, self.v_res):  # F2 becomes F1
-            buf[:, :, :C - G] = torch.where(full, buf[:, :, G:].clone(), buf[:, :, :C - G])
-        self.n_quant.add_(full.long() * G)
-        self.res_len.sub_(full.long() * G)
+    def device_bytes(self) -> int:
+        """KV bytes on the compute device (every buffer the caches allocated)."""
+        return sum(c.device_bytes() for c in self.layers)
 
-    def read_bytes(self, step_tokens: int = 1, view: int = 8) -> int:
-        return kernels.lowbit_read_bytes(self.stored(view), int(self.n_quant)) + \
-            self.k_res[:, :, :1].nbytes * 2 * (int(self.res_len) + step_tokens)
+    def host_bytes(self) -> int:
+        return sum(c.host_bytes() for c in self.layers)
+
+    def read_bytes(self, step_tokens: int) -> int:
+        """KV bytes one decode step of `step_tokens` tokens reads (each cache's own byte floor)."""
+        return sum(c.read_bytes(step_tokens) for c in self.layers)
+
+    def fetch_bytes_per_step(self) -> int:
+        """Host-to-device bytes a decode step may move (an upper bound: Prefetcher.bytes_per_step)."""
+        return self.prefetcher.bytes_per_step() if self.prefetcher is not None else 0
 
 
-def build_caches(model, config: CacheConfig, batch: int, max_seq_len: int, meter: MemoryMeter, gamma: int = 4):
-    """One cache per layer of `model` (on its device and dtype). Returns (caches, prefetcher or None)."""
+def kv_fp16_bytes(args, batch: int, seq_len: int) -> int:
+    """What a 16-bit cache of every layer would hold: the reference the low-bit caches are compared with."""
+    return 2 * args.n_layers * batch * args.n_kv_heads * seq_len * args.head_dim * 2
+
+
+def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len: Optional[int] = None,
+                 lowbit_cache=None) -> KVCaches:
+    """Give every layer of `model` (model.Transformer, or hf.HFModel) its cache, on the model's device
+    and dtype, for sequences of max_seq_len positions (default the model's). `config`: a CacheConfig or
+    its name. A layer whose sliding window (model.args.window) is shorter keeps the window-masked
+    FullCache; the others the configured cache, and SpeCache's host store holds only them.
+    `lowbit_cache(dims, meter)` builds another kind's layer cache (quantspec.setup_caches: QuantSpec's).
+    Raises ValueError on what the model or the kernels cannot run."""
+    config = CacheConfig.from_name(config) if isinstance(config, str) else config
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     args = model.args
+    max_seq_len = max_seq_len or args.max_seq_len
     device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     config = config.validated(args.head_dim)
+    windows = [args.window(i) for i in range(args.n_layers)]
+    local = [w is not None and w < max_seq_len for w in windows]
+    if config.kind != "full" and all(local):
+        raise ValueError(f"low-bit caches do not implement sliding-window attention: every layer of this model "
+                         f"attends within {windows[0]} positions, fewer than the sequence's; use --cache full")
+    meter = MemoryMeter()
     dims = (batch, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device)
-    if config.kind == "full":
-        return model.setup_caches(lambda i: FullCache(*dims, sliding_window=args.sliding_window)), None
-    if args.sliding_window is not None and args.sliding_window < max_seq_len:
-        raise ValueError("low-bit caches do not implement sliding-window attention; use --cache full")
-    if config.kind == "kivi":
-        return model.setup_caches(lambda i: LowBitCache(*dims, config, meter=meter)), None
-    if config.kind == "quantspec":
-        return model.setup_caches(lambda i: QuantSpecCache(*dims, config, gamma=gamma, meter=meter)), None
-    n_fetch = min(config.k, max_seq_len)  # k >= context fetches every row
-    prefetcher = Prefetcher(args.n_layers, batch, args.n_kv_heads, max_seq_len, args.head_dim, n_fetch, dtype, device,
-                            impl=config.fetch_impl, key_rows=min(config.rerank * n_fetch, max_seq_len),
-                            select_rows=(args.n_heads, 2 if config.fetch == "union" else 1) if config.rerank > 1 else None)
-    return model.setup_caches(lambda i: SpeCache(i, prefetcher, *dims, config, meter=meter)), prefetcher
+    fetching = [i for i in range(args.n_layers) if not local[i]]
+    prefetcher = None
+    if config.kind == "specache":
+        n_fetch = min(config.k, max_seq_len)  # k >= context fetches every row
+        prefetcher = Prefetcher(len(fetching), batch, args.n_kv_heads, max_seq_len, args.head_dim, n_fetch, dtype,
+                                device, impl=config.fetch_impl, key_rows=min(config.rerank * n_fetch, max_seq_len),
+                                select_rows=(args.n_heads, 2 if config.policy.selects == "both" else 1)
+                                if config.rerank > 1 else None)
+
+    if config.kind == "quantspec" and lowbit_cache is None:
+        raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with quantspec.setup_caches")
+
+    def make(i):
+        if config.kind == "full" or local[i]:
+            return FullCache(*dims, sliding_window=windows[i])
+        if lowbit_cache is not None:
+            return lowbit_cache(dims, meter)
+        if config.kind == "kivi":
+            return LowBitCache(*dims, config, meter=meter)
+        return SpeCache(fetching.index(i), prefetcher, *dims, config, meter=meter)
+
+    caches = KVCaches(config, model.setup_caches(make), prefetcher, meter)
+    meter.alloc(caches.device_bytes())
+    return caches

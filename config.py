@@ -1,11 +1,15 @@
-"""The one way to name a KV cache configuration.
+"""The one way to name a KV cache configuration, and what each fetch policy does.
 
 `CacheConfig` is what a cache is: kind (full, kivi, specache, quantspec), bits, quantization group,
 fp residual window, fetched rows k, fetch policy, quantization scheme and the SpeCache options
 (attention sinks, re-ranking). It is built from a name such as "specache-1bit-oracle" or
 "specache-2bit-best" (a preset), or from CLI flags, and checked in one place (`validated`). Every
-entry point (generate.py, eval.py, bench.py, hf.py) names caches this way, and result tables print
-the canonical name (`CacheConfig.name`).
+entry point (generate.py, tools/eval.py, tools/bench.py, hf.py) names caches this way, and result
+tables print the canonical name (`CacheConfig.name`).
+
+`FetchPolicy` is everything a fetch policy changes: how many tokens a decode step feeds, whose
+attention picks the rows and when they move (cache.SpeCache.forward runs that), and what the decode
+loop does around the steps (generate.generate reads `step_tokens`, `pre_decode` and `resync`).
 """
 import re
 from dataclasses import dataclass, fields, replace
@@ -15,16 +19,44 @@ import quant
 
 KINDS = ("full", "kivi", "specache", "quantspec")
 SCHEMES = ("kivi", "zipcache", "quantspec")
-# which rows the fetch holds for the real token of a step (SpeCache's methods of the same names)
-POLICIES = ("speculative", "sequential", "oracle", "lag", "union", "resync")
 FETCH_IMPLS = ("uva", "staged")
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    """Which fp16 rows the real token of a decode step attends to, and how they get there."""
+    name: str
+    step_tokens: int = 2     # 2: a step feeds [real, speculative] (Algorithm 3); 1: the real token alone
+    selects: str = "last"    # whose attention picks the rows: the step's last token, or "both" (the larger probability)
+    ahead: bool = True       # True: the rows are the next step's, copied while this step computes; False: this
+    #                          step's own, selected, fetched and waited for before attention runs again (Table 4)
+    exact: bool = False      # select by the fp16 keys in host memory (an upper bound), not the low-bit ones
+    pre_decode: bool = True  # Algorithm 2 before the first step: T1's attention picks the first step's rows
+    resync: bool = False     # after a wrong speculative token, pre-decode again from the real one
+
+
+POLICIES = {p.name: p for p in (
+    # Algorithm 3: the speculative token's attention picks the next step's rows
+    FetchPolicy("speculative"),
+    # the same step; a position scores the larger of the two tokens' probabilities, so a wrong
+    # speculative token still leaves the real token's rows
+    FetchPolicy("union", selects="both"),
+    # the speculative step; whenever the speculative token was wrong, pre-decoding runs again with the
+    # real token, so the chain of guesses cannot drift (one extra one-token forward per miss)
+    FetchPolicy("resync", resync=True),
+    # one token per step: the real token's own attention picks the next step's rows (one step late)
+    FetchPolicy("lag", step_tokens=1),
+    # paper Table 4: the real token's own low-bit attention picks rows, fetched now, attention recomputed
+    FetchPolicy("sequential", step_tokens=1, ahead=False, pre_decode=False),
+    # as sequential, with the exact top-k of the fp16 keys: an accuracy upper bound
+    FetchPolicy("oracle", step_tokens=1, ahead=False, exact=True, pre_decode=False),
+)}
+NO_FETCH = FetchPolicy("none", step_tokens=1, pre_decode=False)  # the full, KIVI and QuantSpec caches
 # Presets (--preset NAME, or NAME as a part of a cache name): defaults for a SpeCache configuration;
 # the name's other parts and explicit flags win over them. "paper" is Algorithm 3 with §4.1's settings
-# (the default); "best" is every choice the measurements on the default model favour (README,
-# "Fetch policies and the recommended preset": eval.py hitrate / ppl / niah / ruler, and the H100
-# step times). Its k 64 rows are re-ranked from 2k low-bit candidates by their fp keys, which moves
-# 1.5x the paper's bus bytes (128 keys + 64 values); until 2026-11-23 it fetched k 96 rows with a
-# 32-token residual and no re-ranking (same bytes and device rows; `specache-Nbit-best-rr1-k96-r32`).
+# (the default); "best" is every choice the measurements on the default model favour (docs/policies.md:
+# hit rates, perplexity, NIAH and RULER, and the H100 step times). Its k 64 rows are re-ranked from 2k
+# low-bit candidates by their fp keys, which moves 1.5x the paper's bus bytes (128 keys + 64 values).
 PRESETS = {
     "paper": dict(fetch="speculative", group=64, k=64, residual=None, sinks=0),
     "best": dict(fetch="resync", group=32, k=64, residual=None, sinks=4, fit="lsq", rerank=2),  # residual 64
@@ -63,9 +95,14 @@ class CacheConfig:
         return self.residual if self.residual is not None else self.residual_len_default
 
     @property
+    def policy(self) -> FetchPolicy:
+        """What the fetch policy does (NO_FETCH for the caches that fetch nothing)."""
+        return POLICIES[self.fetch] if self.kind == "specache" else NO_FETCH
+
+    @property
     def two_tokens(self) -> bool:
         """Does a decode step feed [real, speculative] tokens?"""
-        return self.kind == "specache" and self.fetch in ("speculative", "union", "resync")
+        return self.policy.step_tokens == 2
 
     @property
     def name(self) -> str:
@@ -230,3 +267,41 @@ class CacheConfig:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# ---- the same fields as command-line flags (generate.py; a name's parts can also be given alone) --------
+def add_cache_flags(p):
+    """The cache options of a command line: a name (CacheConfig.from_name) and field overrides."""
+    p.add_argument("--cache", default="specache",
+                   help="full | kivi | specache, or a full name such as specache-2bit-oracle (see config.CacheConfig)")
+    p.add_argument("--preset", default=None, choices=list(PRESETS),
+                   help="SpeCache settings: paper (Algorithm 3, §4.1; the default) or best (what docs/policies.md's "
+                        "measurements favour: resync fetch, 4 sinks, group 32, least-squares zero/scale, "
+                        "64 fetched rows re-ranked from 128 low-bit candidates by their fp keys); the name's "
+                        "parts and flags win")
+    p.add_argument("--bits", type=int, default=None, help="bits per code (default: the name's, else 1)")
+    p.add_argument("--group", type=int, default=None, help="quantization group (default 64)")
+    p.add_argument("--residual", type=int, default=None, help="fp residual window (default 128 kivi, 64 specache)")
+    p.add_argument("--k", type=int, default=None, help="SpeCache: fp16 KV pairs fetched per layer and kv head (64)")
+    p.add_argument("--fetch", default=None, help="SpeCache fetch policy: speculative (Algorithm 3, the default), union, "
+                   "resync, lag, sequential, oracle (see config.POLICIES)")
+    p.add_argument("--sinks", type=int, default=None, help="SpeCache: first tokens kept in fp16 on the device (0)")
+    p.add_argument("--rerank", type=int, default=None,
+                   help="SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys read from the host "
+                        "(1: off; N: N*k keys + k values cross the bus per layer instead of k + k)")
+    p.add_argument("--one-bit", default=None, choices=list(quant.ONE_BIT_MODES), help="1-bit zero/scale: eq. 3 or eq. 2")
+    p.add_argument("--fit", default=None, choices=list(quant.FITS),
+                   help="low-bit zero/scale: from min/max (eq. 2/3), or their least-squares refit (same bytes)")
+    p.add_argument("--quant", default=None, choices=list(SCHEMES),
+                   help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")
+    p.add_argument("--fetch-impl", default=None, choices=list(FETCH_IMPLS), help="CUDA host-to-device transfer")
+    p.add_argument("--salient-ratio", type=float, default=None,
+                   help="ZipCache mixed precision (--quant zipcache): share of tokens kept at --bits-salient (e.g. 0.4)")
+    p.add_argument("--bits-salient", type=int, default=None, help="ZipCache: bits of the salient tokens (default --bits + 2)")
+
+
+def from_flags(a) -> CacheConfig:
+    """The CacheConfig of add_cache_flags' options. Raises ValueError."""
+    return CacheConfig.from_name(a.cache, preset=a.preset, bits=a.bits, group=a.group, residual=a.residual, k=a.k,
+                                 fetch=a.fetch, one_bit=a.one_bit, fit=a.fit, scheme=a.quant, fetch_impl=a.fetch_impl,
+                                 sinks=a.sinks, rerank=a.rerank, salient=a.salient_ratio, bits_salient=a.bits_salient)

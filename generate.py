@@ -1,6 +1,6 @@
-"""Generation with a full, KIVI or SpeCache KV cache.
+"""Generation with a full, KIVI or SpeCache KV cache (and QuantSpec's self-speculative decoding).
 
-    python generate.py --prompt "What is the capital of France?" --chat          # SpeCache, 1-bit, k=64
+    python generate.py --checkpoint checkpoints/smollm2-135m-instruct --bits 1 --k 64 --prompt "..."
     python generate.py --cache full --prompt-file essay.txt --max-new-tokens 64 --compile
     python generate.py --cache specache-2bit-oracle ...                           # any config.CacheConfig name
 
@@ -10,22 +10,30 @@ Read it next to the paper's appendix A:
                 the first decoding step needs and starts their fetch; it outputs speculative T'2.
   decode_step() Algorithm 3: feeds [T_t, T'_{t+1}] (shape [B, 2]) through one static-shape graph;
                 outputs the real T_{t+1} and the next speculative T'_{t+2}.
+  generate()    the loop around them; the fetch policy (config.FetchPolicy) says how many tokens a
+                step feeds and whether pre-decoding runs (again, after a wrong guess: `resync`).
 KIVI, the full cache and SpeCache's sequential/oracle fetch decode one token per step.
+generate_quantspec() is QuantSpec's draft-and-verify loop (quantspec.py has its draft and rule), and
+hf_generate() runs generate() inside a transformers model (hf.py).
 """
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
-import quant
+import config as cache_config
 import quantspec
 import tp
-from cache import MemoryMeter, build_caches
-from config import CacheConfig
+from cache import kv_fp16_bytes, setup_caches
+from config import CacheConfig, FetchPolicy
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
@@ -44,35 +52,20 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch
     return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
 
 
-# ---- cache construction ------------------------------------------------------------------------------
-def setup_caches(model, config: CacheConfig | str = "specache", batch=1, max_seq_len=None, gamma=4):
-    """Attach one cache per layer. `config`: a CacheConfig or its name. Returns (caches, prefetcher
-    or None, meter). Raises ValueError on a configuration the model or the kernels cannot run."""
-    config = CacheConfig.from_name(config) if isinstance(config, str) else config
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    meter = MemoryMeter()
-    caches, prefetcher = build_caches(model, config, batch, max_seq_len or model.args.max_seq_len, meter, gamma)
-    meter.alloc(kv_device_bytes(caches))
-    return caches, prefetcher, meter
+@dataclass(frozen=True)
+class Decoding:
+    """What to generate: how many tokens, how each is drawn, and when a row ends."""
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: Optional[int] = None  # sampling from the k most likely tokens
+    eos_ids: frozenset = frozenset()
+    # The loop reads on the host whether every row has ended once per this many steps (a sync, which
+    # a CUDA step would otherwise wait on every step); it runs at most this many - 1 steps past the
+    # end and drops them. 1 when something reads each token anyway (streaming).
+    eos_check_every: int = 8
 
-
-def kv_device_bytes(caches) -> int:
-    return sum(c.device_bytes() for c in caches)
-
-
-def kv_host_bytes(caches) -> int:
-    return sum(c.host_bytes() for c in caches)
-
-
-def kv_read_bytes(caches, step_tokens: int) -> int:
-    """KV bytes one decode step of `step_tokens` tokens reads (each cache's own byte floor)."""
-    return sum(c.read_bytes(step_tokens) for c in caches)
-
-
-def kv_fp16_bytes(model, batch, seq_len) -> int:
-    a = model.args
-    return 2 * a.n_layers * batch * a.n_kv_heads * seq_len * a.head_dim * 2
+    def sample(self, logits):
+        return sample(logits, self.temperature, self.top_k)
 
 
 # ---- Algorithms 1-3 --------------------------------------------------------------------------------------
@@ -107,96 +100,7 @@ def decode_step(model, tokens: torch.Tensor, input_pos: torch.Tensor, temperatur
     return sample(logits, temperature, top_k), logits
 
 
-# ---- the generation loop ----------------------------------------------------------------------------
-@torch.no_grad()
-def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, speculative: bool, step_fn=decode_step,
-             temperature=0.0, top_k=None, eos_ids=(), chunk=2048, on_token=None, on_step=None, progress=None,
-             sync=lambda: None, prefill_model=None, prefill_fn=None, resync=False, predecode_fn=pre_decode):
-    """prompt [B, P] -> (generated ids [B, N], stats). `speculative` selects the two-token loop;
-    `prefill_model` is e.g. a torch.compile'd view of `model` used for prefill only, and `prefill_fn`
-    (model, prompt) -> last logits replaces prefill() altogether (eval.py replays a recorded one).
-    `resync` (fetch policy "resync"): whenever the speculative token turns out wrong, pre-decoding
-    (Algorithm 2) runs again with the real token, so the next speculative token and the next fetch
-    come from it, not from the wrong guess (one extra one-token forward per miss; one host sync per
-    step to know).
-
-    on_step(step, logits, token, fed) is called after prefill (step 0, logits of the last prompt
-    position, fed None) and after each decode step (logits [B, V] of the real token's row, fed
-    [B, T] the tokens the step was fed); `token` [B] is the real token about to be fed next.
-    Returning a tensor replaces it (teacher forcing: eval.py's perplexity); the speculative token
-    stays the model's own."""
-    B, P = prompt.shape
-    device = prompt.device
-    stats = {"spec_steps": 0}
-    spec_hits = torch.zeros((), dtype=torch.int64, device=device)  # on the device: no sync per step
-    t0 = time.perf_counter()
-    last_logits = prefill_fn(model, prompt) if prefill_fn else prefill(prefill_model or model, prompt, chunk, progress)
-    token = sample(last_logits, temperature, top_k)  # T1
-    if on_step and (forced := on_step(0, last_logits, token, None)) is not None:
-        token = forced
-    sync()
-    stats["prefill_s"] = time.perf_counter() - t0
-    out = [token]
-    if on_token:
-        on_token(token)
-    t1 = time.perf_counter()
-    pos = torch.tensor([P, P + 1] if speculative else [P], device=device)
-    if speculative or primes_fetch(model):
-        spec = sample(predecode_fn(model, token, pos[:1]), temperature, top_k)  # T'2 (lag: only the fetch)
-    stats["resyncs"] = 0
-    for step in range(1, max_new_tokens):
-        if eos_ids and all(int(t) in eos_ids for t in token):  # stop once every row ended
-            break
-        fed = torch.stack([token, spec], 1) if speculative else token[:, None]
-        nxt, logits = step_fn(model, fed, pos, temperature, top_k)
-        token = nxt[:, 0].clone(memory_format=torch.contiguous_format)  # (same strides every step: one graph)
-        if speculative:
-            spec_hits += (spec == token).sum()  # was T'_{t+1} == T_{t+1}?
-            stats["spec_steps"] += B
-            spec = nxt[:, 1].clone(memory_format=torch.contiguous_format)
-        if on_step and (forced := on_step(step, logits[:, 0], token, fed)) is not None:
-            token = forced
-        pos = pos + 1
-        if speculative and resync and bool((fed[:, 1] != token).any()):  # a wrong guess: restart from the real token
-            spec = sample(predecode_fn(model, token, pos[:1]), temperature, top_k)
-            stats["resyncs"] += 1
-        out.append(token)
-        if on_token:
-            on_token(token)
-    sync()
-    n_steps = len(out) - 1
-    stats["decode_s"] = time.perf_counter() - t1
-    stats["decode_tok_s"] = B * n_steps / stats["decode_s"] if n_steps else 0.0
-    stats["spec_hits"] = int(spec_hits)
-    stats["spec_exact_hit_rate"] = stats["spec_hits"] / stats["spec_steps"] if stats["spec_steps"] else None
-    return torch.stack(out, 1), stats
-
-
-def primes_fetch(model) -> bool:
-    """Does the cache want Algorithm 2's pre-decoding before the first step even without a speculative
-    token? (SpeCache's lag policy: T1's own rows for the first step, then one step late.)"""
-    cache = model.layers[0].attention.kv_cache
-    return getattr(cache, "fetch", None) == "lag"
-
-
-def compile_step(device, fn=decode_step):
-    """The decode step (or `fn`, e.g. pre_decode for resync) as one fullgraph graph; a CUDA graph on CUDA.
-    Inductor by default drops a 16-bit round trip inside a fused kernel (x.to(float16).float() stays
-    fp32); the quantizer picks its codes against the 16-bit zero and scale it stores (quant._lsq_refit),
-    so without emulate_precision_casts the compiled least-squares fit stores other zeros than eager's."""
-    options = {"emulate_precision_casts": True}
-    if device.type == "cpu":
-        # Inductor's CPU backend writes consecutive loops into one C++ function until it takes 500
-        # arguments: the preset's 8k step filled one with 15 layers' cache writes (1.2 MB of C++) and
-        # gcc 12 crashed compiling it (results/bench/ice-8k). Functions of at most 128 arguments build.
-        from torch._inductor.codegen.cpp import CppScheduling
-        CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = min(getattr(CppScheduling, "MAX_FUSED_KERNEL_ARGS_NUM", 128), 128)
-    if device.type == "cuda":
-        options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (mode and options exclude each other)
-    return torch.compile(fn, fullgraph=True, options=options)
-
-
-# ---- the loop --------------------------------------------------------------------------------------------
+# ---- QuantSpec's steps (quantspec.txt Algorithm 1) ----------------------------------------------------
 def draft_step(draft, token, input_pos, temperature: float = 0.0):
     """One draft token: token [B] at input_pos [1] -> (next token [B], its distribution [B, V])."""
     logits = draft(token[:, None], input_pos, mode="draft")[:, 0]
@@ -210,25 +114,163 @@ def verify_step(model, tokens, input_pos):
 
 
 def commit(caches, n):
+    """Every layer's QuantSpecCache keeps the round's first n tokens (a layer of another kind keeps its own)."""
     for c in caches:
-        c.accept(n)
+        if isinstance(c, quantspec.QuantSpecCache):
+            c.accept(n)
 
 
+@dataclass(frozen=True)
+class Steps:
+    """What runs each forward of the loops: the eager functions above (the default), their compiled
+    graphs (`compiled`), or a stand-in (tools/eval.py replays a recorded prefill)."""
+    prefill: Callable = prefill  # (model, prompt) -> last logits [B, V]
+    pre_decode: Callable = pre_decode
+    decode: Callable = decode_step
+    draft: Callable = draft_step
+    verify: Callable = verify_step
+    commit: Callable = commit
+
+    def compiled(self, device, pre_decode=False) -> "Steps":
+        """The decode-time forwards as fullgraph graphs (CUDA graphs on CUDA); pre-decoding too when it
+        runs more than once (the resync policy). Prefill stays as it is."""
+        draft, verify = compile_step(device, self.draft), compile_step(device, self.verify)
+        if device.type == "cuda":
+            # A CUDA graph's outputs live in its pool and the next replay of the same graph overwrites
+            # them: gamma draft steps replay one graph, and each token feeds the next and the verify step.
+            # The outputs (a token, a distribution, the logits) are small: copy them out.
+            draft = functools.partial(_cloned, draft)
+            verify = functools.partial(_cloned, verify)
+        return replace(self, pre_decode=compile_step(device, self.pre_decode) if pre_decode else self.pre_decode,
+                       decode=compile_step(device, self.decode), draft=draft, verify=verify,
+                       commit=compile_step(device, self.commit))
+
+
+def _cloned(fn, *args):
+    out = fn(*args)
+    return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
+
+
+def compile_step(device, fn=decode_step):
+    """`fn` as one fullgraph graph; a CUDA graph on CUDA. Inductor by default drops a 16-bit round trip
+    inside a fused kernel (x.to(float16).float() stays fp32); the quantizer picks its codes against the
+    16-bit zero and scale it stores (quant.py's least-squares fit), so without emulate_precision_casts
+    the compiled least-squares fit stores other zeros than eager's."""
+    options = {"emulate_precision_casts": True}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (mode and options exclude each other)
+    compiled = torch.compile(fn, fullgraph=True, options=options)
+    if device.type != "cpu":
+        return compiled
+
+    @functools.wraps(fn)
+    def step(*args, **kw):  # (it compiles inside its first call)
+        with cpp_kernel_args_capped(128):
+            return compiled(*args, **kw)
+    return step
+
+
+@contextlib.contextmanager
+def cpp_kernel_args_capped(n: int):
+    """Inductor's CPU backend writes consecutive loops into one C++ function until it takes 500
+    arguments: the preset's 8k step filled one with 15 layers' cache writes (1.2 MB of C++) and gcc 12
+    crashed compiling it (results/bench/ice-8k). While our steps compile, functions take at most n;
+    whatever else the process compiles keeps inductor's default."""
+    from torch._inductor.codegen.cpp import CppScheduling
+    before = CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM
+    CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = min(before, n)
+    try:
+        yield
+    finally:
+        CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = before
+
+
+# ---- the generation loop ----------------------------------------------------------------------------
 @torch.no_grad()
-def generate_quantspec(model, draft, prompt: torch.Tensor, max_new_tokens: int, gamma: int, *, temperature=0.0,
-                       eos_ids=(), chunk=2048, on_token=None, steps=None, sync=lambda: None, prefill_fn=None):
-    """prompt [1, P] -> (ids [1, N], stats). gamma = 0 is autoregressive decoding by the target over
-    the same cache (INT8 view, same buffer policy): the baseline QuantSpec must equal when greedy.
-    `steps`: (draft_step, verify_step, commit) to use, e.g. compiled ones (compile_quantspec_steps)."""
+def generate(model, prompt: torch.Tensor, policy: FetchPolicy, decoding: Decoding, steps: Steps = Steps(),
+             on_step=None):
+    """prompt [B, P] -> (generated ids [B, N], stats), over the caches set up on `model`: Algorithm 1,
+    Algorithm 2 when the policy pre-decodes, then decode steps of policy.step_tokens tokens until
+    decoding.max_new_tokens or every row has produced an eos token (the ids stop after the last row's).
+    With the resync policy, whenever the speculative token turns out wrong, pre-decoding runs again
+    with the real token, so the next speculative token and the next fetch come from it, not from the
+    wrong guess (one extra one-token forward per miss, and one host sync per step to know).
+
+    on_step(step, logits, token, fed) is called after prefill (step 0, logits of the last prompt
+    position, fed None) and after each decode step (logits [B, V] of the real token's row, fed
+    [B, T] the tokens the step was fed); `token` [B] is the real token about to be fed next.
+    Returning a tensor replaces it (teacher forcing: tools/eval.py's perplexity); the speculative
+    token stays the model's own."""
+    B, P = prompt.shape
+    device = prompt.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    two = policy.step_tokens == 2
+    stats = {"spec_steps": 0, "resyncs": 0}
+    spec_hits = torch.zeros((), dtype=torch.int64, device=device)  # on the device: no sync per step
+    eos = torch.tensor(sorted(decoding.eos_ids), device=device) if decoding.eos_ids else None
+    ended_at = torch.full((B,), -1, dtype=torch.int64, device=device)  # index of each row's first eos
+    t0 = time.perf_counter()
+    last_logits = steps.prefill(model, prompt)  # Algorithm 1
+    token = decoding.sample(last_logits)  # T1
+    if on_step and (forced := on_step(0, last_logits, token, None)) is not None:
+        token = forced
+    sync()
+    stats["prefill_s"] = time.perf_counter() - t0
+    out = [token]
+    t1 = time.perf_counter()
+    pos = torch.tensor([P, P + 1] if two else [P], device=device)
+    if policy.pre_decode:  # Algorithm 2: T'2 (lag: only the fetch)
+        spec = decoding.sample(steps.pre_decode(model, token, pos[:1]))
+    step = 0
+    for step in range(1, decoding.max_new_tokens):
+        if eos is not None:
+            ended_at = torch.where((ended_at < 0) & torch.isin(token, eos), step - 1, ended_at)
+            if step % decoding.eos_check_every == 0 and bool((ended_at >= 0).all()):  # the host sync
+                break
+        fed = torch.stack([token, spec], 1) if two else token[:, None]
+        nxt, logits = steps.decode(model, fed, pos, decoding.temperature, decoding.top_k)  # Algorithm 3
+        token = nxt[:, 0].clone(memory_format=torch.contiguous_format)  # (same strides every step: one graph)
+        if two:
+            spec_hits += (spec == token).sum()  # was T'_{t+1} == T_{t+1}?
+            stats["spec_steps"] += B
+            spec = nxt[:, 1].clone(memory_format=torch.contiguous_format)
+        if on_step and (forced := on_step(step, logits[:, 0], token, fed)) is not None:
+            token = forced
+        pos = pos + 1
+        if policy.resync and two and bool((fed[:, 1] != token).any()):  # a wrong guess: restart from the real token
+            spec = decoding.sample(steps.pre_decode(model, token, pos[:1]))
+            stats["resyncs"] += 1
+        out.append(token)
+    sync()
+    stats["decode_s"] = time.perf_counter() - t1
+    stats["decode_steps"] = n_steps = len(out) - 1
+    stats["decode_tok_s"] = B * n_steps / stats["decode_s"] if n_steps else 0.0
+    stats["spec_hits"] = int(spec_hits)
+    stats["spec_exact_hit_rate"] = stats["spec_hits"] / stats["spec_steps"] if stats["spec_steps"] else None
+    ids = torch.stack(out, 1)
+    if eos is not None:  # the steps past the last row's eos (read every few steps) are dropped
+        ended_at = torch.where((ended_at < 0) & torch.isin(token, eos), len(out) - 1, ended_at)
+        if bool((ended_at >= 0).all()):
+            ids = ids[:, :int(ended_at.max()) + 1]
+    return ids, stats
+
+
+# ---- QuantSpec's loop ----------------------------------------------------------------------------------
+@torch.no_grad()
+def generate_quantspec(model, draft, prompt: torch.Tensor, gamma: int, decoding: Decoding, steps: Steps = Steps(),
+                       on_token=None):
+    """prompt [1, P] -> (ids [1, N], stats), over quantspec.setup_caches' caches shared with `draft`
+    (quantspec.make_draft, share_caches). gamma = 0 is autoregressive decoding by the target over the
+    same cache (INT8 view, same buffer policy): the baseline QuantSpec must equal when greedy."""
     B, P = prompt.shape
     if B != 1:
         raise ValueError("QuantSpec decodes one sequence at a time (acceptance differs per row)")
-    d_step, v_step, c_step = steps or (draft_step, verify_step, commit)
     caches = [layer.attention.kv_cache for layer in model.layers]
-    device = prompt.device
+    boundary = next(c for c in caches if isinstance(c, quantspec.QuantSpecCache))
+    device, temperature, eos_ids = prompt.device, decoding.temperature, decoding.eos_ids
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    logits = prefill_fn(model, prompt) if prefill_fn else prefill(model, prompt, chunk)
-    x = sample(logits, temperature, None)
+    x = decoding.sample(steps.prefill(model, prompt))
     sync()
     stats = dict(prefill_s=time.perf_counter() - t0, drafted=0, accepted=0, rounds=0, gamma=gamma)
     out = [int(x)]
@@ -236,27 +278,27 @@ def generate_quantspec(model, draft, prompt: torch.Tensor, max_new_tokens: int, 
         on_token(x)
     t1 = time.perf_counter()
     pos = torch.tensor([P], device=device)
-    while len(out) < max_new_tokens and not (eos_ids and out[-1] in eos_ids):
+    while len(out) < decoding.max_new_tokens and not (eos_ids and out[-1] in eos_ids):
         tokens, probs, t = [x], [], x
         for i in range(gamma):
-            t, q = d_step(draft, t, pos + i, temperature)
+            t, q = steps.draft(draft, t, pos + i, temperature)
             tokens.append(t)
             probs.append(q)
         fed = torch.stack(tokens, 1)  # [1, gamma + 1]
-        logits = v_step(model, fed, pos + torch.arange(gamma + 1, device=device))
+        logits = steps.verify(model, fed, pos + torch.arange(gamma + 1, device=device))
         if gamma:
             q = torch.stack(probs, 1) if temperature > 0 else torch.zeros(1, gamma, 1, device=device)
-            a, nxt = quantspec.accept(logits, fed[:, 1:], q, temperature, cap=quantspec.boundary_cap(caches[0]))
+            a, nxt = quantspec.accept(logits, fed[:, 1:], q, temperature, cap=quantspec.boundary_cap(boundary))
         else:
             a, nxt = torch.zeros(1, dtype=torch.long, device=device), sample(logits[:, 0], temperature, None)
-        c_step(caches, a[0] + 1)  # x, d_1..d_a stay
+        steps.commit(caches, a[0] + 1)  # x, d_1..d_a stay
         n = int(a[0])  # the one sync of the round: the tokens leave the device
         new = fed[0, 1:1 + n].tolist() + [int(nxt[0])]
         stats["drafted"] += gamma
         stats["accepted"] += n
         stats["rounds"] += 1
         for tok in new:
-            if len(out) >= max_new_tokens or (eos_ids and out[-1] in eos_ids):
+            if len(out) >= decoding.max_new_tokens or (eos_ids and out[-1] in eos_ids):
                 break
             out.append(tok)
             if on_token:
@@ -271,63 +313,69 @@ def generate_quantspec(model, draft, prompt: torch.Tensor, max_new_tokens: int, 
     return torch.tensor([out], device=device), stats
 
 
-def compile_quantspec_steps(device, gamma: int):
-    """The draft step, the verify step (gamma + 1 tokens) and the commit, each one fullgraph graph
-    (CUDA graphs on CUDA)."""
-    d, v, c = (compile_step(device, f) for f in (draft_step, verify_step, commit))
-    if device.type != "cuda":
-        return d, v, c
-    # A CUDA graph's outputs live in its pool and the next replay of the same graph overwrites them:
-    # gamma draft steps replay one graph, and each token feeds the next and the verify step. The
-    # outputs (a token, a distribution, the logits) are small: copy them out.
-    def draft(*a):
-        return tuple(x.clone() for x in d(*a))
+# ---- transformers models: model.generate(ids, custom_generate=generate.hf_generate, ...) -------------------
+WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
 
-    def verify(*a):
-        return v(*a).clone()
-    return draft, verify, c
+
+def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                synced_gpus=False, streamer=None, cache_config="specache", prefill_chunk=2048, stream=None,
+                **model_kwargs):
+    """The decode loop for `model.generate(input_ids, custom_generate=generate.hf_generate,
+    cache_config=NAME, ...)`: generate() (prefill, pre-decoding, two-token steps) over fresh caches of
+    `cache_config` (a config.CacheConfig or its name, e.g. "specache-1bit-best", "kivi-2bit", "full")
+    inside the transformers model (hf.HFModel). Honours max_new_tokens/max_length, eos_token_id,
+    greedy decoding and sampling's temperature/top-k/top-p/min-p; other logits processors and
+    stopping criteria raise hf.HFError. The streamer: transformers 5.23 hands a custom_generate
+    callable only the keyword arguments that its own sampling loop does not take, so `streamer=`
+    never arrives here; pass it as `stream=`. QuantSpec runs through generate.py's --method quantspec.
+    Returns [B, P + N] ids."""
+    import hf
+
+    config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
+    if config.kind == "quantspec":
+        raise hf.HFError("QuantSpec is a draft-and-verify loop: run it with generate.py --hf DIR --method quantspec")
+    other = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in WARPERS]
+    other += [type(s).__name__ for s in (stopping_criteria or [])
+              if type(s).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria")]
+    if other or generation_config.num_beams > 1 or generation_config.return_dict_in_generate:
+        raise hf.HFError(f"custom_generate=generate.hf_generate does greedy decoding or plain sampling; not "
+                         f"supported here: {', '.join(other) or 'beams / return_dict_in_generate'}")
+    if model_kwargs.get("attention_mask") is not None and not bool(model_kwargs["attention_mask"].all()):
+        raise hf.HFError("padded batches are not supported by this project's caches: give prompts of one length")
+    prev = model.config._attn_implementation
+    view = hf.HFModel(model)
+    B, P = input_ids.shape
+    new = generation_config.max_length - P
+    eos = generation_config.eos_token_id
+    eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+    setup_caches(view, config, B, P + new + 1)
+    if streamer is None and stream is not None:
+        streamer = stream
+        streamer.put(input_ids.cpu())  # what generate() does before the loop for its own `streamer`
+    on_step = (lambda step, logits, token, fed: streamer.put(token.cpu())) if streamer is not None else None
+    decoding = Decoding(new, temperature=1.0 if generation_config.do_sample else 0.0, eos_ids=eos,
+                        eos_check_every=1 if streamer is not None else Decoding.eos_check_every)
+    try:
+        warped = generation_config.do_sample and len(logits_processor or [])
+        out, _ = generate(hf.Warped(view, logits_processor) if warped else view, input_ids, config.policy, decoding,
+                          Steps(prefill=functools.partial(prefill, chunk=prefill_chunk)), on_step)
+    finally:
+        model.set_attn_implementation(prev)
+    if streamer is not None:
+        streamer.end()
+    if eos:  # rows that ended: pad after their first eos, as transformers does
+        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else min(eos)
+        ended = torch.zeros(B, dtype=torch.bool, device=out.device)
+        for i in range(out.shape[1]):
+            out[:, i] = torch.where(ended, pad, out[:, i])
+            ended |= torch.isin(out[:, i], torch.tensor(sorted(eos), device=out.device))
+    return torch.cat([input_ids, out], 1)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
-def cache_flags(p):
-    """The cache options every entry point shares: a name (config.CacheConfig) and field overrides."""
-    p.add_argument("--cache", default="specache",
-                   help="full | kivi | specache, or a full name such as specache-2bit-oracle (see config.CacheConfig)")
-    p.add_argument("--preset", default=None, choices=["paper", "best"],
-                   help="SpeCache settings: paper (Algorithm 3, §4.1; the default) or best (what the README's "
-                        "measurements favour: resync fetch, 4 sinks, group 32, least-squares zero/scale, "
-                        "64 fetched rows re-ranked from 128 low-bit candidates by their fp keys); the name's "
-                        "parts and flags win")
-    p.add_argument("--bits", type=int, default=None, help="bits per code (default: the name's, else 1)")
-    p.add_argument("--group", type=int, default=None, help="quantization group (default 64)")
-    p.add_argument("--residual", type=int, default=None, help="fp residual window (default 128 kivi, 64 specache)")
-    p.add_argument("--k", type=int, default=None, help="SpeCache: fp16 KV pairs fetched per layer and kv head (64)")
-    p.add_argument("--fetch", default=None, help="SpeCache fetch policy: speculative (Algorithm 3, the default), union, "
-                   "resync, lag, sequential, oracle (see cache.SpeCache)")
-    p.add_argument("--sinks", type=int, default=None, help="SpeCache: first tokens kept in fp16 on the device (0)")
-    p.add_argument("--rerank", type=int, default=None,
-                   help="SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys read from the host "
-                        "(1: off; N: N*k keys + k values cross the bus per layer instead of k + k)")
-    p.add_argument("--one-bit", default=None, choices=["improved", "kivi"], help="1-bit zero/scale: eq. 3 or eq. 2")
-    p.add_argument("--fit", default=None, choices=quant.FITS,
-                   help="low-bit zero/scale: from min/max (eq. 2/3), or their least-squares refit (same bytes)")
-    p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"],
-                   help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")
-    p.add_argument("--fetch-impl", default=None, choices=["uva", "staged"], help="CUDA host-to-device transfer")
-    p.add_argument("--salient-ratio", type=float, default=None,
-                   help="ZipCache mixed precision (--quant zipcache): share of tokens kept at --bits-salient (e.g. 0.4)")
-    p.add_argument("--bits-salient", type=int, default=None, help="ZipCache: bits of the salient tokens (default --bits + 2)")
-
-
-def config_from_flags(a) -> CacheConfig:
-    return CacheConfig.from_name(a.cache, preset=a.preset, bits=a.bits, group=a.group, residual=a.residual, k=a.k, fetch=a.fetch,
-                                 one_bit=a.one_bit, fit=a.fit, scheme=a.quant, fetch_impl=a.fetch_impl, sinks=a.sinks,
-                                 rerank=a.rerank, salient=a.salient_ratio, bits_salient=a.bits_salient)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--checkpoint", type=Path, default=None, help=f"a converted checkpoint (default {DEFAULT_CHECKPOINT.relative_to(ROOT)})")
     p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py: Llama, Mistral, Qwen2/3, ...)")
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
@@ -337,7 +385,7 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples")
     p.add_argument("--sample-top-k", type=int, default=None, help="sample from the k most likely tokens (not SpeCache's --k)")
     p.add_argument("--seed", type=int, default=0)
-    cache_flags(p)
+    cache_config.add_cache_flags(p)
     p.add_argument("--method", default="autoregressive", choices=["autoregressive", "quantspec"],
                    help="quantspec: self-speculative decoding over the hierarchical cache (quantspec.py)")
     p.add_argument("--gamma", type=int, default=4, help="QuantSpec: draft tokens per round")
@@ -356,10 +404,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def fail(msg):
-    raise SystemExit(f"error: {msg}")
-
-
 def check_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
@@ -367,7 +411,7 @@ def check_device(name: str) -> torch.device:
             raise RuntimeError
         torch.empty(0, device=device)
     except RuntimeError:
-        fail(f"device {name!r} is not available here")
+        raise ValueError(f"device {name!r} is not available here")
     return device
 
 
@@ -377,9 +421,9 @@ def read_prompt(a) -> str:
     try:
         return sys.stdin.read() if str(a.prompt_file) == "-" else a.prompt_file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        fail(f"prompt file {a.prompt_file} is not valid UTF-8 ({e.reason} at byte {e.start})")
+        raise ValueError(f"prompt file {a.prompt_file} is not valid UTF-8 ({e.reason} at byte {e.start})")
     except OSError as e:
-        fail(f"cannot read prompt file {a.prompt_file}: {e.strerror}")
+        raise ValueError(f"cannot read prompt file {a.prompt_file}: {e.strerror}")
 
 
 def check_args(a):
@@ -387,72 +431,78 @@ def check_args(a):
                              ("--prefill-chunk", a.prefill_chunk, 1), ("--threads", a.threads, 1),
                              ("--sample-top-k", a.sample_top_k, 1)):
         if value is not None and value < low:
-            fail(f"{flag} must be >= {low}, got {value}")
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
     if a.temperature < 0:
-        fail(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
     if a.method == "quantspec":
         if a.gamma < 0:
-            fail(f"--gamma must be >= 0, got {a.gamma}")
+            raise ValueError(f"--gamma must be >= 0, got {a.gamma}")
         if a.batch_size != 1:
-            fail("--method quantspec decodes one sequence (--batch-size 1)")
+            raise ValueError("--method quantspec decodes one sequence (--batch-size 1)")
         if a.draft_group not in (32, 64, 128, 256):
-            fail(f"--draft-group must be 32, 64, 128 or 256, got {a.draft_group}")
+            raise ValueError(f"--draft-group must be 32, 64, 128 or 256, got {a.draft_group}")
     if a.sample_top_k is not None and a.temperature == 0:
-        fail("--sample-top-k needs --temperature > 0 (greedy decoding ignores it)")
+        raise ValueError("--sample-top-k needs --temperature > 0 (greedy decoding ignores it)")
+    if a.hf and a.checkpoint:
+        raise ValueError("--hf DIR and --checkpoint DIR both name the model: give one")
+    if a.hf and (a.compile or a.compile_prefill):
+        raise ValueError("--compile is not available with --hf (the transformers forward runs eagerly)")
+
+
+def load(a, device, dtype):
+    """(model, tokenizer) of --checkpoint (this rank's slices under torchrun) or --hf."""
+    from tokenizer import load_tokenizer
+    if a.hf:
+        if tp.world() > 1:
+            raise ValueError("--hf runs on one process: tensor parallelism under torchrun takes converted checkpoints (--checkpoint)")
+        import hf
+        return hf.load(a.hf, device, dtype)
+    ckpt = a.checkpoint or DEFAULT_CHECKPOINT
+    if not (ckpt / "config.json").exists():
+        raise ValueError(f"no checkpoint at {ckpt} (run `make demo`, or `python convert_hf.py SOURCE --out {ckpt}`)")
+    return tp.load_model(ckpt, device=device, dtype=dtype), load_tokenizer(ckpt)
 
 
 def main(argv=None):
+    """The CLI: bad input (a ValueError) ends with one `error:` line and exit code 1."""
     a = parse_args(argv)
-    check_args(a)
     try:
-        if a.method == "quantspec" and a.cache in ("specache", "kivi", "full"):
-            a.cache = "quantspec"  # the method's own cache unless a quantspec name was given
-        config = config_from_flags(a)
-        if a.method == "quantspec" and config.kind != "quantspec":
-            fail("--method quantspec runs on the quantspec cache (--cache quantspec[-gN])")
+        return run(a)
     except ValueError as e:
-        fail(str(e))
+        raise SystemExit(f"error: {e}") from None
+
+
+def run(a):
+    check_args(a)
+    if a.method == "quantspec" and a.cache in ("specache", "kivi", "full"):
+        a.cache = "quantspec"  # the method's own cache unless a quantspec name was given
+    config = cache_config.from_flags(a)
+    if a.method == "quantspec" and config.kind != "quantspec":
+        raise ValueError("--method quantspec runs on the quantspec cache (--cache quantspec[-gN])")
     device = tp.init(a.tp, check_device(a.device))
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.hf and (a.compile or a.compile_prefill):
-        fail("--compile is not available with --hf (the transformers forward runs eagerly)")
-    if a.hf and tp.world() > 1:
-        fail("--hf runs on one process: tensor parallelism under torchrun takes converted checkpoints (--checkpoint)")
-    if not a.hf and not (a.checkpoint / "config.json").exists():
-        fail(f"no checkpoint at {a.checkpoint} (run `make demo`, or `python convert_hf.py SOURCE --out {a.checkpoint}`)")
     torch.manual_seed(a.seed)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
-
-    from tokenizer import load_tokenizer
-    try:
-        if a.hf:
-            import hf
-            model, tok = hf.load(a.hf, device, dtype)
-        else:
-            tok = load_tokenizer(a.checkpoint)
-            model = tp.load_model(a.checkpoint, device=device, dtype=dtype)  # this rank's slices under torchrun
-    except ValueError as e:
-        fail(str(e))
+    model, tok = load(a, device, dtype)
     text = read_prompt(a)
     if not text.strip():
-        fail("the prompt is empty")
+        raise ValueError("the prompt is empty")
     ids = tok.encode_prompt(text, chat=a.chat)
     seq_len = len(ids) + a.max_new_tokens + 1 + (a.gamma if a.method == "quantspec" else 0)  # + lookahead slots
     if seq_len > model.args.max_seq_len:
-        fail(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's max_seq_len "
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's max_seq_len "
              f"{model.args.max_seq_len}")
-    try:
-        caches, prefetcher, meter = setup_caches(model, config, a.batch_size, seq_len, gamma=max(a.gamma, 1))
-    except ValueError as e:
-        fail(str(e))
-    step_fn = compile_step(device) if a.compile else decode_step
-    prefill_model = torch.compile(model, dynamic=True) if a.compile_prefill else model
+    if a.method == "quantspec":
+        caches = quantspec.setup_caches(model, config, a.batch_size, seq_len, gamma=max(a.gamma, 1))
+    else:
+        caches = setup_caches(model, config, a.batch_size, seq_len)
     prompt = torch.tensor([ids] * a.batch_size, device=device)
-
+    quiet = a.quiet or tp.rank() > 0  # one rank prints
     streamed, ended = [], []
-    def on_token(t):  # stream row 0 until its first eos
-        if a.quiet or ended or int(t[0]) in tok.eos_ids:
+
+    def stream(t):  # row 0 until its first eos
+        if quiet or ended or int(t[0]) in tok.eos_ids:
             ended.append(True)
             return
         before = tok.decode(streamed)
@@ -461,25 +511,22 @@ def main(argv=None):
         sys.stdout.flush()
 
     def progress(done, total):
-        if total > a.prefill_chunk:
+        if total > a.prefill_chunk and not quiet:
             print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    resync = config.kind == "specache" and config.fetch == "resync"
+    prefill_model = torch.compile(model, dynamic=True) if a.compile_prefill else model
+    steps = Steps(prefill=lambda m, p: prefill(prefill_model, p, a.prefill_chunk, progress))
+    steps = steps.compiled(device, pre_decode=config.policy.resync) if a.compile else steps
+    decoding = Decoding(a.max_new_tokens, a.temperature, a.sample_top_k, frozenset(tok.eos_ids),
+                        eos_check_every=Decoding.eos_check_every if quiet else 1)
     if a.method == "quantspec":
         draft = quantspec.make_draft(model, a.draft_group)
         quantspec.share_caches(draft, model)
-        out, stats = generate_quantspec(
-            model, draft, prompt, a.max_new_tokens, a.gamma, temperature=a.temperature, eos_ids=tok.eos_ids,
-            chunk=a.prefill_chunk, on_token=on_token, sync=sync,
-            steps=compile_quantspec_steps(device, a.gamma) if a.compile else None)
+        out, stats = generate_quantspec(model, draft, prompt, a.gamma, decoding, steps, on_token=None if quiet else stream)
         stats.update(spec_exact_hit_rate=None, resyncs=0)
     else:
-        out, stats = generate(model, prompt, a.max_new_tokens, speculative=config.two_tokens, step_fn=step_fn,
-                          temperature=a.temperature, top_k=a.sample_top_k, eos_ids=tok.eos_ids,
-                          chunk=a.prefill_chunk, on_token=on_token, progress=progress, sync=sync,
-                          prefill_model=prefill_model, resync=resync,
-                          predecode_fn=compile_step(device, pre_decode) if a.compile and resync else pre_decode)
+        on_step = None if quiet else (lambda step, logits, token, fed: stream(token))
+        out, stats = generate(model, prompt, config.policy, decoding, steps, on_step)
         stats.update(acceptance_rate=None)
     rows = [[int(x) for x in row] for row in out]
     for row in rows:  # cut at the first eos
@@ -487,25 +534,26 @@ def main(argv=None):
             if t in tok.eos_ids:
                 del row[i:]
                 break
-    text_out = tok.decode(rows[0])
-    if not a.quiet:
-        print()
     result = {
-        "text": text_out,
+        "text": tok.decode(rows[0]),
         "tokens": rows[0] if a.batch_size == 1 else rows,
         "prompt_tokens": len(ids),
         "prefill_s": round(stats["prefill_s"], 4),
         "decode_tok_s": round(stats["decode_tok_s"], 3),
-        "kv_device_bytes": kv_device_bytes(caches),
-        "kv_host_bytes": kv_host_bytes(caches),
-        "kv_fp16_bytes": kv_fp16_bytes(model, a.batch_size, seq_len),
-        "kv_peak_prefill_device_bytes": meter.peak,
+        "kv_device_bytes": caches.device_bytes(),
+        "kv_host_bytes": caches.host_bytes(),
+        "kv_fp16_bytes": kv_fp16_bytes(model.args, a.batch_size, seq_len),
+        "kv_peak_prefill_device_bytes": caches.meter.peak,
         "cache": config.name, "config": config.as_dict(),
         "spec_exact_hit_rate": stats["spec_exact_hit_rate"], "resyncs": stats["resyncs"],
         "method": a.method, "acceptance_rate": stats["acceptance_rate"],
         "gamma": a.gamma if a.method == "quantspec" else None,
-        "bytes_fetched_per_step": prefetcher.bytes_per_step() if prefetcher else 0,
+        "bytes_fetched_per_step": caches.fetch_bytes_per_step(),
     }
+    if tp.rank() > 0:
+        return result
+    if not a.quiet:
+        print()
     mib = 2 ** 20
     print(f"[{config.name}] prefill {len(ids)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
           f"KV device {result['kv_device_bytes'] / mib:.2f} MiB, host {result['kv_host_bytes'] / mib:.2f} MiB, "

@@ -1,31 +1,33 @@
 """This project's KV caches inside a Hugging Face transformers model.
 
-    import hf                                          # registers attn_implementation "specache"
-    model = AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.float32)   # any attn_implementation
-    out = model.generate(ids, custom_generate=hf.generate, cache_config="specache-1bit-best", max_new_tokens=64)
+    import hf
+    model, tok = hf.load(DIR)                          # an HFModel: the transformers model, "specache" attention
+    caches = cache.setup_caches(model, "specache-1bit-best", 1, 4096)   # then generate.generate(model, ...)
+    out = hf_model.generate(ids, custom_generate=generate.hf_generate, cache_config="specache-1bit-best",
+                            max_new_tokens=64)          # on any transformers model of a supported family
 
     python generate.py --hf DIR --cache specache --bits 1 --k 64 --prompt "..."       # the CLI
-    python eval.py niah --hf DIR --quick --out results/hf-niah
+    python tools/eval.py niah --hf DIR --quick --out results/hf-niah
 
 How the pieces fit (transformers >= 5.23, < 6):
   HFCache     a transformers `Cache` whose layers (CacheLayer) are this project's caches (cache.py:
-              FullCache, LowBitCache = KIVI/ZipCache, SpeCache, QuantSpecCache). `update()` keeps
-              the step's K/V for the attention call that follows it in the same attention module.
+              FullCache, LowBitCache = KIVI/ZipCache, SpeCache, quantspec.QuantSpecCache). `update()`
+              notes the step's K/V for the attention call that follows it in the same attention module.
   attention   registered with `AttentionInterface` as "specache" (with a mask function under the
-              same name): hands (q, k, v, positions, mode) to the layer's cache, which stores them
-              and computes attention itself (kernels.py: Triton on CUDA, torch reference on CPU).
-              The caches mask by position (causal, Mistral's window), so the mask function builds
+              same name) by `register()`: hands (q, k, v, positions, mode) to the layer's cache, which
+              stores them and computes attention itself (kernels.py: Triton on CUDA, torch reference on
+              CPU). It finds the cache through its attention module, which HFModel points at the layer's
+              slot. The caches mask by position (causal, sliding windows), so the mask function builds
               nothing; it only refuses padding, which the caches do not implement.
   HFModel     the transformers model seen through model.Transformer's interface (`args`, `layers[i]
-              .attention.kv_cache`, `setup_caches`, `forward(idx, input_pos, mode)`): generate.py's
-              setup_caches / prefill / pre_decode / decode_step / generate and eval.py's Runner run
-              on it unchanged: Algorithm 1's prefill, Algorithm 2's pre-decoding, Algorithm 3's
-              two-token steps with the speculative token's K/V dropped (mode "decode" keeps one).
-  generate    the decode loop for `model.generate(..., custom_generate=hf.generate)`.
+              .attention.kv_cache`, `setup_caches`, `forward(idx, input_pos, mode)`): cache.setup_caches
+              and generate.py's prefill / pre_decode / decode_step / generate run on it unchanged:
+              Algorithm 1's prefill, Algorithm 2's pre-decoding, Algorithm 3's two-token steps with
+              the speculative token's K/V dropped (mode "decode" keeps one).
+generate.hf_generate is the decode loop for `model.generate(..., custom_generate=...)`.
 """
 import copy
 import json
-import threading
 import types
 from pathlib import Path
 
@@ -40,7 +42,7 @@ VERSIONS = ("5.23", "6")  # tested with 5.23.0 (requirements-test.txt)
 # Families whose attention goes through the standard interface with q/k/v as the caches store them
 # (post-RoPE, one head_dim, no soft-capping or learned sinks, full or sliding-window layers);
 # tests/test_hf.py checks each against transformers' own generate(). Gemma 3's local layers get a
-# windowed fp cache (HFModel.setup_caches); Gemma 2 (attention soft-capping) is not supported.
+# windowed fp cache (cache.setup_caches); Gemma 2 (attention soft-capping) is not supported.
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo2", "olmoe",
              "phi", "phi3", "granite", "granitemoe", "starcoder2", "smollm3", "cohere", "helium", "ministral",
              "gemma3_text")
@@ -61,7 +63,6 @@ def check_transformers():
     if not Version(VERSIONS[0]) <= v < Version(VERSIONS[1]):
         raise HFError(f"hf.py is tested with transformers >={VERSIONS[0]},<{VERSIONS[1]}, found {transformers.__version__}: "
                       f"pip install 'transformers>={VERSIONS[0]},<{VERSIONS[1]}'")
-    _register()
     return transformers
 
 
@@ -72,9 +73,6 @@ def check_model_type(model_type: str):
 
 
 # ---- the cache ---------------------------------------------------------------------------------------
-_ACTIVE = threading.local()  # the (cache, layer, k, v) of the update() the attention call belongs to
-
-
 def _layer_class():
     from transformers.cache_utils import CacheLayerMixin
 
@@ -119,6 +117,7 @@ def _cache_class():
             super().__init__(layers=[_CacheLayer(s, capacity) for s in slots])
             self.seen, self.mode, self.input_pos = 0, None, None
             self.inferred = None  # tokens of a forward whose step update() inferred (ends after the last layer)
+            self.pending = None  # (layer, key) of the last update(): the attention call that belongs to it
 
         def begin(self, mode, input_pos):
             self.mode, self.input_pos = mode, input_pos
@@ -136,7 +135,7 @@ def _cache_class():
                 mode = "prefill" if T > 1 or self.seen == 0 else "decode"
                 self.begin(mode, torch.arange(self.seen, self.seen + T, device=key_states.device))
                 self.inferred = T
-            _ACTIVE.entry = (self, layer_idx, key_states, value_states)
+            self.pending = (layer_idx, key_states)
             return key_states, value_states
 
         def after_layer(self, layer_idx):
@@ -148,13 +147,14 @@ def _cache_class():
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The AttentionInterface function: the layer's cache stores k/v and attends (q [B,H,T,D] ->
-    out [B,T,H,D], no weights). Only runs with an HFCache as past_key_values."""
-    entry = getattr(_ACTIVE, "entry", None)
-    if entry is None or entry[1] != module.layer_idx or entry[2] is not key:
-        raise HFError(f"attn_implementation {NAME!r} runs with this project's caches: pass past_key_values=HFCache "
-                      f"(hf.HFModel.setup_caches) or use custom_generate=hf.generate")
-    cache, layer_idx = entry[0], entry[1]
-    _ACTIVE.entry = None
+    out [B,T,H,D], no weights). Runs in an HFModel's modules with its HFCache as past_key_values."""
+    slot = getattr(module, "specache_slot", None)
+    cache = slot.owner if slot is not None else None
+    if cache is None or cache.pending is None or cache.pending[0] != module.layer_idx or cache.pending[1] is not key:
+        raise HFError(f"attn_implementation {NAME!r} runs with this project's caches: use hf.HFModel (hf.load) with "
+                      f"past_key_values=its .cache, or custom_generate=generate.hf_generate")
+    layer_idx = module.layer_idx
+    cache.pending = None
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise HFError("attention logit soft-capping and learned attention sinks are not implemented by the caches")
     D = query.shape[-1]
@@ -172,13 +172,17 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function
     return None
 
 
+# transformers is optional: its subclasses are made, and the attention registered with it (a registry:
+# from_pretrained(attn_implementation=NAME) looks the function up there), on first use.
 _CacheLayer = _HFCache = None
 
 
-def _register():
+def register():
+    """Make attn_implementation "specache" known to transformers (HFModel and load() call it)."""
     global _CacheLayer, _HFCache
     if _HFCache is not None:
         return
+    check_transformers()
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(NAME, attention)
@@ -201,9 +205,8 @@ def layer_windows(config) -> list:
 
 
 def model_args(config) -> ModelArgs:
-    """ModelArgs of a transformers config: what the caches and the byte accounting need. A window
-    in every layer is the model's sliding_window (as Mistral's); mixed layers (Gemma 3) have none
-    here: HFModel gives their local layers a windowed fp cache of their own."""
+    """ModelArgs of a transformers config: what the caches and the byte accounting need, with each
+    layer's sliding window (cache.setup_caches gives a windowed layer its windowed fp cache)."""
     c = config.get_text_config()
     windows = layer_windows(config)
     heads = c.num_attention_heads
@@ -212,54 +215,49 @@ def model_args(config) -> ModelArgs:
                      head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, vocab_size=c.vocab_size,
                      intermediate_size=getattr(c, "intermediate_size", 0), max_seq_len=c.max_position_embeddings,
                      tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-                     sliding_window=windows[0] if len(set(windows)) == 1 else None)
+                     sliding_window=windows[0] if len(set(windows)) == 1 else None,
+                     layer_windows=tuple(windows) if len(set(windows)) > 1 else None)
 
 
 class HFModel(nn.Module):
-    """A transformers causal LM behind model.Transformer's interface: generate.setup_caches attaches
-    the project's caches (`setup_caches`), and `forward(idx, input_pos, mode)` runs the transformers
+    """A transformers causal LM behind model.Transformer's interface: cache.setup_caches attaches the
+    project's caches (`setup_caches`), and `forward(idx, input_pos, mode)` runs the transformers
     forward with them through the "specache" attention. Returns fp32 logits (prefill: the last
     position's only, which is all prefill() reads)."""
 
     def __init__(self, hf_model):
         super().__init__()
-        check_transformers()
+        register()
         check_model_type(hf_model.config.model_type)
         self.hf = hf_model
         self.args = model_args(hf_model.config)
         if hf_model.config._attn_implementation != NAME:
             hf_model.set_attn_implementation(NAME)
-        windows = layer_windows(hf_model.config)
-        self.local = windows if len(set(windows)) > 1 else [None] * len(windows)  # mixed: the local layers
         self._new_layers()
-        self.join = None  # a prefetcher whose step the last layer does not end (its layer is local)
 
     def _new_layers(self):
-        """The slots the caches hang in (as model.Transformer's layers[i].attention.kv_cache) and the
-        transformers Cache over them."""
-        self.layers = [types.SimpleNamespace(attention=types.SimpleNamespace(kv_cache=None))
+        """The slots the caches hang in (as model.Transformer's layers[i].attention.kv_cache), the
+        transformers Cache over them, and each attention module pointed at its layer's slot."""
+        self.layers = [types.SimpleNamespace(attention=types.SimpleNamespace(kv_cache=None, owner=None))
                        for _ in range(self.args.n_layers)]
         self.cache = _HFCache([layer.attention for layer in self.layers], self.args.max_seq_len)
+        bound = set()
+        for m in self.hf.modules():
+            if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int):
+                m.specache_slot = self.layers[m.layer_idx].attention
+                m.specache_slot.owner = self.cache
+                bound.add(m.layer_idx)
+        if len(bound) != self.args.n_layers:
+            raise HFError(f"found attention modules for {len(bound)} of {self.args.n_layers} layers")
 
     @property
     def tok_embeddings(self):
         return self.hf.get_input_embeddings()
 
     def setup_caches(self, make_cache) -> list:
-        """make_cache(i) per layer (model.Transformer.setup_caches). A model with local and global
-        layers (Gemma 3) keeps the chosen cache in its global layers, and an fp cache masked to the
-        window in its local ones (of the same capacity: not a ring of the window's size)."""
-        from cache import FullCache, LowBitCache, SpeCache
-        self.join = None
+        """make_cache(i) per layer (model.Transformer.setup_caches)."""
         for i, layer in enumerate(self.layers):
-            c = make_cache(i)
-            if self.local[i] is not None and isinstance(c, (FullCache, LowBitCache)):
-                if isinstance(c, SpeCache) and i == len(self.layers) - 1:
-                    self.join = c.prefetcher  # SpeCache.forward ends the step in the last layer: here, forward()
-                like = c.k_cache if isinstance(c, FullCache) else c.k_res
-                c = FullCache(like.shape[0], like.shape[1], c.k_cache.shape[2] if isinstance(c, FullCache) else c.capacity,
-                              like.shape[3], like.dtype, like.device, sliding_window=self.local[i])
-            layer.attention.kv_cache = c
+            layer.attention.kv_cache = make_cache(i)
         self.cache.seen = 0
         return [layer.attention.kv_cache for layer in self.layers]
 
@@ -271,8 +269,6 @@ class HFModel(nn.Module):
                           use_cache=True, logits_to_keep=1 if mode == "prefill" else 0)
         finally:
             self.cache.end({"prefill": T, "decode": 1}.get(mode, 0))
-        if self.join is not None and mode != "prefill":
-            self.join.end_step()
         return out.logits.float()
 
     def int4_draft(self, group=32) -> "HFModel":
@@ -347,6 +343,7 @@ def load(path, device="cpu", dtype=torch.float32):
         raise HFError(f"{path / 'config.json'} is not valid JSON ({e})") from None
     check_model_type(cfg.get("model_type", "unknown"))
     transformers = check_transformers()
+    register()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=NAME)
     model = model.to(device).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
@@ -355,66 +352,10 @@ def load(path, device="cpu", dtype=torch.float32):
     return HFModel(model), HFTokenizer(tok, eos)
 
 
-# ---- model.generate(custom_generate=hf.generate) ----------------------------------------------------
-WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
-
-
-def generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-             synced_gpus=False, streamer=None, cache_config="specache", prefill_chunk=2048, stream=None, **model_kwargs):
-    """The decode loop for `model.generate(input_ids, custom_generate=hf.generate, cache_config=NAME,
-    ...)`: generate.generate (prefill, pre-decoding, two-token steps) over fresh caches of
-    `cache_config` (a config.CacheConfig or its name, e.g. "specache-1bit-best", "kivi-2bit", "full").
-    Honours max_new_tokens/max_length, eos_token_id, greedy decoding and sampling's temperature/
-    top-k/top-p/min-p; other logits processors and stopping criteria raise HFError. The streamer:
-    transformers 5.23 hands a custom_generate callable only the keyword arguments that its own
-    sampling loop does not take, so `streamer=` never arrives here; pass it as `stream=`.
-    QuantSpec runs through generate.py's --method quantspec, not here. Returns [B, P + N] ids."""
-    import generate as gen
-
-    config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
-    if config.kind == "quantspec":
-        raise HFError("QuantSpec is a draft-and-verify loop: run it with generate.py --hf DIR --method quantspec")
-    other = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in WARPERS]
-    other += [type(s).__name__ for s in (stopping_criteria or [])
-              if type(s).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria")]
-    if other or generation_config.num_beams > 1 or generation_config.return_dict_in_generate:
-        raise HFError(f"custom_generate=hf.generate does greedy decoding or plain sampling; not supported here: "
-                      f"{', '.join(other) or 'beams / return_dict_in_generate'}")
-    if model_kwargs.get("attention_mask") is not None and not bool(model_kwargs["attention_mask"].all()):
-        raise HFError("padded batches are not supported by this project's caches: give prompts of one length")
-    prev = model.config._attn_implementation
-    view = HFModel(model)
-    B, P = input_ids.shape
-    new = generation_config.max_length - P
-    eos = generation_config.eos_token_id
-    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-    gen.setup_caches(view, config, B, P + new + 1)
-    if streamer is None and stream is not None:
-        streamer = stream
-        streamer.put(input_ids.cpu())  # what generate() does before the loop for its own `streamer`
-    on_token = (lambda t: streamer.put(t.cpu())) if streamer is not None else None
-    try:
-        warped = generation_config.do_sample and len(logits_processor or [])
-        out, _ = gen.generate(_Warped(view, logits_processor) if warped else view, input_ids, new,
-                              speculative=config.two_tokens,
-                              temperature=1.0 if generation_config.do_sample else 0.0, eos_ids=eos, chunk=prefill_chunk,
-                              on_token=on_token, resync=config.kind == "specache" and config.fetch == "resync")
-    finally:
-        model.set_attn_implementation(prev)
-    if streamer is not None:
-        streamer.end()
-    if eos:  # rows that ended: pad after their first eos, as transformers does
-        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else min(eos)
-        ended = torch.zeros(B, dtype=torch.bool, device=out.device)
-        for i in range(out.shape[1]):
-            out[:, i] = torch.where(ended, pad, out[:, i])
-            ended |= torch.isin(out[:, i], torch.tensor(sorted(eos), device=out.device))
-    return torch.cat([input_ids, out], 1)
-
-
-class _Warped:
+class Warped:
     """HFModel with transformers' sampling warpers applied to each row's logits: sample() at
-    temperature 1 then draws from softmax(warped logits), which is what transformers samples."""
+    temperature 1 then draws from softmax(warped logits), which is what transformers samples
+    (generate.hf_generate)."""
 
     def __init__(self, view, warpers):
         self.view, self.layers, self.warpers = view, view.layers, warpers
@@ -422,9 +363,3 @@ class _Warped:
     def __call__(self, idx, input_pos, mode="decode"):
         logits = self.view(idx, input_pos, mode)
         return self.warpers(None, logits.flatten(0, -2)).view_as(logits)
-
-
-try:  # register the attention at import, so from_pretrained(..., attn_implementation="specache") works
-    check_transformers()
-except HFError:
-    pass  # reported when the adapter is used

@@ -29,9 +29,7 @@ import triton
 import triton.language as tl
 
 import quant
-# the Triton tile readers (topk.py imports some of them from here)
-from tiles import (_fetched_hits, _fetched_mask, _integer_units, _key_group, _load_codes, _online_softmax,  # noqa: F401
-                   _plane_codes, _ref_rows)
+from tiles import fetched_hits, fetched_mask, integer_units, key_group, load_codes, online_softmax, plane_codes
 
 Tensor = torch.Tensor
 
@@ -198,7 +196,7 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
 # =============================================================================================
 # Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
 # =============================================================================================
-# How the low-bit tiles are read (designed from byte counts, see the README's kernel section):
+# How the low-bit tiles are read (designed from byte counts: docs/design.md, kernels as designed):
 #  - codes are loaded as 32-bit words, one row of D*bits/32 words per token (16 bytes at 1 bit, D=128:
 #    one 128-bit load), and unpacked in registers by shifts;
 #  - a block is one key group (GROUP_K tokens), so the keys' per-channel scale and zero are two
@@ -236,7 +234,7 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
     [split*SPLIT_LEN, +SPLIT_LEN) below n_quant; the last one to the fetched and residual fp rows.
     Each writes (out, lse) partials for the kv head's G*T query rows m = g*T + t.
     PLANES (the bit-plane path, for the quantized slots): the tile's columns are channels in
-    plane-major order (_plane_codes), and its rows hold RG copies of the query rows, copy g taking
+    plane-major order (tiles.plane_codes), and its rows hold RG copies of the query rows, copy g taking
     the values' channel group g: one value dot serves every channel group (each with its own
     per-token scale), and the copies fill the MMA's 16 rows that M = 8 query rows would leave empty."""
     bh = tl.program_id(0).to(tl.int64)
@@ -280,15 +278,15 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                 # is taken off with the zero term (from the same rounded q*s_k the dot saw)
                 qs = (qt * tl.load(k_scale + grp * D + offs_d).to(tl.float32)[None, :]).to(dt)
                 zk = tl.load(k_zero + grp * D + offs_d).to(tl.float32)
-                ck = _plane_codes(k_codes, rows[None, :], offs_c[:, None], dt, BITS, BLOCK_D, CODES)
+                ck = plane_codes(k_codes, rows[None, :], offs_c[:, None], dt, BITS, BLOCK_D, CODES)
                 s = tl.dot(qs, ck, input_precision=DOT) + tl.sum(qt * zk[None, :] - CODE_OFF * qs.to(tl.float32), 1)[:, None]
                 keep = n_ok
                 if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
-                    keep = keep & ~_fetched_mask(n0, fidx, GROUP_K)
+                    keep = keep & ~fetched_mask(n0, fidx, GROUP_K)
                 s = tl.where(keep[None, :], s, -float("inf"))
-                m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
+                m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
                 # values: row copy g folds channel group g's per-token scale/zero into p
-                cv = _plane_codes(v_codes, rows[:, None], offs_c[None, :], dt, BITS, BLOCK_D, CODES)
+                cv = plane_codes(v_codes, rows[:, None], offs_c[None, :], dt, BITS, BLOCK_D, CODES)
                 sv = tl.zeros([BLOCK_M, GROUP_K], tl.float32)
                 zv = tl.zeros([BLOCK_M, GROUP_K], tl.float32)
                 for g in tl.static_range(RG):
@@ -304,22 +302,22 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                 n_ok = offs_n < hi
                 rows = bh * S + offs_n
                 # keys: this block is one key group; its scale/zero fold into the query
-                sk, zk, ref_rows, ref_ok = _key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + n0 // GROUP_K,
+                sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + n0 // GROUP_K,
                                                       offs_d, d_ok, D, N_REF, HIER, RB)
-                ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+                ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
                                  GROUP_K, BLOCK_D)
                 s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
                 s = s + tl.sum(qt * zk[None, :], 1)[:, None]
                 keep = n_ok
                 if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
-                    keep = keep & (_fetched_hits(offs_n, fidx) == 0)
+                    keep = keep & (fetched_hits(offs_n, fidx) == 0)
                 s = tl.where(keep[None, :], s, -float("inf"))
-                m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
+                m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
                 # values: per-token scale/zero of each channel group fold into p
-                cv = _load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, v_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+                cv = load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, v_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
                                  GROUP_K, BLOCK_D).to(dt)
                 for j in tl.static_range(NGV):
-                    sv = _integer_units(tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32), HIER, RB)
+                    sv = integer_units(tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32), HIER, RB)
                     zv = tl.load(v_zero + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
                     part = tl.dot((p * sv[None, :]).to(dt), cv, input_precision=DOT) + tl.sum(p * zv[None, :], 1)[:, None]
                     if NGV == 1:
@@ -344,7 +342,7 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                 kt = tl.load(f_k + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
                 vt = tl.load(f_v + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
                 s = tl.where(f_ok[None, :], tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
-                m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
+                m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
                 acc += tl.dot(p.to(dt), vt, input_precision=DOT)
         # residual rows [0, res_len); query row m (token t = m % T) sees rows < res_len - T + t + 1
         res_len = tl.minimum(tl.load(res_len_ptr), R)
@@ -357,7 +355,7 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
             vt = tl.load(r_v + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
             causal = r_ok[None, :] & (r[None, :] < limit[:, None])
             s = tl.where(causal, tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
-            m_i, l_i, acc, p = _online_softmax(s, m_i, l_i, acc)
+            m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
             acc += tl.dot(p.to(dt), vt, input_precision=DOT)
     if RG > 1:  # each row copy keeps its own channel group (their softmax statistics are the same)
         acc = tl.sum(tl.reshape(tl.where(offs_r[:, None] // MR == offs_d[None, :] // (D // NGV), acc, 0.0),
@@ -401,19 +399,19 @@ def _attn_combine_kernel(out_part, lse_part, out, lse, NS, M, D, BLOCK_S: tl.con
 # =============================================================================================
 # Triton launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)
 # =============================================================================================
-def _dot_precision(dtype):
+def dot_precision(dtype):
     """fp32 is the reference precision: IEEE dots (Triton's default for fp32 is TF32, ~1e-3 off).
     16-bit models keep tensor-core dots."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _upcast(dtype) -> bool:
+def interpreter_upcast(dtype) -> bool:
     """The interpreter computes bf16 dots wrongly (silently): there, bf16 operands go up to fp32.
     Compiled kernels always take the model's dtype (the compile gate and the GPU checks cover them)."""
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _code_layout(store: LowBitKV, D: int):
+def code_layout(store: LowBitKV, D: int):
     """(WORDS, block_d, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref): 32-bit word views of the codes
     when every row is whole words and D a power of two (the fast path), else the bytes."""
     if store.group_k & (store.group_k - 1) or store.group_k < 16:
@@ -425,7 +423,7 @@ def _code_layout(store: LowBitKV, D: int):
             view(store.v_codes_lo), view(store.k_ref), view(store.v_ref))
 
 
-def _n_programs_target(device) -> int:
+def programs_target(device) -> int:
     """About four programs per SM on a GPU; a handful under the interpreter."""
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -466,7 +464,7 @@ def _planes_layout(store: LowBitKV, D: int, M: int, dtype, planes=None):
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if planes is False or not ok or (planes is None and not interpreted and not PLANES_BY_DEFAULT_ON_GPU):
         return None
-    dot16 = dtype != torch.float32 and not _upcast(dtype)
+    dot16 = dtype != torch.float32 and not interpreter_upcast(dtype)
     # 16-bit dots read codes as MAGIC + c (exact: c < 128 in bf16, < 1024 in fp16); fp32 converts
     # (the PTX unpacks four elements with one shift: they must share a bit plane, which holds wherever a
     # plane's W bytes are a multiple of the 16 columns a dot-operand layout groups; else Triton's ops)
@@ -482,14 +480,14 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
     group_v = min(store.group_v, D)
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
-    words, BLOCK_D, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref = _code_layout(store, D)
+    words, BLOCK_D, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref = code_layout(store, D)
     plane = _planes_layout(store, D, M, q.dtype, planes)
     if plane is not None:  # bytes, not words
         k_codes, v_codes = store.k_codes.contiguous(), store.v_codes.contiguous()
     RG, BLOCK_M, CODES, CODE_OFF = plane or (1, max(16, triton.next_power_of_2(M)), 0, 0.0)
     n_blocks = triton.cdiv(S, store.group_k)
     if n_splits is None:
-        n_splits = min(n_blocks, max(1, _n_programs_target(q.device) // BH))
+        n_splits = min(n_blocks, max(1, programs_target(q.device) // BH))
     split_len = triton.cdiv(n_blocks, max(1, n_splits)) * store.group_k
     n_splits = max(1, triton.cdiv(S, split_len))
     NS = n_splits + 1  # + the program for fetched and residual rows
@@ -506,8 +504,8 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
         c(k_ref), c(v_ref), c(store.ref_map), float(sm_scale) * LOG2E, S, R, K, D, T, M, split_len, store.n_ref,
         BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
         WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
-        HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=_dot_precision(q.dtype),
-        UPCAST=_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
+        HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=dot_precision(q.dtype),
+        UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
         BLOCK_F=64, PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF, **{**(DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}), **launch})
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -519,8 +517,8 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
 # =============================================================================================
 # custom ops (CUDA path, opaque to torch.compile) and the public dispatchers
 # =============================================================================================
-# The ops take the tuples' tensors flat (custom ops take tensors, not tuples): `_flat` / `_unflat`.
-def _flat(store: LowBitKV, residual: Residual, fetched: Optional[Fetched]):
+# The ops take the tuples' tensors flat (custom ops take tensors, not tuples): `op_inputs` / `from_op_inputs`.
+def op_inputs(store: LowBitKV, residual: Residual, fetched: Optional[Fetched]):
     f = fetched or Fetched(None, None, None, None)
     tensors = (store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero, store.n_quant,
                residual.k, residual.v, residual.length)
@@ -529,7 +527,7 @@ def _flat(store: LowBitKV, residual: Residual, fetched: Optional[Fetched]):
     return tensors, (store.bits, store.group_k, store.group_v, store.ref_bits, store.n_ref), optional
 
 
-def _unflat(tensors, ints, optional):
+def from_op_inputs(tensors, ints, optional):
     k_lo, v_lo, v_chan, k_ref, v_ref, ref_map, f_k, f_v, f_idx, f_valid = optional
     store = LowBitKV(*tensors[:7], *ints[:3], k_lo, v_lo, v_chan, k_ref, v_ref, ref_map, *ints[3:])
     residual = Residual(*tensors[7:10]) if len(tensors) == 10 else None  # (top-k reads no residual)
@@ -539,7 +537,7 @@ def _unflat(tensors, ints, optional):
 @torch.library.custom_op("specache::attention_lowbit", mutates_args=())
 def _attention_lowbit_op(q: Tensor, tensors: list[Tensor], ints: list[int], optional: list[Optional[Tensor]],
                          sm_scale: float) -> tuple[Tensor, Tensor]:
-    return attention_lowbit_triton(q, *_unflat(tensors, ints, optional), sm_scale)
+    return attention_lowbit_triton(q, *from_op_inputs(tensors, ints, optional), sm_scale)
 
 
 @_attention_lowbit_op.register_fake
@@ -548,26 +546,12 @@ def _(q, tensors, ints, optional, sm_scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-_ops_on_cpu = False
-
-
-class custom_ops_on_cpu:
-    """Tests: route CPU tensors through the custom ops too (their Triton launchers, interpreted),
-    so a compiled CPU step has the CUDA step's graph: opaque ops around the caches' buffers."""
-
-    def __enter__(self):
-        global _ops_on_cpu
-        _ops_on_cpu = True
-
-    def __exit__(self, *exc):
-        global _ops_on_cpu
-        _ops_on_cpu = False
-
-
-def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale):
-    """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores)."""
-    if q.is_cuda or _ops_on_cpu:
-        tensors, ints, optional = _flat(store, residual, fetched)
+def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None):
+    """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores).
+    use_op: run the Triton kernel behind its custom op (default: on CUDA); True on CPU tensors gives a
+    compiled CPU step the CUDA step's graph, the kernel interpreted (TRITON_INTERPRET=1, tests)."""
+    if q.is_cuda if use_op is None else use_op:
+        tensors, ints, optional = op_inputs(store, residual, fetched)
         return _attention_lowbit_op(q, list(tensors), list(ints), list(optional), float(sm_scale))
     return attention_lowbit_ref(q, store, residual, fetched, sm_scale)
 

@@ -1,12 +1,14 @@
 """A static-shape Llama/Mistral decoder, written to be read.
 
-Everything the decode step touches is allocated up front (`setup_caches`), positions arrive as an
-`input_pos` tensor, and the KV cache is a pluggable object owned by each attention layer: the
+Everything the decode step touches is allocated up front (cache.setup_caches), positions arrive as
+an `input_pos` tensor, and the KV cache is a pluggable object owned by each attention layer: the
 layer computes q/k/v and RoPE, the cache stores k/v and returns the attention output. cache.py
-holds the caches (fp16, low-bit KIVI, SpeCache); this file knows nothing about them.
+holds the caches (fp16, low-bit KIVI, SpeCache); this file knows nothing about them: it passes
+the forward's `mode` (cache.MODES) through to them.
 """
 import json
 import math
+import zlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
@@ -31,13 +33,18 @@ class ModelArgs:
     rope_scaling: Optional[dict] = None  # Llama-3.1: factor, low/high_freq_factor, original_max_position_embeddings
     max_seq_len: int = 4096
     tie_embeddings: bool = False
-    sliding_window: Optional[int] = None  # Mistral
+    sliding_window: Optional[int] = None  # Mistral: every layer attends within this many positions
+    layer_windows: Optional[tuple] = None  # where layers differ (Gemma 3): each layer's window, None = global
 
     def __post_init__(self):
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    def window(self, layer: int) -> Optional[int]:
+        """The sliding window of a layer (None: it attends to every earlier position)."""
+        return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelArgs":
@@ -171,7 +178,8 @@ class Transformer(nn.Module):
 
     def setup_caches(self, make_cache) -> list:
         """Give every attention layer its own cache: `make_cache(layer_idx)` returns an nn.Module
-        with `forward(q, k, v, input_pos, mode)`. The rope table is rebuilt on the model's device."""
+        with `forward(q, k, v, input_pos, mode)` (cache.setup_caches builds them). The rope table is
+        rebuilt on the model's device."""
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = make_cache(i)
         self.rope = rope_table(self.args, self.args.max_seq_len).to(self.tok_embeddings.weight.device)
@@ -179,8 +187,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, mode: str = "decode") -> torch.Tensor:
         """idx: [B, T] token ids, input_pos: [T] absolute positions. Returns logits [B, T, vocab] (fp32).
-        `mode` tells the caches what the step is: "prefill", "decode", "predecode" (SpeCache's
-        Algorithm 2: attend and pick top-k, keep nothing), or QuantSpec's "draft" / "verify"."""
+        `mode` tells the caches what the step is (cache.MODES: prefill, decode, predecode, draft, verify)."""
         rope = self.rope[input_pos]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
@@ -230,19 +237,31 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32, max_seq_len: Optiona
     return model.eval()
 
 
+def random_weights(model: Transformer, device="cpu", dtype=torch.float32, seed=0, split=lambda name: False,
+                   rank=0) -> Transformer:
+    """Give a model built on the meta device N(0, 0.02) weights (norms: ones): decode speed does not
+    depend on their values, so this is how tools/bench.py measures 7-70B shapes without a download.
+    Each tensor has its own generator, seeded by `seed` and its name, and by `rank` too where the
+    ranks of a tensor-parallel model hold different slices of it (`split(name)`): a tensor every rank
+    holds whole is the same on every rank."""
+    state = {}
+    for name, p in model.state_dict().items():  # generated where the model lives
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if "norm" in name:
+            state[name] = t.fill_(1.0)
+            continue
+        key = f"{seed}/{name}" + (f"/rank{rank}" if split(name) else "")
+        state[name] = t.normal_(0.0, 0.02, generator=torch.Generator(device=device).manual_seed(zlib.crc32(key.encode())))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rope = rope_table(model.args, model.args.max_seq_len).to(device)
+    return model.eval()
+
+
 def random_model(name: str, device="cpu", dtype=torch.float32, max_seq_len: Optional[int] = None, seed=0) -> Transformer:
-    """A KNOWN_CONFIGS model with random weights: decode speed does not depend on the weights'
-    values, so this is how bench.py measures 7-8B shapes without downloading anything."""
+    """A KNOWN_CONFIGS model with random weights (random_weights)."""
     args = ModelArgs.from_name(name)
     if max_seq_len is not None:
         args.max_seq_len = max_seq_len
     with torch.device("meta"):
         model = Transformer(args)
-    g = torch.Generator(device=device).manual_seed(seed)
-    state = {}
-    for pname, p in model.state_dict().items():  # N(0, 0.02), generated where the model lives
-        t = torch.empty(p.shape, dtype=dtype, device=device)
-        state[pname] = t.fill_(1.0) if "norm" in pname else t.normal_(0.0, 0.02, generator=g)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.rope = rope_table(args, args.max_seq_len).to(device)
-    return model.eval()
+    return random_weights(model, device, dtype, seed)

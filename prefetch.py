@@ -35,123 +35,27 @@ the whole decode step stays traceable by torch.compile. `async_ops=True` on CPU 
 path (custom ops, streams and events of `torch.get_device_module`, which tests replace by delayed
 fake streams).
 """
-import itertools
 import weakref
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
-from transfer import record_rows, rerank_rows, rerank_scratch, transfer_rows, transfer_rows_ref
+from transfer import record_rows, rerank_rows, rerank_scratch, stage, transfer_rows, transfer_rows_ref
 
 Tensor = torch.Tensor
-_PREFETCHERS = weakref.WeakValueDictionary()  # id -> Prefetcher: the custom ops find their streams here
-_ids = itertools.count()
+# The custom ops below run outside the graph and need the Prefetcher (its streams, events, staging).
+# An op takes only tensors and scalars, and a scalar id would be a constant of the compiled graph,
+# recompiled for every new Prefetcher (every prompt of an evaluation). So an op finds its Prefetcher
+# by the first ring buffer it is handed: the buffers are the layers' own (the ops check it).
+_BY_RING = weakref.WeakValueDictionary()  # ring_k.data_ptr() of a layer -> its Prefetcher
 
 
-@triton.jit
-def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n_sb, n_sh, n_sd,
-                  valid, rec_idx, rec_valid, RING, OFF,
-                  cand, cand_valid, q, lse, s_cand, s_cand_valid, s_q, s_lse, C, M, q_sb, q_sh, q_sr, q_sd,
-                  l_sb, l_sh, l_sr, HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, HAS_RECORD: tl.constexpr,
-                  HAS_RERANK: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Grid (B*Hkv,): copy one layer's transfer inputs into the prefetcher's staging buffers, one
-    launch on the main stream instead of up to eight copies. new_k/new_v [B,Hkv,1,D] and the query
-    rows q [B,Hq,R,D] / lse [B,Hq,R] are read through their strides (slices of the step's tensors:
-    no .contiguous() copies); kv head bh's query rows are heads bh*G .. bh*G+G-1, row m = g*R + r.
-    HAS_RECORD: also record idx and valid in the cache's fetch_idx/fetch_valid [.., RING] from slot OFF."""
-    bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // H, bh % H
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    if HAS_IDX:
-        offs_k = tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        i = tl.load(idx + bh * K + offs_k, mask=k_ok, other=0)
-        if HAS_RECORD:  # transfer.record_rows: rows the ring holds stay in their slots; copy only the others
-            slots = bh * RING + OFF + offs_k
-            old = tl.load(rec_idx + slots, mask=k_ok, other=-1)
-            old_ok = tl.load(rec_valid + slots, mask=k_ok, other=0) != 0
-            new_ok = tl.load(valid + bh * K + offs_k, mask=k_ok, other=0) != 0
-            same = ((old[:, None] == i[None, :]) & old_ok[:, None] & new_ok[None, :]).to(tl.int32)  # [slot, row]
-            keep = tl.max(same, 1) > 0
-            miss = (new_ok & (tl.max(same, 0) == 0)).to(tl.int32)
-            free = ((keep == 0) & k_ok).to(tl.int32)
-            put = (free[:, None] != 0) & (miss[None, :] != 0) & \
-                ((tl.cumsum(free, 0) - free)[:, None] == (tl.cumsum(miss, 0) - miss)[None, :])
-            got = tl.max(put.to(tl.int32), 1) > 0
-            row = tl.sum(tl.where(put, i[None, :], 0), 1)
-            tl.store(rec_idx + slots, tl.where(keep, old, tl.where(got, row, 0)), mask=k_ok)
-            tl.store(rec_valid + slots, (keep | got).to(tl.int8), mask=k_ok)
-            i = tl.where(got, row, -1)
-        tl.store(s_idx + bh * K + offs_k, i, mask=k_ok)
-    if HAS_NEW:
-        src = b * n_sb + h * n_sh + offs_d * n_sd
-        tl.store(s_k + bh * D + offs_d, tl.load(new_k + src, mask=d_ok), mask=d_ok)
-        tl.store(s_v + bh * D + offs_d, tl.load(new_v + src, mask=d_ok), mask=d_ok)
-        if bh == 0:
-            tl.store(s_pos, tl.load(new_pos))
-    if HAS_RERANK:
-        offs_c = tl.arange(0, BLOCK_C)
-        c_ok = offs_c < C
-        tl.store(s_cand + bh * C + offs_c, tl.load(cand + bh * C + offs_c, mask=c_ok), mask=c_ok)
-        tl.store(s_cand_valid + bh * C + offs_c, tl.load(cand_valid + bh * C + offs_c, mask=c_ok), mask=c_ok)
-        offs_m = tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
-        head, r = h * (M // R) + offs_m // R, offs_m % R
-        q_src = (b * q_sb + head * q_sh + r * q_sr)[:, None] + offs_d[None, :] * q_sd
-        md = m_ok[:, None] & d_ok[None, :]
-        tl.store(s_q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], tl.load(q + q_src, mask=md), mask=md)
-        tl.store(s_lse + bh * M + offs_m, tl.load(lse + b * l_sb + head * l_sh + r * l_sr, mask=m_ok), mask=m_ok)
-
-
-def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
-    B, H, K = s_idx.shape
-    D = s_k.shape[-1]
-    any_t = s_idx
-    if record is not None:
-        valid, fetch_idx, fetch_valid, off = record
-        assert idx is not None and fetch_idx.is_contiguous() and fetch_valid.is_contiguous()
-        rec = (valid.contiguous().view(torch.int8), fetch_idx, fetch_valid.view(torch.int8), fetch_idx.shape[2], off)
-    else:
-        rec = (any_t,) * 3 + (0, 0)
-    if rerank is not None:
-        cand, cand_valid, q, lse = rerank
-        s_cand, s_cand_valid, s_q, s_lse = s_rerank
-        C, (R, M) = cand.shape[2], (q.shape[2], q.shape[1] // H * q.shape[2])
-        assert cand.is_contiguous() and cand_valid.is_contiguous() and q.dtype == s_q.dtype and lse.dtype == s_lse.dtype
-        rr = (cand, cand_valid.view(torch.int8), q, lse, s_cand, s_cand_valid.view(torch.int8), s_q, s_lse, C, M,
-              *q.stride(), *lse.stride())
-    else:
-        R, C, M = 1, 1, 1
-        rr = (any_t,) * 8 + (1, 1) + (0,) * 7
-    n_strides = (new_k.stride(0), new_k.stride(1), new_k.stride(3)) if new_k is not None else (0, 0, 0)
-    assert new_k is None or new_v.stride() == new_k.stride()
-    _stage_kernel[(B * H,)](idx.contiguous() if idx is not None else any_t,
-                            new_k if new_k is not None else any_t, new_v if new_v is not None else any_t,
-                            new_pos if new_pos is not None else any_t, s_idx, s_k, s_v, s_pos, K, D, H, *n_strides,
-                            *rec, *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
-                            HAS_RECORD=record is not None, HAS_RERANK=rerank is not None, R=R,
-                            BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
-                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M))
-
-
-def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
-    """s_* = the transfer's inputs (staging buffers of one layer), on the current stream; with
-    re-ranking also rerank = (candidates, their validity, query rows, lse) into s_rerank; with
-    record = (valid, fetch_idx, fetch_valid, off), idx and valid into the cache's fetch_idx/fetch_valid."""
-    if s_idx.is_cuda:
-        return stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank, s_rerank, record)
-    if idx is not None:
-        s_idx.copy_(record_rows(idx, *record) if record is not None else idx)
-    if new_k is not None:
-        s_k.copy_(new_k)
-        s_v.copy_(new_v)
-        s_pos.copy_(new_pos.reshape(()))
-    for dst, src in zip(s_rerank or (), rerank or ()):
-        dst.copy_(src)
+def _owner(bufs: list[Tensor]) -> "Prefetcher":
+    owner = _BY_RING.get(bufs[0].data_ptr())
+    if owner is None:
+        raise RuntimeError("a fetch op was handed a copy of its ring, not the ring buffer itself (a compiled graph "
+                           "must pass module buffers through unchanged)")
+    return owner
 
 
 # =============================================================================================
@@ -162,45 +66,44 @@ def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rer
 # fullgraph step; join mutates every layer's, so no fetch can be scheduled after it.
 @torch.library.custom_op("specache::fetch_start", mutates_args=("bufs",))
 def _fetch_start_op(bufs: list[Tensor], idx: Optional[Tensor], valid: Optional[Tensor], new_k: Optional[Tensor],
-                    new_v: Optional[Tensor], new_pos: Optional[Tensor], pid: int, layer: int) -> None:
-    _PREFETCHERS[pid]._start_async(layer, bufs, idx, valid, new_k, new_v, new_pos)
+                    new_v: Optional[Tensor], new_pos: Optional[Tensor], layer: int) -> None:
+    _owner(bufs)._start_async(layer, bufs, idx, valid, new_k, new_v, new_pos)
 
 
 @_fetch_start_op.register_fake
-def _(bufs, idx, valid, new_k, new_v, new_pos, pid, layer):
+def _(bufs, idx, valid, new_k, new_v, new_pos, layer):
     return None
 
 
 @torch.library.custom_op("specache::rerank_start", mutates_args=("bufs",))
 def _rerank_start_op(bufs: list[Tensor], cand: Tensor, cand_valid: Tensor, q_rows: Tensor, lse_rows: Tensor,
                      new_k: Optional[Tensor], new_v: Optional[Tensor], new_pos: Optional[Tensor], sm_scale: float,
-                     pid: int, layer: int) -> None:
-    _PREFETCHERS[pid]._start_rerank_async(layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v,
-                                          new_pos)
+                     layer: int) -> None:
+    _owner(bufs)._start_rerank_async(layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos)
 
 
 @_rerank_start_op.register_fake
-def _(bufs, cand, cand_valid, q_rows, lse_rows, new_k, new_v, new_pos, sm_scale, pid, layer):
+def _(bufs, cand, cand_valid, q_rows, lse_rows, new_k, new_v, new_pos, sm_scale, layer):
     return None
 
 
 @torch.library.custom_op("specache::fetch_wait", mutates_args=("bufs",))
-def _fetch_wait_op(bufs: list[Tensor], pid: int, layer: int) -> None:
-    _PREFETCHERS[pid]._wait_async(layer)
+def _fetch_wait_op(bufs: list[Tensor], layer: int) -> None:
+    _owner(bufs)._wait_async(layer)
 
 
 @_fetch_wait_op.register_fake
-def _(bufs, pid, layer):
+def _(bufs, layer):
     return None
 
 
 @torch.library.custom_op("specache::fetch_join", mutates_args=("bufs",))
-def _fetch_join_op(bufs: list[Tensor], pid: int) -> None:
-    _PREFETCHERS[pid]._join_async()
+def _fetch_join_op(bufs: list[Tensor]) -> None:
+    _owner(bufs)._join_async()
 
 
 @_fetch_join_op.register_fake
-def _(bufs, pid):
+def _(bufs):
     return None
 
 
@@ -214,7 +117,7 @@ def keep_sink_rows(bufs: list[Tensor], k: Tensor, v: Tensor, first: Tensor, n: i
 
 
 # A graph that wrote the ring itself would hand the transfer ops a functionalized copy of it
-# (seen on an H100 with sink4: the ring check fired), so on the async path this write is an op too.
+# (the ring check refuses that), so on the async path this write is an op too.
 @torch.library.custom_op("specache::keep_sinks", mutates_args=("bufs",))
 def _keep_sinks_op(bufs: list[Tensor], k: Tensor, v: Tensor, first: Tensor, n: int) -> None:
     keep_sink_rows(bufs, k, v, first, n)
@@ -248,8 +151,6 @@ class Prefetcher:
         self.rerank_scratch = None  # re-ranking's device scratch (CUDA), one for all layers: they run in turn
         if self.on_cuda and select_rows is not None:
             self.rerank_scratch = rerank_scratch(batch, n_kv_heads, self.key_rows, head_dim, dtype, device)
-        self.pid = next(_ids)
-        _PREFETCHERS[self.pid] = self
         if self.async_ops:
             self._setup_async()
 
@@ -281,6 +182,7 @@ class Prefetcher:
         which positions the slots hold, recorded by the transfer (re-ranking: by the side stream)."""
         self.rings[layer] = [ring_k, ring_v, *index_bufs]
         self.ring_off = off
+        _BY_RING[ring_k.data_ptr()] = self
 
     # ---- accounting ----------------------------------------------------------------------------
     def host_bytes_per_layer(self) -> int:
@@ -289,7 +191,7 @@ class Prefetcher:
     def bytes_per_step(self) -> int:
         """Bytes one decode step may move host -> device, every layer and kv head: k rows of K and V
         (re-ranking: key_rows candidate keys and k values). An upper bound: rows the ring already
-        holds are not moved again (transfer.record_rows; how many: probe.py's `reuse`)."""
+        holds are not moved again (transfer.record_rows; how many: tools/probe.py's `reuse`)."""
         return sum(bufs[0][:, :, :1].nbytes * (self.key_rows + self.k) for bufs in self.rings if bufs is not None)
 
     # ---- prefill: Algorithm 1's offload (eager) --------------------------------------------------
@@ -319,7 +221,7 @@ class Prefetcher:
         and valid (real rows) are recorded there (record_rows; on the async path by the main stream's
         staging launch, so the compiled step has no copy kernels of its own for them)."""
         if self.async_ops:
-            torch.ops.specache.fetch_start(bufs, idx, valid, new_k, new_v, new_pos, self.pid, layer)
+            torch.ops.specache.fetch_start(bufs, idx, valid, new_k, new_v, new_pos, layer)
         else:
             record = self._record(bufs, idx, valid)
             rows = record_rows(idx, *record) if record is not None else idx
@@ -337,7 +239,7 @@ class Prefetcher:
         bufs: the layer's registered [ring_k, ring_v, fetch_idx, fetch_valid]."""
         if self.async_ops:
             torch.ops.specache.rerank_start(bufs, cand, cand_valid, q_rows, lse_rows, new_k, new_v, new_pos,
-                                            float(sm_scale), self.pid, layer)
+                                            float(sm_scale), layer)
         else:
             self._rerank(layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos)
 
@@ -345,7 +247,7 @@ class Prefetcher:
         """The main stream waits for this layer's fetch only (bufs: what it writes, see register_ring):
         on the async path without step joins, or always with `now` (a fetch the same step needs)."""
         if self.async_ops and (now or not self.join_each_step):
-            torch.ops.specache.fetch_wait(bufs, self.pid, layer)
+            torch.ops.specache.fetch_wait(bufs, layer)
 
     def keep_sinks(self, bufs, k, v, first, n):
         """The attention sinks' fp rows into the ring's first n slots (keep_sink_rows)."""
@@ -357,7 +259,7 @@ class Prefetcher:
     def end_step(self):
         """Called by the last layer: join the side stream (see the module docstring)."""
         if self.async_ops and self.join_each_step:
-            torch.ops.specache.fetch_join([t for bufs in self.rings for t in bufs], self.pid)
+            torch.ops.specache.fetch_join([t for bufs in self.rings for t in bufs])
 
     def _append_host(self, layer, k, v, pos):
         # CPU, compiled: index_put_ on the whole store, not on the view host_k[layer]: a mutated

@@ -197,9 +197,14 @@ def channel_scale(v, meta_dtype=torch.float16):
     return torch.where(c > 0, c, 1.0).to(meta_dtype)
 
 
+def channel_separated(v, chan_scale, meta_dtype=torch.float16):
+    """v / c (eq. 6): what ZipCache quantizes tokenwise, in fp32."""
+    return _safe(v, meta_dtype) / chan_scale.float()[..., None, :]
+
+
 def quantize_values_zip(v, bits, group, chan_scale, one_bit="improved", meta_dtype=torch.float16, fit="range"):
     """Tokenwise quantization of v / c; dequantize with dequantize_values_zip (x' = dequant * c)."""
-    return quantize_values(_safe(v, meta_dtype) / chan_scale.float()[..., None, :], bits, group, one_bit, meta_dtype, fit)
+    return quantize_values(channel_separated(v, chan_scale, meta_dtype), bits, group, one_bit, meta_dtype, fit)
 
 
 def dequantize_values_zip(codes, scale, zero, bits, group, chan_scale, dtype=torch.float32):

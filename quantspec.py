@@ -1,13 +1,13 @@
 """QuantSpec (quantspec.txt §4, Algorithm 1): self-speculative decoding over one hierarchical cache.
 
     python generate.py --method quantspec --gamma 4 --prompt-file essay.txt     # greedy, or --temperature
-    python eval.py quantspec --lengths 4000,8000 --gammas 1,2,4,6               # acceptance rates
+    python tools/eval.py quantspec --lengths 4000,8000 --gammas 1,2,4,6               # acceptance rates
 
 The draft is the model itself with two cheaper parts: its linear layers (and output head) use
 group-wise INT4 weights (`Int4Linear`, its own copy; norms and embeddings are shared), and its
 attention reads only the upper INT4 planes of the hierarchical KV cache. The target is the model
-with its own weights reading both planes (the INT8 view). Both write to one QuantSpecCache
-(cache.py): no second KV cache exists.
+with its own weights reading both planes (the INT8 view). Both write to one QuantSpecCache per
+layer (`setup_caches`, then `share_caches`): no second KV cache exists.
 
 One round (generate.generate_quantspec, the decode loop; this file holds the draft and the rule):
   draft    gamma one-token steps ("draft" mode) propose d_1..d_gamma from the last token x;
@@ -24,7 +24,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cache
+import kernels
 import quant
+from cache import LowBitCache
+from config import CacheConfig
+from kernels import Residual
 
 
 # ---- the draft's weights ---------------------------------------------------------------------------
@@ -105,6 +110,71 @@ def share_caches(draft, model):
     """Point the draft's attention layers at the model's caches (after setup_caches on the model)."""
     for d, m in zip(draft.layers, model.layers):
         d.attention.kv_cache = m.attention.kv_cache
+
+
+# ---- the cache ----------------------------------------------------------------------------------------
+class QuantSpecCache(LowBitCache):
+    """QuantSpec's cache (quantspec.txt §4.2-4.3): one hierarchical store read two ways, the draft's
+    INT4 view (upper planes) and the target's INT8 view (both planes), and a double full-precision
+    buffer of two groups for the newest tokens: F1 (the older group, always full after prefill) and
+    F2 (new tokens). A round appends the draft's tokens one by one ("draft": INT4 view), then the
+    target's KV of the same tokens plus one ("verify": INT8 view, written over the draft's), and
+    `accept(n)` keeps the first n. Only verified tokens are ever quantized: when the buffer holds two
+    groups, F1 is quantized and F2 becomes F1. Rejected tokens are dropped, never quantized. All
+    counters are tensors: the draft, verify and accept steps are static-shape graphs."""
+
+    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig, gamma=4,
+                 meter=None):
+        # residual capacity: the two groups + one round's unverified tokens
+        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens=gamma + 1,
+                         meter=meter)
+        self.gamma = gamma
+        self.register_buffer("n_draft", torch.zeros((), dtype=torch.int64, device=self.k_codes.device), persistent=False)
+
+    def blocks_to_quantize(self, n: int) -> int:
+        """Whole groups, keeping between one and two groups of the newest tokens in fp (once n >= G)."""
+        return max(0, (n - self.group) // self.group * self.group)
+
+    def forward(self, q, k, v, input_pos, mode="verify"):
+        if mode == "prefill":
+            return self.prefill(q, k, v, input_pos)
+        if mode not in ("draft", "verify"):
+            raise ValueError(f"the quantspec cache runs 'draft' and 'verify' steps, not {mode!r}")
+        T = k.shape[2]
+        draft = mode == "draft"
+        at = self.res_len + (self.n_draft if draft else 0)  # verify writes over the round's draft rows
+        rows = at + torch.arange(T, device=k.device)
+        self.k_res.index_copy_(2, rows, k)
+        self.v_res.index_copy_(2, rows, v)
+        out, _ = kernels.attention_lowbit(q, self.stored(4 if draft else 8), Residual(self.k_res, self.v_res, at + T),
+                                          None, self.sm_scale, use_op=self.custom_ops)
+        if draft:
+            self.n_draft.add_(T)
+        return out
+
+    def accept(self, n):
+        """Keep the first n (a 0-d tensor) of the round's verified tokens; quantize F1 when the
+        buffer reached two groups (static shape: otherwise into the scratch block)."""
+        G = self.group
+        self.res_len.add_(n)
+        self.n_draft.zero_()
+        full = self.res_len >= 2 * G
+        row0 = torch.where(full, self.n_quant, torch.full_like(self.n_quant, self.capacity))
+        self.quantize_block(self.k_res[:, :, :G], self.v_res[:, :, :G], row0)
+        C = self.k_res.shape[2]
+        for buf in (self.k_res, self.v_res):  # F2 becomes F1
+            buf[:, :, :C - G] = torch.where(full, buf[:, :, G:].clone(), buf[:, :, :C - G])
+        self.n_quant.add_(full.long() * G)
+        self.res_len.sub_(full.long() * G)
+
+
+def setup_caches(model, config: CacheConfig | str = "quantspec", batch: int = 1, max_seq_len=None, gamma: int = 4):
+    """cache.setup_caches with a QuantSpecCache in each layer (its residual holds a round of gamma + 1)."""
+    config = CacheConfig.from_name(config) if isinstance(config, str) else config
+    if config.kind != "quantspec":
+        raise ValueError(f"QuantSpec runs on the quantspec cache (quantspec[-gN]), not {config.name}")
+    return cache.setup_caches(model, config, batch, max_seq_len,
+                              lowbit_cache=lambda dims, meter: QuantSpecCache(*dims, config, gamma=gamma, meter=meter))
 
 
 # ---- acceptance ----------------------------------------------------------------------------------------

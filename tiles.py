@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _ref_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
+def refinement_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
     """ZipCache mixed precision: (compact refinement row, has one) of each of a key group's rows;
     grp_row = the group's first refinement row (flat)."""
     if RB > 0:
@@ -19,8 +19,8 @@ def _ref_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
 
 
 @triton.jit
-def _integer_units(scale, HIER: tl.constexpr, RB: tl.constexpr):
-    """A stored scale in the units of _load_codes' integers: QuantSpec's INT8 view counts sixteenths
+def integer_units(scale, HIER: tl.constexpr, RB: tl.constexpr):
+    """A stored scale in the units of load_codes' integers: QuantSpec's INT8 view counts sixteenths
     of the upper plane's step, ZipCache's mixed codes halves of the salient step."""
     if HIER:
         scale = scale / 16
@@ -30,17 +30,17 @@ def _integer_units(scale, HIER: tl.constexpr, RB: tl.constexpr):
 
 
 @triton.jit
-def _key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER: tl.constexpr, RB: tl.constexpr):
-    """A key group's constants for the key dot: its per-channel scale (divided to match _load_codes'
+def key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER: tl.constexpr, RB: tl.constexpr):
+    """A key group's constants for the key dot: its per-channel scale (divided to match load_codes'
     integers) and zero, and its rows' refinement rows (ZipCache). grp: the flat group index."""
-    sk = _integer_units(tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32), HIER, RB)
+    sk = integer_units(tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32), HIER, RB)
     zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    ref_rows, ref_ok = _ref_rows(ref_map, rows, n_ok, grp, N_REF, RB)
+    ref_rows, ref_ok = refinement_rows(ref_map, rows, n_ok, grp, N_REF, RB)
     return sk, zk, ref_rows, ref_ok
 
 
 @triton.jit
-def _load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
+def load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
                 RB: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Integer codes of a [BLOCK_N, BLOCK_D] tile of rows `rows` (flat bh*S + n): KIVI's c,
     QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16), or ZipCache's mixed codes
@@ -87,7 +87,7 @@ def _or(a, b):
 
 
 @triton.jit
-def _fetched_mask(n0, fidx, BLOCK_N: tl.constexpr):
+def fetched_mask(n0, fidx, BLOCK_N: tl.constexpr):
     """[BLOCK_N] bool, True where position n0 + n is held as a fetched fp row: one OR over the fetched
     positions of a BLOCK_N (<= 64) bit word, instead of a [BLOCK_N, K] comparison."""
     rel = fidx - n0
@@ -97,13 +97,13 @@ def _fetched_mask(n0, fidx, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _fetched_hits(offs_n, fidx):
+def fetched_hits(offs_n, fidx):
     """[BLOCK_N] int32, 1 where position offs_n is held as a fetched fp row (fidx: positions, -1 = unused)."""
     return tl.max((offs_n[:, None] == fidx[None, :]).to(tl.int32), 1)
 
 
 @triton.jit
-def _online_softmax(s, m_i, l_i, acc):
+def online_softmax(s, m_i, l_i, acc):
     """Flash-attention update with scores in log2 units: -> (m, l, rescaled acc, p)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -129,7 +129,7 @@ def _magic_asm(b, shift, mask, magic, dt: tl.constexpr):
 
 
 @triton.jit
-def _plane_codes(codes, rows, cols, dt: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr, CODES: tl.constexpr):
+def plane_codes(codes, rows, cols, dt: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr, CODES: tl.constexpr):
     """Codes of a tile in plane-major channel order: column j*W + i (W = bytes per row) is bit plane j
     of byte i, channel i*PER + j (quant.pack_bits). Each element loads its byte (the PER columns of a
     byte share one load) and shifts its plane out: no reshape or interleave, so the tile needs no

@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels import (LOG2E, Fetched, LowBitKV, Residual, Tensor, _code_layout, _dot_precision, _flat, _key_group,
-                     _load_codes, _unflat, _upcast, key_logits)
+from kernels import (LOG2E, Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
+                     interpreter_upcast, key_logits, op_inputs)
+from tiles import key_group, load_codes
 
 
 # =============================================================================================
@@ -33,7 +33,7 @@ def _row_scores(logits, lse_rows, G, R):
     return p.view(B, Hkv, G, R, N).sum(2).amax(2)
 
 
-def _as_rows(q_row, lse_row):
+def as_rows(q_row, lse_row):
     """[B,H,D] / [B,H] (one query token) or [B,H,R,D] / [B,H,R] (R tokens) -> the 4-d / 3-d form."""
     return (q_row[:, :, None], lse_row[:, :, None]) if q_row.dim() == 3 else (q_row, lse_row)
 
@@ -63,7 +63,7 @@ def topk_lowbit_ref(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: 
     kv head serves all G heads); with several query tokens ([B,H,R,D]) the best of them. With
     `fetched`, fetched positions score with their fp rows. Positions below `first` (rows kept in fp
     anyway) or >= n_quant score -1 with index 0. Sorted descending."""
-    q_rows, lse_rows = _as_rows(q_row, lse_row)
+    q_rows, lse_rows = as_rows(q_row, lse_row)
     B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     G = H // Hkv
@@ -99,7 +99,7 @@ def rerank_exact(q_row, lse_row, keys, valid, k, sm_scale):
     """The k best of C candidates by their fp keys [B,Hkv,C,D] (valid [B,Hkv,C]), scored as topk_lowbit
     scores (probability summed over the kv head's query heads, best of R tokens) -> (score, index
     into the C candidates) [B,Hkv,k]; invalid candidates score -1."""
-    prob = _fp_row_scores(*_as_rows(q_row, lse_row), keys, sm_scale)
+    prob = _fp_row_scores(*as_rows(q_row, lse_row), keys, sm_scale)
     return torch.where(valid, prob, -1.0).topk(k, dim=-1)
 
 
@@ -139,7 +139,7 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
         fk = tl.load(f_k + (bh * K + offs_f[:, None]) * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
                      other=0.0).to(dt)
         fs = tl.exp2(tl.dot(qt.to(dt), tl.trans(fk), input_precision=DOT) - lse_g[:, None])
-        f_exact = _best_row(fs, offs_g, g_ok, R)  # [BLOCK_F]
+        f_exact = best_row(fs, offs_g, g_ok, R)  # [BLOCK_F]
     lo = chunk * CHUNK
     hi = tl.minimum(tl.load(n_quant_ptr), S)
     for n0 in range(0, CHUNK, GROUP_K):
@@ -147,13 +147,13 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
         n_ok = (offs_n < hi) & (offs_n >= FIRST)
         rows = bh * S + offs_n
         grp_ok = offs_d < tl.where(lo + n0 < hi, D, 0)  # (block & scalar-bool masks break the interpreter)
-        sk, zk, ref_rows, ref_ok = _key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K,
+        sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K,
                                               offs_d, grp_ok, D, N_REF, HIER, RB)
-        ck = _load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+        ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
                          GROUP_K, BLOCK_D)
         s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
         s = s + tl.sum(qt * zk[None, :], 1)[:, None]
-        prob = _best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R)
+        prob = best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R)
         if HAS_FETCH:
             hit = offs_n[:, None] == fidx[None, :]
             exact = tl.sum(tl.where(hit, f_exact[None, :], 0.0), 1)
@@ -166,7 +166,7 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
 
 
 @triton.jit
-def _best_row(p, offs_g, g_ok, R: tl.constexpr):
+def best_row(p, offs_g, g_ok, R: tl.constexpr):
     """p [BLOCK_G, N] probabilities of query rows m = g*R + r -> max_r sum_g p: [N]."""
     best = tl.sum(tl.where((g_ok & (offs_g % R == 0))[:, None], p, 0.0), 0)
     for r in tl.static_range(1, R):
@@ -286,12 +286,12 @@ def radix_select_triton(keys, k: int, chunk: int, hist=None):
 
 def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
                        first: int = 0, chunk: int = 1024, **launch):
-    q_rows, lse_rows = _as_rows(q_row, lse_row)
+    q_rows, lse_rows = as_rows(q_row, lse_row)
     B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
-    words, BLOCK_D, k_codes, _, k_lo, _, k_ref, _ = _code_layout(store, D)
+    words, BLOCK_D, k_codes, _, k_lo, _, k_ref, _ = code_layout(store, D)
     chunk = max(min(chunk, triton.next_power_of_2(S)), store.group_k)
     n_chunks = triton.cdiv(S, chunk)
     BH, G, dev = B * Hkv, H // Hkv, q_row.device
@@ -307,7 +307,7 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
         n_chunks * chunk, K, D, G, first, store.n_ref, R,
         BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
         WORDS=words, GROUP_K=store.group_k, HAS_FETCH=f is not None,
-        DOT=_dot_precision(q_row.dtype), UPCAST=_upcast(q_row.dtype), CHUNK=chunk,
+        DOT=dot_precision(q_row.dtype), UPCAST=interpreter_upcast(q_row.dtype), CHUNK=chunk,
         BLOCK_G=max(16, triton.next_power_of_2(G * R)), BLOCK_D=BLOCK_D,
         BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))), **launch)
     top_score, top_idx = radix_select_triton(keys, k, chunk, hist)
@@ -320,7 +320,7 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
 @torch.library.custom_op("specache::topk_lowbit", mutates_args=())
 def _topk_lowbit_op(q_row: Tensor, lse_row: Tensor, tensors: list[Tensor], ints: list[int],
                     optional: list[Optional[Tensor]], k: int, sm_scale: float, first: int = 0) -> tuple[Tensor, Tensor]:
-    store, _, fetched = _unflat(tensors, ints, optional)
+    store, _, fetched = from_op_inputs(tensors, ints, optional)
     return topk_lowbit_triton(q_row, lse_row, store, k, sm_scale, fetched, first)
 
 
@@ -330,11 +330,12 @@ def _(q_row, lse_row, tensors, ints, optional, k, sm_scale, first=0):
     return q_row.new_empty(shape, dtype=torch.float32), q_row.new_empty(shape, dtype=torch.int64)
 
 
-def topk_lowbit(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None, first: int = 0):
+def topk_lowbit(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None, first: int = 0,
+                use_op=None):
     """-> (score [B,Hkv,k] fp32, idx [B,Hkv,k] int64), sorted by score; see topk_lowbit_ref for the
     GQA reduction, several selecting tokens and `first`. Slots with score < 0 are invalid (fewer
-    than k candidate positions)."""
-    if q_row.is_cuda or kernels._ops_on_cpu:
-        tensors, ints, optional = _flat(store, Residual(None, None, None), fetched)
+    than k candidate positions). use_op: as kernels.attention_lowbit's."""
+    if q_row.is_cuda if use_op is None else use_op:
+        tensors, ints, optional = op_inputs(store, Residual(None, None, None), fetched)
         return _topk_lowbit_op(q_row, lse_row, list(tensors[:7]), list(ints), list(optional), k, float(sm_scale), first)
     return topk_lowbit_ref(q_row, lse_row, store, k, sm_scale, fetched, first)

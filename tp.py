@@ -1,7 +1,7 @@
-"""Tensor parallelism over torch.distributed, and cells spread over ranks for eval.py.
+"""Tensor parallelism over torch.distributed.
 
     torchrun --nproc-per-node 2 generate.py --cache specache --prompt "..."      # the model over 2 ranks
-    torchrun --nproc-per-node 2 eval.py niah --out results/niah                   # the cells over 2 ranks
+    torchrun --nproc-per-node 2 tools/eval.py niah --out results/niah             # the cells over 2 ranks
 
 The world size comes from torchrun's environment (WORLD_SIZE); `--tp N` only checks it. Each rank
 holds (docs/tp.md has the table):
@@ -35,10 +35,6 @@ from model import ModelArgs, Transformer, read_config, rope_table
 TIMEOUT_S = float(os.environ.get("SPECACHE_DIST_TIMEOUT_S", "1800"))
 
 
-def fail(msg):
-    raise SystemExit(f"error: {msg}")
-
-
 # ---- the process group -------------------------------------------------------------------------------
 def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
@@ -56,15 +52,15 @@ def launched() -> int:
 
 def init(want: int | None, device: torch.device, backend: str | None = None) -> torch.device:
     """Join torchrun's process group (NCCL on CUDA, gloo on CPU) if there is one. `want` (--tp) must
-    equal the world size. Returns the rank's device (cuda:LOCAL_RANK on CUDA). Ranks other than 0
-    print nothing to stdout; their `error:` lines are dropped by `main` (rank 0 prints the same one)."""
+    equal the world size (ValueError). Returns the rank's device (cuda:LOCAL_RANK on CUDA). The entry
+    points print their results on rank 0 only; `main` drops the other ranks' `error:` lines."""
     n = launched()
     if want is not None and want < 1:
-        fail(f"--tp must be >= 1, got {want}")
+        raise ValueError(f"--tp must be >= 1, got {want}")
     if want not in (None, 1) and not n:
-        fail(f"--tp {want} needs torchrun: torchrun --nproc-per-node {want} {Path(sys.argv[0]).name} ...")
+        raise ValueError(f"--tp {want} needs torchrun: torchrun --nproc-per-node {want} {Path(sys.argv[0]).name} ...")
     if want is not None and n and want != n:
-        fail(f"--tp {want} but torchrun started {n} processes (--nproc-per-node x nodes must equal --tp)")
+        raise ValueError(f"--tp {want} but torchrun started {n} processes (--nproc-per-node x nodes must equal --tp)")
     if n < 2:
         return device
     if device.type == "cuda":
@@ -73,8 +69,6 @@ def init(want: int | None, device: torch.device, backend: str | None = None) -> 
     if not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"),
                                 timeout=timedelta(seconds=TIMEOUT_S))
-    if rank():
-        sys.stdout = open(os.devnull, "w")
     return device
 
 
@@ -240,24 +234,19 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32, max_seq_len=None) ->
 
 
 def random_model(name: str, device="cpu", dtype=torch.float32, max_seq_len=None, seed=0) -> Transformer:
-    """model.random_model, or under torchrun the rank's slices only (bench.py: a 70B's shard)."""
+    """model.random_model, or under torchrun the rank's slices only (tools/bench.py: a 70B's shard)."""
     import model as model_mod
     if world() == 1:
         return model_mod.random_model(name, device=device, dtype=dtype, max_seq_len=max_seq_len, seed=seed)
     args = ModelArgs.from_name(name)
     if max_seq_len is not None:
         args.max_seq_len = max_seq_len
-    local = build_rank_model(args, rank(), world())
-    g = torch.Generator(device=device).manual_seed(seed + rank())
-    state = {pname: torch.empty(p.shape, dtype=dtype, device=device) for pname, p in local.state_dict().items()}
-    for pname, t in state.items():
-        t.fill_(1.0) if "norm" in pname else t.normal_(0.0, 0.02, generator=g)
-    local.load_state_dict(state, strict=True, assign=True)
-    local.rope = rope_table(local.args, local.args.max_seq_len).to(device)
-    return local.eval()
+    n = world()
+    return model_mod.random_weights(build_rank_model(args, rank(), n), device, dtype, seed,
+                                    split=lambda nm: split_dim(nm, args, n) is not None, rank=rank())
 
 
-# ---- bytes per rank (bench.py --floors --tp N) ---------------------------------------------------------------
+# ---- bytes per rank (tools/bench.py --floors --tp N) ---------------------------------------------------------------
 def comm_bytes(args: ModelArgs, n: int, batch: int, step_tokens: int, elem: int = 2) -> int:
     """Bytes a rank sends per decode step in ring collectives: 2 all-reduces of [B, T, dim] per layer
     plus the embedding's, and the logits' all-gather; 2(N-1)/N of the tensor per all-reduce,
@@ -269,68 +258,6 @@ def comm_bytes(args: ModelArgs, n: int, batch: int, step_tokens: int, elem: int 
     reduces = 2 * args.n_layers + (1 if vocab_split else 0)
     gather = batch * step_tokens * args.vocab_size * 4 * (n - 1) // n if vocab_split else 0
     return reduces * act * 2 * (n - 1) // n + gather
-
-
-# ---- eval.py: cells over ranks, one results file ------------------------------------------------------------
-def init_eval(device: torch.device, results_path: Path) -> torch.device:
-    """eval.py, under torchrun or not: one whole model per rank (gloo carries only barriers).
-    Rank 0 first folds in the rank files a killed run left, so every rank resumes from them."""
-    if launched() > 1:
-        device = init(None, device, backend="gloo")
-    if rank() == 0:
-        fold_rank_files(results_path)
-    if world() > 1:
-        barrier()
-    return device
-
-
-def my_cells(todo: list) -> list:
-    """A contiguous 1/N of the cells (cells are prompt-major: neighbours share a prefill)."""
-    n, r = world(), rank()
-    return todo[r * len(todo) // n:(r + 1) * len(todo) // n]
-
-
-def rank_file(results) -> Path:
-    return results.dir / f"{results.path.stem}.rank{rank()}.jsonl"
-
-
-def fold_rank_files(results_path: Path):
-    """Append the per-rank files of a run (finished or killed) to the one results file, then remove
-    them: a rerun resumes from every cell any rank finished."""
-    parts = sorted(results_path.parent.glob(f"{results_path.stem}.rank*.jsonl"))
-    if not parts:
-        return
-    text = results_path.read_text() if results_path.exists() else ""
-    with open(results_path, "a") as out:
-        if text and not text.endswith("\n"):
-            out.write("\n")
-        for part in parts:
-            lines = [ln for ln in part.read_text().splitlines() if ln.endswith("}")]  # a cut last line reruns
-            out.write("".join(ln + "\n" for ln in lines))
-    for part in parts:
-        part.unlink()
-
-
-def begin_cells(results):
-    """Under torchrun every rank appends its cells to its own file (one writer per file, on any
-    file system); end_cells folds them into the one results file."""
-    if world() > 1:
-        results.path = rank_file(results)
-
-
-def end_cells(results):
-    """After the cells: wait for every rank (a dead one is an error after TIMEOUT_S, torchrun
-    usually ends the run first), rank 0 folds the rank files into the results file and goes on to
-    write the report; the other ranks are done."""
-    if world() == 1:
-        return
-    name = results.path.name.split(".rank")[0] + ".jsonl"
-    barrier()
-    if rank():
-        dist.destroy_process_group()
-        raise SystemExit(0)
-    fold_rank_files(results.dir / name)
-    results.__init__(results.dir, name)
 
 
 def barrier():

@@ -2,6 +2,8 @@
 prefetch.py decides when they run (the side stream, its staging and events); this file is what
 they do, a torch reference beside each Triton kernel.
 
+  stage          the main stream's part of a fetch: one launch copies the transfer's inputs into
+                 buffers the side stream owns (and records which rows the ring will hold).
   transfer_rows  one launch per layer and step, K and V together, on a small persistent grid: write
                  the step's real token (new_k/new_v [B,Hkv,1,D]) to host row new_pos, and gather
                  host rows idx [B,Hkv,k] into the layer's ring (a row equal to new_pos comes from
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-import topk
+from topk import best_row, rerank_exact
 
 
 def record_rows(idx, valid, fetch_idx, fetch_valid, off):
@@ -44,10 +46,133 @@ def record_rows(idx, valid, fetch_idx, fetch_valid, off):
     return torch.where(got, row, -1)
 
 
+@triton.jit
+def record_rows_tile(fetch_idx, fetch_valid, slots, slot_ok, rows, row_ok, rank, BY_RANK: tl.constexpr):
+    """record_rows for one kv head, in Triton: the selected rows [N] (row_ok) into the ring slots at
+    offsets `slots` [K] of fetch_idx/fetch_valid (slot_ok: real slots). A selected row the ring holds
+    keeps its slot; the missing ones take the free slots in their index order, or BY_RANK in the order
+    of `rank` [N] (lower first). Writes fetch_idx/fetch_valid; -> put [K, N]: slot s receives row n."""
+    old = tl.load(fetch_idx + slots, mask=slot_ok, other=-1)
+    old_ok = tl.load(fetch_valid + slots, mask=slot_ok, other=0) != 0
+    same = ((old[:, None] == rows[None, :]) & old_ok[:, None] & row_ok[None, :]).to(tl.int32)  # [slot, row]
+    keep = tl.max(same, 1) > 0
+    miss = (row_ok & (tl.max(same, 0) == 0)).to(tl.int32)
+    free = ((keep == 0) & slot_ok).to(tl.int32)
+    if BY_RANK:  # missing rows ranked ahead of each
+        order = tl.sum(((miss[None, :] != 0) & (rank[None, :] < rank[:, None])).to(tl.int32), 1)
+    else:
+        order = tl.cumsum(miss, 0) - miss
+    put = (free[:, None] != 0) & (miss[None, :] != 0) & ((tl.cumsum(free, 0) - free)[:, None] == order[None, :])
+    got = tl.max(put.to(tl.int32), 1) > 0
+    tl.store(fetch_idx + slots, tl.where(keep, old, tl.where(got, tl.sum(tl.where(put, rows[None, :], 0), 1), 0)),
+             mask=slot_ok)
+    tl.store(fetch_valid + slots, (keep | got).to(tl.int8), mask=slot_ok)
+    return put
+
+
+# =============================================================================================
+# staging: the main stream's part of a fetch (CUDA: one launch; CPU: copies)
+# =============================================================================================
+@triton.jit
+def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n_sb, n_sh, n_sd,
+                  valid, rec_idx, rec_valid, RING, OFF,
+                  cand, cand_valid, q, lse, s_cand, s_cand_valid, s_q, s_lse, C, M, q_sb, q_sh, q_sr, q_sd,
+                  l_sb, l_sh, l_sr, HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, HAS_RECORD: tl.constexpr,
+                  HAS_RERANK: tl.constexpr, R: tl.constexpr, RQ: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Grid (B*Hkv,): copy one layer's transfer inputs into the prefetcher's staging buffers, one
+    launch on the main stream instead of up to eight copies. new_k/new_v [B,Hkv,1,D] and the query
+    rows q [B,Hq,RQ,D] / lse [B,Hq,RQ] are read through their strides (slices of the step's tensors:
+    no .contiguous() copies) into staging of R rows per head; kv head bh's query rows are heads
+    bh*G .. bh*G+G-1, row m = g*R + r, read from token r % RQ (one token staged for two: twice, as the
+    CPU path's broadcasting copy does; the union policy's pre-decoding has one selecting token).
+    HAS_RECORD: also record idx and valid in the cache's fetch_idx/fetch_valid [.., RING] from slot OFF."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    if HAS_IDX:
+        offs_k = tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        i = tl.load(idx + bh * K + offs_k, mask=k_ok, other=0)
+        if HAS_RECORD:  # record_rows: rows the ring holds stay in their slots; copy only the others
+            new_ok = tl.load(valid + bh * K + offs_k, mask=k_ok, other=0) != 0
+            put = record_rows_tile(rec_idx, rec_valid, bh * RING + OFF + offs_k, k_ok, i, new_ok, i, BY_RANK=False)
+            i = tl.where(tl.max(put.to(tl.int32), 1) > 0, tl.sum(tl.where(put, i[None, :], 0), 1), -1)
+        tl.store(s_idx + bh * K + offs_k, i, mask=k_ok)
+    if HAS_NEW:
+        src = b * n_sb + h * n_sh + offs_d * n_sd
+        tl.store(s_k + bh * D + offs_d, tl.load(new_k + src, mask=d_ok), mask=d_ok)
+        tl.store(s_v + bh * D + offs_d, tl.load(new_v + src, mask=d_ok), mask=d_ok)
+        if bh == 0:
+            tl.store(s_pos, tl.load(new_pos))
+    if HAS_RERANK:
+        offs_c = tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        tl.store(s_cand + bh * C + offs_c, tl.load(cand + bh * C + offs_c, mask=c_ok), mask=c_ok)
+        tl.store(s_cand_valid + bh * C + offs_c, tl.load(cand_valid + bh * C + offs_c, mask=c_ok), mask=c_ok)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        head, r = h * (M // R) + offs_m // R, offs_m % R
+        q_src = (b * q_sb + head * q_sh + (r % RQ) * q_sr)[:, None] + offs_d[None, :] * q_sd
+        md = m_ok[:, None] & d_ok[None, :]
+        tl.store(s_q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], tl.load(q + q_src, mask=md), mask=md)
+        tl.store(s_lse + bh * M + offs_m, tl.load(lse + b * l_sb + head * l_sh + (r % RQ) * l_sr, mask=m_ok), mask=m_ok)
+
+
+def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
+    B, H, K = s_idx.shape
+    D = s_k.shape[-1]
+    any_t = s_idx
+    if record is not None:
+        valid, fetch_idx, fetch_valid, off = record
+        assert idx is not None and fetch_idx.is_contiguous() and fetch_valid.is_contiguous()
+        rec = (valid.contiguous().view(torch.int8), fetch_idx, fetch_valid.view(torch.int8), fetch_idx.shape[2], off)
+    else:
+        rec = (any_t,) * 3 + (0, 0)
+    if rerank is not None:
+        cand, cand_valid, q, lse = rerank
+        s_cand, s_cand_valid, s_q, s_lse = s_rerank
+        C, R, RQ = cand.shape[2], s_q.shape[2], q.shape[2]  # (the staging's rows per head; the query's)
+        M = s_q.shape[1] // H * R
+        assert cand.is_contiguous() and cand_valid.is_contiguous() and q.dtype == s_q.dtype and lse.dtype == s_lse.dtype
+        assert s_q.is_contiguous() and s_lse.is_contiguous() and q.shape[1] == s_q.shape[1] and R % RQ == 0
+        rr = (cand, cand_valid.view(torch.int8), q, lse, s_cand, s_cand_valid.view(torch.int8), s_q, s_lse, C, M,
+              *q.stride(), *lse.stride())
+    else:
+        R, RQ, C, M = 1, 1, 1, 1
+        rr = (any_t,) * 8 + (1, 1) + (0,) * 7
+    n_strides = (new_k.stride(0), new_k.stride(1), new_k.stride(3)) if new_k is not None else (0, 0, 0)
+    assert new_k is None or new_v.stride() == new_k.stride()
+    _stage_kernel[(B * H,)](idx.contiguous() if idx is not None else any_t,
+                            new_k if new_k is not None else any_t, new_v if new_v is not None else any_t,
+                            new_pos if new_pos is not None else any_t, s_idx, s_k, s_v, s_pos, K, D, H, *n_strides,
+                            *rec, *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
+                            HAS_RECORD=record is not None, HAS_RERANK=rerank is not None, R=R, RQ=RQ,
+                            BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
+                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M))
+
+
+def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
+    """s_* = the transfer's inputs (staging buffers of one layer), on the current stream; with
+    re-ranking also rerank = (candidates, their validity, query rows, lse) into s_rerank; with
+    record = (valid, fetch_idx, fetch_valid, off), idx and valid into the cache's fetch_idx/fetch_valid."""
+    if s_idx.is_cuda:
+        return stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank, s_rerank, record)
+    if idx is not None:
+        s_idx.copy_(record_rows(idx, *record) if record is not None else idx)
+    if new_k is not None:
+        s_k.copy_(new_k)
+        s_v.copy_(new_v)
+        s_pos.copy_(new_pos.reshape(()))
+    for dst, src in zip(s_rerank or (), rerank or ()):
+        dst.copy_(src)
+
+
 # =============================================================================================
 # the transfer: torch reference (CPU) and Triton kernel (CUDA), one launch for K and V
 # =============================================================================================
-def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0, values_only=False):
+def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
     """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], idx [B,Hkv,k] or None, new_*
     [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., idx]
     where idx >= 0 (-1: the slot keeps its row; ring slots before ring_off hold rows kept on the
@@ -60,7 +185,7 @@ def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos
         B, Hkv, S, D = host_k.shape
         idx = idx.to(host_k.device)
         flat = (idx.clamp(min=0) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
-        for host, ring in ((host_v, ring_v),) if values_only else ((host_k, ring_k), (host_v, ring_v)):
+        for host, ring in ((host_k, ring_k), (host_v, ring_v)):
             rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D).to(ring.dtype)
             slots = ring[:, :, ring_off:] if ring_off else ring
             slots.copy_(torch.where(idx[..., None] >= 0, rows, slots))
@@ -170,7 +295,7 @@ def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand
     keys = host_k.gather(2, cand[..., None].expand(*cand.shape, host_k.shape[-1]))
     if new_k is not None:
         keys = torch.where((cand == new_pos)[..., None], new_k.to(keys.dtype), keys)
-    score, pick = topk.rerank_exact(q_rows, lse_rows, keys, cand_valid, min(ring_k.shape[2] - ring_off, C), sm_scale)
+    score, pick = rerank_exact(q_rows, lse_rows, keys, cand_valid, min(ring_k.shape[2] - ring_off, C), sm_scale)
     rows = record_rows(cand.gather(-1, pick), score >= 0, fetch_idx, fetch_valid, ring_off)
     transfer_rows_ref(host_k, host_v, ring_k, ring_v, rows, new_k, new_v, new_pos, ring_off)
 
@@ -199,9 +324,7 @@ def _rerank_score_kernel(host_k, cand, cand_valid, q, lse, new_k, new_pos_ptr, k
     qm = tl.load(q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     logits = tl.sum(qm.to(tl.float32) * key.to(tl.float32)[None, :], 1) * sm_scale  # [BLOCK_M]
     p = tl.exp(logits - tl.load(lse + bh * M + offs_m, mask=m_ok, other=float("inf")))
-    best = tl.sum(tl.where((offs_m % R) == 0, p, 0.0), 0)
-    for r in tl.static_range(1, R):
-        best = tl.maximum(best, tl.sum(tl.where((offs_m % R) == r, p, 0.0), 0))
+    best = tl.sum(best_row(p[:, None], offs_m, m_ok, R), 0)
     tl.store(score + bh * C + c, tl.where(ok, best, -1.0))
 
 
@@ -222,20 +345,7 @@ def _rerank_layout_kernel(cand, score, fetch_idx, fetch_valid, target, C, K, RIN
     rank = tl.sum(ahead.to(tl.int32), 1)
     ok = c_ok & (rank < K) & (s >= 0)  # the real winners
     offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    slots = bh * RING + OFF + offs_k
-    old = tl.load(fetch_idx + slots, mask=k_ok, other=-1)
-    old_ok = tl.load(fetch_valid + slots, mask=k_ok, other=0) != 0
-    same = ((old[:, None] == i[None, :]) & old_ok[:, None] & ok[None, :]).to(tl.int32)  # [slot, candidate]
-    keep = tl.max(same, 1) > 0
-    miss = ok & (tl.max(same, 0) == 0)
-    free = ((keep == 0) & k_ok).to(tl.int32)
-    miss_rank = tl.sum((miss[None, :] & (rank[None, :] < rank[:, None])).to(tl.int32), 1)  # missing winners ahead
-    put = (free[:, None] != 0) & miss[None, :] & ((tl.cumsum(free, 0) - free)[:, None] == miss_rank[None, :])
-    got = tl.max(put.to(tl.int32), 1) > 0
-    tl.store(fetch_idx + slots, tl.where(keep, old, tl.where(got, tl.sum(tl.where(put, i[None, :], 0), 1), 0)),
-             mask=k_ok)
-    tl.store(fetch_valid + slots, (keep | got).to(tl.int8), mask=k_ok)
+    put = record_rows_tile(fetch_idx, fetch_valid, bh * RING + OFF + offs_k, offs_k < K, i, ok, rank, BY_RANK=True)
     to_slot = tl.where(tl.max(put.to(tl.int32), 0) > 0, tl.sum(tl.where(put, offs_k[:, None], 0), 0), -1)
     tl.store(target + bh * C + offs_c, to_slot, mask=c_ok)
 

@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
     args, archs = GATE_MATRIX[mode]
     out = os.path.join(tempfile.mkdtemp(prefix="gate-"), "gate.json")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.Popen([sys.executable, "triton_aot.py", "--no-report", "--json", out, *args],
+    proc = subprocess.Popen([sys.executable, "tools/triton_aot.py", "--no-report", "--json", out, *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     config.add_cleanup(proc.kill)  # a run stopped early (-x, Ctrl-C) leaves no compiler behind
     config.specache_gate = dict(json=out, archs=archs, proc=proc)

@@ -31,7 +31,23 @@ def require_default_checkpoint():
 
 
 def setup(model, kind, batch=1, max_seq_len=None, **fields):
-    """generate.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
+    """cache.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
+    from cache import setup_caches
     from config import CacheConfig
-    from generate import setup_caches
     return setup_caches(model, CacheConfig(kind=kind, **fields).validated(), batch, max_seq_len)
+
+
+def run_generate(model, prompt, new, config, step_fn=None, on_step=None, pre_decode_fn=None, **decoding):
+    """generate.generate over the caches set up on `model` for `config` (a CacheConfig or its name),
+    greedy unless `decoding` says otherwise; step_fn / pre_decode_fn replace the eager steps."""
+    from dataclasses import replace
+
+    from config import CacheConfig
+    from generate import Decoding, Steps, generate
+    config = CacheConfig.from_name(config) if isinstance(config, str) else config
+    steps = Steps()
+    if step_fn is not None:
+        steps = replace(steps, decode=step_fn)
+    if pre_decode_fn is not None:
+        steps = replace(steps, pre_decode=pre_decode_fn)
+    return generate(model, prompt, config.policy, Decoding(new, **decoding), steps, on_step)

@@ -1,4 +1,4 @@
-"""bench.py on a tiny random Llama: fields, byte accounting, the budget search. No timing assertions."""
+"""tools/bench.py on a tiny random Llama: fields, byte accounting, the budget search. No timing assertions."""
 import json
 from argparse import Namespace
 from dataclasses import asdict
@@ -6,12 +6,10 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import bench
-import bench_report
-import generate
-import measure
 import quant
+from cache import KVCaches, setup_caches
 from tests.helpers import setup, tiny_model
+from tools import bench, bench_report, measure
 
 CACHES = ["full", "kivi", "kivi+2tok", "specache", "specache-sequential"]
 
@@ -33,7 +31,8 @@ def model():
 
 def attached(model):
     caches = [layer.attention.kv_cache for layer in model.layers]
-    return caches, getattr(caches[0], "prefetcher", None)
+    prefetcher = getattr(caches[0], "prefetcher", None)
+    return KVCaches(None, caches, prefetcher, None), prefetcher
 
 
 @pytest.mark.parametrize("cache", CACHES)
@@ -49,12 +48,12 @@ def test_run_config_fields_and_bytes(model, cache):
     assert r["tok_s"] == pytest.approx(2 / (r["step_ms_median"] / 1e3))  # one output token per step
     assert r["cpu_share"] > 0
     # the caches' own accounting
-    assert r["kv_device_bytes"] == generate.kv_device_bytes(caches)
-    assert r["kv_host_bytes"] == generate.kv_host_bytes(caches)
+    assert r["kv_device_bytes"] == caches.device_bytes()
+    assert r["kv_host_bytes"] == caches.host_bytes()
     assert r["fetch_bytes_per_step"] == (prefetcher.bytes_per_step() if cfg.kind == "specache" else 0)
     assert (r["kv_host_bytes"] > 0) == (cfg.kind == "specache")
     n_valid = 100 + a.warmup + a.steps
-    assert r["read_bytes_per_step"] == bench.weight_bytes(model) + generate.kv_read_bytes(caches, T)
+    assert r["read_bytes_per_step"] == bench.weight_bytes(model) + caches.read_bytes(T)
     assert r["achieved_gbs"] == pytest.approx(r["read_bytes_per_step"] / (r["step_ms_median"] / 1e3) / 1e9)
     assert r["of_copy_bw"] == pytest.approx(r["achieved_gbs"] / BW["copy_gbs"])
     if cfg.kind != "full":  # the low-bit caches kept exactly the real tokens
@@ -76,12 +75,13 @@ def test_read_bytes_full_and_lowbit(model):
     of quant.quantized_bytes (codes + amortized scale/zero) plus the fp residual rows; SpeCache adds
     the fetched rows and a second pass over the quantized keys (the top-k)."""
     L, B, Hkv, D = model.args.n_layers, 2, model.args.n_kv_heads, model.args.head_dim
-    caches, _, _ = setup(model, "full", B, 96)
+    caches = setup(model, "full", B, 96)
     for c in caches:
         c.length.fill_(95)
-    assert generate.kv_read_bytes(caches, 1) == generate.kv_device_bytes(caches)
+    assert caches.read_bytes(1) == caches.device_bytes()
     for kind in ("kivi", "specache"):
-        caches, pf, _ = setup(model, kind, B, 200, bits=2, group=16, residual=32, k=8)
+        caches = setup(model, kind, B, 200, bits=2, group=16, residual=32, k=8)
+        pf = caches.prefetcher
         for c in caches:
             c.n_quant.fill_(128)
             c.res_len.fill_(5)
@@ -92,7 +92,7 @@ def test_read_bytes_full_and_lowbit(model):
         if kind == "specache":
             expect += L * B * Hkv * (8 * fp_row + 128 * key_tok)
             assert pf.bytes_per_step() == L * B * Hkv * 8 * fp_row
-        assert generate.kv_read_bytes(caches, 2) == expect
+        assert caches.read_bytes(2) == expect
 
 
 @pytest.mark.parametrize("cache", ["full", "kivi", "specache"])
@@ -101,9 +101,9 @@ def test_budget_lines_are_linear_in_the_batch(model, cache):
     n = bench.cache_len(100, a)
     fixed, per_row, host_row = bench.kv_bytes_linear(model, cache, n, a)
     cfg, _ = bench.bench_config(cache, a)
-    caches = generate.setup_caches(model, cfg, 3, n)[0]
-    assert generate.kv_device_bytes(caches) == fixed + 3 * per_row
-    assert generate.kv_host_bytes(caches) == 3 * host_row
+    caches = setup_caches(model, cfg, 3, n)
+    assert caches.device_bytes() == fixed + 3 * per_row
+    assert caches.host_bytes() == 3 * host_row
 
 
 def test_budget_section_caps_and_fixed_batch(model):
@@ -266,7 +266,7 @@ def test_kernel_sweep_needs_cuda_and_says_so_in_one_line():
     import subprocess
     import sys
     from tests.helpers import ROOT
-    r = subprocess.run([sys.executable, "bench.py", "--kernels", "--sweep"], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "tools/bench.py", "--kernels", "--sweep"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
     assert r.stderr == "error: --sweep times Triton kernels on a CUDA GPU, and there is none here\n", r.stderr
@@ -276,7 +276,7 @@ def test_every_sweep_configuration_is_one_the_launchers_take():
     """Each kernel path and configuration the GPU sweep times goes through the launcher (interpreted
     here: warps and stages are ignored, the split count is not) and matches the torch reference."""
     import kernels
-    import bench_kernels
+    from tools import bench_kernels
     g = torch.Generator().manual_seed(0)
     c, store, fetched, q2 = bench_kernels.lowbit_kernel_case(2, 4, 64, 128, 2, torch.float32, torch.device("cpu"), g,
                                                              group=32, k=8)
@@ -290,19 +290,19 @@ def test_every_sweep_configuration_is_one_the_launchers_take():
             torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
-# ---- gpu_check.py (make gpu-check) --------------------------------------------------------------------
+# ---- tools/gpu_check.py (make gpu-check) --------------------------------------------------------------------
 def test_gpu_check_without_cuda_says_so_in_one_line():
     import subprocess
     import sys
     from tests.helpers import ROOT
-    r = subprocess.run([sys.executable, "gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "tools/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.count("\n") == 1 and "no CUDA device" in r.stdout, r.stdout + r.stderr
 
 
 def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monkeypatch, capsys):
     """The summary's statuses and exit code, with the sub-runs faked: a failing test fails the check;
     a speed run that the budget cuts is "cut" and later ones "not run", neither a failure."""
-    import gpu_check
+    from tools import gpu_check
     clock = [0.0]
     monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
 
@@ -342,7 +342,7 @@ def test_gpu_check_run_keeps_the_output_of_a_cut_run(tmp_path):
     """A sub-run the timeout kills leaves what it printed in its log (on the H100 a buffered pytest run
     cut by an outer limit once left nothing)."""
     import sys
-    import gpu_check
+    from tools import gpu_check
     log = tmp_path / "x.log"
     code, out, secs = gpu_check.run([sys.executable, "-c", "import sys, time; print('first line', flush=True); "
                                      "print('to stderr', file=sys.stderr, flush=True); time.sleep(60)"], 3, log)

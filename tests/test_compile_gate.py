@@ -1,5 +1,5 @@
 """The compile gate: every Triton kernel variant the launchers use compiles for sm_80 and sm_90 on
-this CPU-only machine (triton_aot.py), and the gate catches what the interpreter lets through."""
+this CPU-only machine (tools/triton_aot.py), and the gate catches what the interpreter lets through."""
 import json
 import os
 import subprocess
@@ -31,7 +31,7 @@ def gate_rows(request, tmp_path_factory):
     else:
         archs = {80, 90}
         out = tmp_path_factory.mktemp("gate") / "gate.json"
-        r = run_python(["triton_aot.py", "--no-report", "--json", str(out)], interpret=False)
+        r = run_python(["tools/triton_aot.py", "--no-report", "--json", str(out)], interpret=False)
     rows = json.loads(out.read_text()) if out.exists() else []
     return r, rows, archs
 
@@ -116,7 +116,7 @@ def aot(monkeypatch):
     """triton_aot without compiling anything (it refuses to import under the interpreter)."""
     import importlib
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    return importlib.import_module("triton_aot")
+    return importlib.import_module("tools.triton_aot")
 
 
 def test_hot_loop_cost_of_a_synthetic_sass(aot):

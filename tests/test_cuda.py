@@ -26,9 +26,9 @@ import kernels  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
 from config import CacheConfig  # noqa: E402
-from generate import (compile_quantspec_steps, compile_step, decode_step, generate, generate_quantspec,  # noqa: E402
-                      setup_caches)
-from tests.helpers import DEFAULT_CKPT, tiny_model  # noqa: E402
+from cache import setup_caches  # noqa: E402
+from generate import Decoding, Steps, compile_step, decode_step, generate_quantspec  # noqa: E402
+from tests.helpers import DEFAULT_CKPT, run_generate, tiny_model  # noqa: E402
 from tests.test_kernels import CASES, assert_same_topk, make_case, tol  # noqa: E402
 
 DEV = torch.device(DEVICE)
@@ -178,7 +178,7 @@ def run_tiny(cache: str, device, dtype=torch.float32, new=24, step_fn=decode_ste
     def keep(step, lg, token, fed):
         if logits is not None:
             logits.append(lg.float().cpu())
-    out, _ = generate(model, prompt, new, speculative=cfg.two_tokens, step_fn=step_fn, on_step=keep)
+    out, _ = run_generate(model, prompt, new, cfg, step_fn=step_fn, on_step=keep)
     return out.cpu()
 
 
@@ -196,7 +196,7 @@ def run_tiny_cfg(cfg, device=DEV, dtype=torch.float32, new=24):
     model = tiny_model().to(device=device, dtype=dtype)
     prompt = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(3)).to(device)
     setup_caches(model, cfg, 1, 150 + new + 2)
-    return generate(model, prompt, new, speculative=cfg.two_tokens)[0].cpu()
+    return run_generate(model, prompt, new, cfg)[0].cpu()
 
 
 def test_every_row_fetched_matches_the_full_cache_bf16_logits():
@@ -218,7 +218,7 @@ def run_tiny_teacher(cache, tokens, logits, dtype=torch.bfloat16):
     def force(step, lg, token, fed):
         logits.append(lg.float().cpu())
         return tokens[:, step].to(DEV) if step < tokens.shape[1] else None
-    generate(model, prompt, tokens.shape[1], speculative=cfg.two_tokens, on_step=force)
+    run_generate(model, prompt, tokens.shape[1], cfg, on_step=force)
 
 
 @pytest.mark.parametrize("name", ["specache-1bit-g16-r32-k8", "specache-2bit-zipcache-g16-r32-k8-s40-hi4",
@@ -284,11 +284,11 @@ def test_quantspec_compiled_rounds_equal_target_decoding():
     prompt = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(5)).to(DEV)
     draft = quantspec.make_draft(model, 32)
 
-    def run(gamma, steps=None):
-        setup_caches(model, CacheConfig.from_name("quantspec-g16"), 1, 260, gamma=max(gamma, 1))
+    def run(gamma, steps=Steps()):
+        quantspec.setup_caches(model, CacheConfig.from_name("quantspec-g16"), 1, 260, gamma=max(gamma, 1))
         quantspec.share_caches(draft, model)
-        return generate_quantspec(model, draft, prompt, 90, gamma, steps=steps)[0].cpu()
+        return generate_quantspec(model, draft, prompt, gamma, Decoding(90), steps)[0].cpu()
 
     eager = run(0)
     torch._dynamo.reset()
-    assert torch.equal(run(3, compile_quantspec_steps(DEV, 3)), eager)
+    assert torch.equal(run(3, Steps().compiled(DEV)), eager)

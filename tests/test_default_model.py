@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import quant
-from generate import decode_step, generate, prefill
+from generate import decode_step, prefill
 from model import load_model
-from tests.helpers import require_default_checkpoint, setup
+from tests.helpers import require_default_checkpoint, run_generate, setup
 from tokenizer import load_tokenizer
 
 
@@ -25,14 +25,13 @@ def tok(ckpt):
 
 
 def essay_ids(tok, n):
-    import tasks
+    from tools import tasks
     return tok.encode(tasks.essays())[:n]
 
 
 def greedy(model, ids, new, cache="full", **kw):
-    setup(model, cache, batch=1, max_seq_len=len(ids) + new + 1, **kw)
-    speculative = cache == "specache" and kw.get("fetch", "speculative") == "speculative"
-    out, stats = generate(model, torch.tensor([ids]), new, speculative=speculative)
+    caches = setup(model, cache, batch=1, max_seq_len=len(ids) + new + 1, **kw)
+    out, stats = run_generate(model, torch.tensor([ids]), new, caches.config)
     return out[0].tolist(), stats
 
 
@@ -93,7 +92,7 @@ def test_specache_fetching_every_row_equals_full_cache(model, tok):
 def test_quantization_error_bounds_on_real_keys_and_values(model, tok):
     """KIVI's per-group bound |x - x'| <= s/2 on SmolLM2's own post-RoPE keys and values (fp32
     scales here: with fp16 scales the clamp at the group's max can add a rounding of s)."""
-    caches, _, _ = setup(model, "full", batch=1, max_seq_len=512)
+    caches = setup(model, "full", batch=1, max_seq_len=512)
     with torch.no_grad():
         prefill(model, torch.tensor([essay_ids(tok, 512)]))
     for layer in (0, 15, 29):
@@ -117,9 +116,9 @@ def test_compiled_equals_eager_on_the_default_model(model, tok):
     eager, _ = greedy(model, ids, 12, "specache", bits=1, k=64)
     torch._dynamo.reset()
     counters.clear()
-    setup(model, "specache", batch=1, max_seq_len=len(ids) + 13, bits=1, k=64)
-    out, _ = generate(model, torch.tensor([ids]), 12, speculative=True,
-                      step_fn=torch.compile(decode_step, fullgraph=True))
+    caches = setup(model, "specache", batch=1, max_seq_len=len(ids) + 13, bits=1, k=64)
+    out, _ = run_generate(model, torch.tensor([ids]), 12, caches.config,
+                          step_fn=torch.compile(decode_step, fullgraph=True))
     assert out[0].tolist() == eager
     assert counters["stats"]["unique_graphs"] == 1
 
@@ -129,7 +128,7 @@ def test_needle_full_vs_kivi_vs_specache(model, tok, capsys):
     """The paper's needle in ~1k tokens of essays, depth 0.5: the three answers from one run. fp16
     finds it, 1-bit KIVI loses it, 1-bit SpeCache (k=64) recovers part of it. (At 3k tokens
     SpeCache-1bit misses it too on this 135M model: see README, results/niah.)"""
-    import tasks
+    from tools import tasks
     ids = tok.encode(tasks.render(tok, tasks.niah(tok, 1000, 0.5)))  # chat text: its own special tokens
     answers = {}
     for name, cache, kw in (("fp16", "full", {}), ("kivi-1bit", "kivi", dict(bits=1)),

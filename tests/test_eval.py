@@ -1,4 +1,4 @@
-"""tasks.py (task generators, scorers) and eval.py (results resume, reports, method names). No model
+"""tools/tasks.py (task generators, scorers) and tools/eval.py (results resume, reports, method names). No model
 needed; the real tokenizer is used where a converted checkpoint exists (else those checks are skipped)."""
 import json
 import re
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-import eval as ev
-import eval_report
-import tasks as tk
+from tools import eval as ev
+from tools import eval_report
+from tools import tasks as tk
 
 CKPT = Path(ev.DEFAULT_CHECKPOINT)
 
@@ -217,7 +217,7 @@ def tiny_runner():
 
     r = ev.Runner.__new__(ev.Runner)  # Runner without a checkpoint
     r.torch, r.gen, r.device, r.model, r.tok = torch, generate, torch.device("cpu"), tiny_model(), IdTokenizer()
-    r.chunk, r.fixed_len, r.step_fn = 2048, None, generate.decode_step
+    r.chunk, r.fixed_len, r.steps = 2048, None, generate.Steps()
     return r
 
 
@@ -241,7 +241,7 @@ def test_hit_trace_per_step_agrees_with_the_probe():
 
 
 def test_prefill_replay_equals_prefilling_each_cache():
-    """eval.py prefills a prompt once (one chunk, exact) and replays its K/V into each cache: the
+    """tools/eval.py prefills a prompt once (one chunk, exact) and replays its K/V into each cache: the
     tokens equal those of each cache's own one-chunk prefill."""
     import random
     from config import CacheConfig
@@ -271,7 +271,7 @@ def test_method_parsing():
     assert C.from_name("specache-1bit-rr2-resync") == C("specache", bits=1, fetch="resync", rerank=2)
     assert C.from_name("specache-1bit-best").name == "specache-1bit-lsq-resync-rr2-g32-sink4"
     # name parts after the preset override it: the preset before 2026-11-23 (k 96, residual 32, no
-    # re-ranking), and that one with re-ranking (the README's tables)
+    # re-ranking), and that one with re-ranking (docs/policies.md's tables)
     assert C.from_name("specache-2bit-best-rr1-k96-r32").name == "specache-2bit-lsq-resync-k96-g32-r32-sink4"
     assert C.from_name("specache-1bit-best-k96-r32").name == "specache-1bit-lsq-resync-rr2-k96-g32-r32-sink4"
     for bad, msg in (("kivi-3bit", "not available"), ("h2o", "unknown cache"),
@@ -317,7 +317,7 @@ def test_presets():
 
 
 def test_quantspec_subcommand_reports_acceptance_and_equality(tmp_path, monkeypatch):
-    """eval.py quantspec on a tiny model: every gamma's greedy output equals gamma 0's (the report
+    """tools/eval.py quantspec on a tiny model: every gamma's greedy output equals gamma 0's (the report
     says n/n) and the acceptance rate is the accepted share of the drafted tokens."""
     import random
     from types import SimpleNamespace
@@ -344,7 +344,7 @@ def test_quantspec_subcommand_reports_acceptance_and_equality(tmp_path, monkeypa
 
 
 def test_saliency_subcommand(tmp_path, monkeypatch):
-    """eval.py saliency on a tiny model: with every token a probe, the probe sets are the exact ones
+    """tools/eval.py saliency on a tiny model: with every token a probe, the probe sets are the exact ones
     (100% overlap); with the default 10% probes they are a subset-based estimate in [0, 100]."""
     import random
     from types import SimpleNamespace

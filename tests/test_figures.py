@@ -1,10 +1,10 @@
-"""figures.py on small synthetic results written to tmp_path: every figure is written as a non-empty
+"""tools/figures.py on small synthetic results written to tmp_path: every figure is written as a non-empty
 PNG, and a missing input is one clear error naming what is missing."""
 import json
 
 import pytest
 
-import figures
+from tools import figures
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PRESET = figures.PRESET

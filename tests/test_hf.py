@@ -3,7 +3,7 @@
 Exactness: with k >= context SpeCache attends to every token in fp, so greedy tokens must equal
 transformers' own generate() with its default cache, for every fetch policy and family. Same as
 native: with the low-bit caches, the adapter must give the tokens this project's own model gives
-with the same cache configuration (the same weights saved both ways). CLI: generate.py / eval.py --hf."""
+with the same cache configuration (the same weights saved both ways). CLI: generate.py / tools/eval.py --hf."""
 import json
 
 import pytest
@@ -13,7 +13,9 @@ transformers = pytest.importorskip("transformers", reason="hf.py's tests need tr
 
 import generate  # noqa: E402
 import hf  # noqa: E402
+from cache import setup_caches  # noqa: E402
 from config import POLICIES, CacheConfig  # noqa: E402
+from tests.helpers import run_generate  # noqa: E402
 
 VOCAB, P, NEW = 300, 100, 12  # prompt of 100 tokens: with group/residual 32, 96 of them are quantized
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -56,7 +58,7 @@ def reference(model, ids, new=NEW):
 
 def adapter(model, ids, cache, new=NEW, **kw):
     kw = dict(dict(do_sample=False, pad_token_id=0, eos_token_id=None), **kw)
-    out = model.generate(ids, custom_generate=hf.generate, cache_config=cache, max_new_tokens=new, **kw)
+    out = model.generate(ids, custom_generate=generate.hf_generate, cache_config=cache, max_new_tokens=new, **kw)
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -118,6 +120,21 @@ def test_gemma3_local_and_global_layers():
     assert adapter(model, ids, "kivi-1bit-g32-r32") != ref
 
 
+def test_gemma3_host_store_and_fetches_cover_the_global_layers_only():
+    """The local layers hold their window in fp and fetch nothing: SpeCache's host store, rings and
+    bus bytes are the global layer's alone (one of three layers here)."""
+    from cache import FullCache, SpeCache
+    cfg = transformers.Gemma3TextConfig(**dict(SMALL, num_hidden_layers=3), head_dim=16, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    view = hf.HFModel(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    caches = setup_caches(view, "specache-1bit-k8-g32-r32", 1, 200)
+    assert [type(c) for c in caches] == [FullCache, SpeCache, FullCache]
+    pf, D = caches.prefetcher, 16
+    assert pf.n_layers == 1 and pf.host_k.shape[0] == 1 and caches[1].layer_idx == 0
+    assert caches.fetch_bytes_per_step() == 1 * 1 * 2 * (8 + 8) * D * 4  # 1 layer, batch 1, 2 kv heads, K and V
+    assert caches.host_bytes() == 2 * 1 * 2 * 200 * D * 4
+
+
 def test_sampling_streamer_eos_and_padding():
     model = tiny()
     ids = prompt()
@@ -139,21 +156,21 @@ def test_sampling_streamer_eos_and_padding():
     adapter(model, ids, "kivi-2bit", stream=s)  # transformers keeps streamer= from custom_generate callables
     assert s.puts[0] == ids[0].tolist() and s.ended and len(s.puts) == 1 + NEW
     eos = greedy[4]
-    out = model.generate(ids, custom_generate=hf.generate, cache_config="specache-1bit-g32-r32", max_new_tokens=NEW,
+    out = model.generate(ids, custom_generate=generate.hf_generate, cache_config="specache-1bit-g32-r32", max_new_tokens=NEW,
                          eos_token_id=eos, pad_token_id=0)[0, P:].tolist()
     assert out == greedy[:greedy.index(eos) + 1]  # stops at the first eos (one row: nothing to pad)
     with pytest.raises(hf.HFError, match="padded batches"):
         mask = torch.ones(2, P, dtype=torch.long)
         mask[1, :3] = 0
-        model.generate(ids.repeat(2, 1), attention_mask=mask, custom_generate=hf.generate, max_new_tokens=2)
+        model.generate(ids.repeat(2, 1), attention_mask=mask, custom_generate=generate.hf_generate, max_new_tokens=2)
     with pytest.raises(hf.HFError, match="RepetitionPenaltyLogitsProcessor"):
-        model.generate(ids, custom_generate=hf.generate, max_new_tokens=2, repetition_penalty=1.3)
+        model.generate(ids, custom_generate=generate.hf_generate, max_new_tokens=2, repetition_penalty=1.3)
 
 
 def test_batch_rows_match_single_rows():
     model = tiny("qwen2")
     a, b = prompt(1), prompt(2)
-    out = model.generate(torch.cat([a, b]), custom_generate=hf.generate, cache_config="specache-1bit-g32-r32",
+    out = model.generate(torch.cat([a, b]), custom_generate=generate.hf_generate, cache_config="specache-1bit-g32-r32",
                          max_new_tokens=NEW, do_sample=False, eos_token_id=None)[:, P:].tolist()
     assert out == [adapter(model, a, "specache-1bit-g32-r32"), adapter(model, b, "specache-1bit-g32-r32")]
 
@@ -166,7 +183,7 @@ def test_plain_forward_with_the_cache():
     with torch.no_grad():
         ref = model(ids).logits
         view = hf.HFModel(model)
-        generate.setup_caches(view, "full", 1, 64)
+        setup_caches(view, "full", 1, 64)
         first = model(ids[:, :17], past_key_values=view.cache).logits
         steps = [model(ids[:, i:i + 1], past_key_values=view.cache).logits for i in range(17, 20)]
     torch.testing.assert_close(torch.cat([first] + steps, 1), ref, atol=1e-4, rtol=1e-4)
@@ -190,9 +207,8 @@ def both(tmp_path_factory):
 
 def native_tokens(native, ids, name, new=NEW):
     config = CacheConfig.from_name(name)
-    generate.setup_caches(native, config, 1, ids.shape[1] + new + 1)
-    out, _ = generate.generate(native, ids, new, speculative=config.two_tokens,
-                               resync=config.kind == "specache" and config.fetch == "resync")
+    setup_caches(native, config, 1, ids.shape[1] + new + 1)
+    out, _ = run_generate(native, ids, new, config)
     return out[0].tolist()
 
 
@@ -216,11 +232,11 @@ def test_quantspec_draft_and_verify(both):
     ids = prompt(5, 120)
     runs = {}
     for name, m in (("hf", hf.HFModel(model)), ("native", native)):
-        draft = quantspec.make_draft(m, 32)  # once, before any caches (eval.py's order)
+        draft = quantspec.make_draft(m, 32)  # once, before any caches (tools/eval.py's order)
         for gamma in (0, 3):
-            generate.setup_caches(m, "quantspec-g32", 1, ids.shape[1] + 24, gamma=max(gamma, 1))
+            quantspec.setup_caches(m, "quantspec-g32", 1, ids.shape[1] + 24, gamma=max(gamma, 1))
             quantspec.share_caches(draft, m)
-            out, st = generate.generate_quantspec(m, draft, ids, 16, gamma)
+            out, st = generate.generate_quantspec(m, draft, ids, gamma, generate.Decoding(16))
             runs[name, gamma] = out[0].tolist()
     assert runs["hf", 3] == runs["hf", 0] == runs["native", 0] == runs["native", 3]
 
@@ -258,7 +274,7 @@ def test_generate_cli_same_fields_and_tokens_as_native(both, capsys):
 
 
 def test_eval_niah_cli(both, tmp_path):
-    import eval as ev
+    from tools import eval as ev
     _, _, d = both
     ev.main(["niah", "--hf", str(d / "hf"), "--methods", "full,specache-1bit-g32-r32", "--lengths", "400",
              "--depths", "0.5", "--max-new-tokens", "4", "--out", str(tmp_path)])
@@ -281,7 +297,7 @@ def test_one_line_errors(tmp_path, monkeypatch):
                                          "caches implement full and sliding-window attention"):
         hf.HFModel(odd)
     with pytest.raises(SystemExit, match="^error: model type 'gpt2' is not supported"):
-        import eval as ev
+        from tools import eval as ev
         ev.main(["niah", "--hf", str(tmp_path), "--out", str(tmp_path / "out")])
     import sys
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
@@ -300,7 +316,7 @@ def test_default_model_from_its_gguf():
     checkpoint (interleaved RoPE), on 300 essay tokens. About a minute."""
     import accelerate  # noqa: F401 - transformers' GGUF loader needs it
     import convert_hf
-    import tasks
+    from tools import tasks
     from model import load_model
     from tests.helpers import require_default_checkpoint
     from tokenizer import load_tokenizer

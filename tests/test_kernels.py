@@ -18,6 +18,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
+import tiles  # noqa: E402
 import quant  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
@@ -389,7 +390,7 @@ def _plane_codes_probe(codes, out, N: tl.constexpr, BITS: tl.constexpr, BLOCK_D:
     rows = tl.arange(0, N)
     cols = tl.arange(0, BLOCK_D)
     dt = tl.float32 if DT == 0 else tl.float16 if DT == 1 else tl.bfloat16
-    c = kernels._plane_codes(codes, rows[:, None], cols[None, :], dt, BITS, BLOCK_D, CODES)
+    c = tiles.plane_codes(codes, rows[:, None], cols[None, :], dt, BITS, BLOCK_D, CODES)
     tl.store(out + rows[:, None] * BLOCK_D + cols[None, :], c.to(tl.float32))
 
 
@@ -480,14 +481,14 @@ def test_triton_topk_ties_fill_exactly_k():
 def test_triton_custom_ops_opcheck():
     """Schema, fake (meta) kernels and the real launch agree (run on CPU through the interpreter)."""
     c = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
-    tensors, ints, optional = kernels._flat(c.store, c.residual, c.fetched)
+    tensors, ints, optional = kernels.op_inputs(c.store, c.residual, c.fetched)
     got = kernels._attention_lowbit_op(c.q, list(tensors), list(ints), list(optional), c.sm_scale)
     torch.testing.assert_close(got, kernels.attention_lowbit_ref(*c.args()), atol=1e-4, rtol=1e-4)
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(kernels._attention_lowbit_op, (c.q, list(tensors), list(ints), list(optional), c.sm_scale),
                           test_utils=tests)
     t = topk_inputs(G=3, n_quant=64, S=128)
-    tensors, ints, optional = kernels._flat(t.store, Residual(None, None, None), None)
+    tensors, ints, optional = kernels.op_inputs(t.store, Residual(None, None, None), None)
     torch.library.opcheck(topk._topk_lowbit_op, (t.q_row, t.lse_row, list(tensors[:7]), list(ints), list(optional),
                                                     t.k, t.sm_scale), test_utils=tests)
 
@@ -501,7 +502,7 @@ def test_triton_attention_op_fake_has_the_real_strides():
     c = make_case(G=3, T=2, S=128, n_quant=64)
     q = c.q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B,T,H,D] memory
     assert not q.is_contiguous()
-    tensors, ints, optional = kernels._flat(c.store, c.residual, c.fetched)
+    tensors, ints, optional = kernels.op_inputs(c.store, c.residual, c.fetched)
     real = kernels._attention_lowbit_op(q, list(tensors), list(ints), list(optional), c.sm_scale)
     with FakeTensorMode() as mode:
         fake_in = [mode.from_tensor(x) for x in tensors]

@@ -5,7 +5,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import convert_hf  # noqa: E402
-from generate import setup_caches  # noqa: E402
+from cache import setup_caches  # noqa: E402
 from model import ModelArgs, Transformer, load_model  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,

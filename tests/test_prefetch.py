@@ -8,14 +8,13 @@ import os
 import pytest
 import torch
 
-import kernels
 import prefetch
 import transfer
 from cache import LowBitCache, SpeCache
 from config import CacheConfig
-from generate import decode_step, generate
+from generate import decode_step
 from prefetch import Prefetcher
-from tests.helpers import setup, tiny_model
+from tests.helpers import run_generate, setup, tiny_model
 
 needs_interpreter = pytest.mark.skipif(type(transfer._transfer_rows_kernel).__name__ != "InterpretedFunction",
                                        reason="TRITON_INTERPRET=1 was not set before triton was imported")
@@ -176,11 +175,11 @@ def test_record_rows_keeps_held_rows_in_place():
     fetch_valid = torch.tensor([[[True, True, True, True, False, True, True]]])
     idx = torch.tensor([[[7, 2, 8, 5, 4]]])  # 7 and 5 are held; 8 sits in a slot marked invalid
     valid = torch.tensor([[[True, True, True, True, False]]])
-    rows = prefetch.record_rows(idx, valid, fetch_idx, fetch_valid, 2)
+    rows = transfer.record_rows(idx, valid, fetch_idx, fetch_valid, 2)
     assert rows.tolist() == [[[-1, 2, 8, -1, -1]]]  # slot 2 (5) and 6 (7) kept; 2 and 8 into slots 3 and 4
     assert fetch_idx.tolist() == [[[9, 9, 5, 2, 8, 0, 7]]]
     assert fetch_valid.tolist() == [[[True, True, True, True, True, False, True]]]
-    again = prefetch.record_rows(idx, valid, fetch_idx, fetch_valid, 2)  # the same selection: nothing to copy
+    again = transfer.record_rows(idx, valid, fetch_idx, fetch_valid, 2)  # the same selection: nothing to copy
     assert (again == -1).all() and fetch_idx.tolist() == [[[9, 9, 5, 2, 8, 0, 7]]]
 
 
@@ -317,21 +316,21 @@ def test_triton_staging_copies_the_transfer_inputs(R):
                   q[:, :, -R:], lse[:, :, -R:])
         s_rerank = (torch.zeros(2, 3, 16, dtype=torch.long), torch.zeros(2, 3, 16, dtype=torch.bool),
                     torch.zeros(2, 9, R, 40), torch.zeros(2, 9, R))
-    prefetch.stage_triton(None if R else idx, new_k, new_v, pos, *staged, rerank, s_rerank, record)
+    transfer.stage_triton(None if R else idx, new_k, new_v, pos, *staged, rerank, s_rerank, record)
     for a, b in zip(staged[1:] + list(s_rerank or ()), (new_k, new_v, pos) + (rerank or ())):
         assert torch.equal(a, b)
     want_idx, want_valid = torch.full((2, 3, 11), -1), torch.zeros(2, 3, 11, dtype=torch.bool)
     if R:
         assert torch.equal(staged[0], torch.zeros_like(idx))
     else:
-        assert torch.equal(staged[0], prefetch.record_rows(idx, valid, want_idx, want_valid, 3))
+        assert torch.equal(staged[0], transfer.record_rows(idx, valid, want_idx, want_valid, 3))
         assert (want_idx[:, :, :3] == -1).all() and torch.equal(want_valid[:, :, 3:].sum(-1), valid.sum(-1))
     assert torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
     if not R:  # the next selection shares rows with the ring: the launch keeps them where the reference does
         idx2 = torch.where(torch.rand(2, 3, 8, generator=g) < 0.5, idx.roll(3, -1), torch.randint(0, 99, (2, 3, 8), generator=g))
         valid2 = torch.rand(2, 3, 8, generator=g) > 0.2
-        prefetch.stage_triton(idx2, None, None, None, *staged, record=(valid2, fetch_idx, fetch_valid, 3))
-        rows = prefetch.record_rows(idx2, valid2, want_idx, want_valid, 3)
+        transfer.stage_triton(idx2, None, None, None, *staged, record=(valid2, fetch_idx, fetch_valid, 3))
+        rows = transfer.record_rows(idx2, valid2, want_idx, want_valid, 3)
         assert ((rows == -1) & want_valid[:, :, 3:]).any() and (rows >= 0).any()  # (some rows kept, some copied)
         assert torch.equal(staged[0], rows) and torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
 
@@ -359,17 +358,22 @@ def test_a_copy_of_the_ring_is_refused():
         p.start(0, [ring_k.clone(), ring_v], torch.zeros(1, 2, 3, dtype=torch.long))
 
 
-def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=1, sinks=0):
+def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=1, sinks=0, custom_ops=False):
     """A tiny SpeCache generation twice: synchronous CPU fetches, then every fetch landing late on
-    fake streams. Returns (reference tokens, tokens, the fake streams' log)."""
+    fake streams (with custom_ops, the CUDA step's graph: attention and top-k are opaque ops too).
+    Returns (reference tokens, tokens, the fake streams' log)."""
     model = tiny_model()
     prompt = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
     kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8, rerank=rerank, sinks=sinks)
-    setup(model, "specache", **kw)
-    ref, _ = generate(model, prompt, new_tokens, speculative=True)
-    _, prefetcher, _ = setup(model, "specache", **kw)
-    log = fake_async(prefetcher, delay=0.002, join_each_step=join_each_step)
-    got, _ = generate(model, prompt, new_tokens, speculative=True, **({"step_fn": step_fn} if step_fn else {}))
+    caches = setup(model, "specache", **kw)
+    for c in caches:
+        c.custom_ops = custom_ops or None
+    ref, _ = run_generate(model, prompt, new_tokens, caches.config)
+    caches = setup(model, "specache", **kw)
+    for c in caches:
+        c.custom_ops = custom_ops or None
+    log = fake_async(caches.prefetcher, delay=0.002, join_each_step=join_each_step)
+    got, _ = run_generate(model, prompt, new_tokens, caches.config, step_fn=step_fn)
     return ref, got, log
 
 
@@ -418,15 +422,15 @@ def test_compiled_step_on_the_async_path_with_late_fetches(rerank, sinks):
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(decode_step, fullgraph=True)
-    with kernels.custom_ops_on_cpu():  # the CUDA step's graph: attention and top-k are opaque ops too
-        ref, got, log = generate_with_late_fetches(12, join_each_step=True, step_fn=step, rerank=rerank, sinks=sinks)
+    ref, got, log = generate_with_late_fetches(12, join_each_step=True, step_fn=step, rerank=rerank, sinks=sinks,
+                                               custom_ops=True)
     assert torch.equal(got, ref)
     assert counters["stats"]["unique_graphs"] == 1
     assert log.count("joined") >= 11
 
 
 def test_compression_ratio_at_8k():
-    """The README's table: bytes per layer of SmolLM2-sized caches at 8k context, 16-bit state."""
+    """docs/design.md's table: bytes per layer of SmolLM2-sized caches at 8k context, 16-bit state."""
     dims = (1, 3, 8192, 64, torch.float16, CPU)
     fp16 = 2 * 8192 * 3 * 64 * 2
     kivi = LowBitCache(*dims, CacheConfig("kivi", bits=1, group=64, residual=128)).device_bytes()
@@ -440,3 +444,21 @@ def test_compression_ratio_at_8k():
 def test_unknown_fetch_impl():
     with pytest.raises(ValueError, match="unknown fetch impl"):
         Prefetcher(1, 1, 1, 8, 4, 2, torch.float32, CPU, impl="rdma")
+
+
+def test_fresh_caches_do_not_recompile_the_async_step():
+    """An evaluation builds new caches (a new Prefetcher) for every prompt: the compiled async step
+    (the CUDA path's custom ops) must serve them all. An op that named its Prefetcher by an id baked
+    a new constant into every new graph: one compile per prompt."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model()
+    prompt = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
+    step = torch.compile(decode_step, fullgraph=True, backend="eager")
+    for _ in range(3):
+        caches = setup(model, "specache", batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8)
+        fake_async(caches.prefetcher, delay=0.0, join_each_step=True)
+        run_generate(model, prompt, 6, caches.config, step_fn=step)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -8,7 +8,6 @@ import quant
 import quantspec as qs
 from config import CacheConfig
 import generate as gen
-from generate import setup_caches
 from tests.helpers import tiny_model
 
 PROMPT, NEW = 150, 90
@@ -22,10 +21,11 @@ def model():
 def run(model, gamma, temperature=0.0, steps=None, seed=5, new=NEW):
     torch.manual_seed(0)
     prompt = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
-    caches, _, _ = setup_caches(model, CacheConfig.from_name("quantspec-g16"), 1, PROMPT + new + 8, gamma=max(gamma, 1))
+    caches = qs.setup_caches(model, CacheConfig.from_name("quantspec-g16"), 1, PROMPT + new + 8, gamma=max(gamma, 1))
     draft = qs.make_draft(model, group=32)
     qs.share_caches(draft, model)
-    out, stats = gen.generate_quantspec(model, draft, prompt, new, gamma, temperature=temperature, steps=steps)
+    out, stats = gen.generate_quantspec(model, draft, prompt, gamma, gen.Decoding(new, temperature=temperature),
+                                        steps or gen.Steps())
     return out[0].tolist(), stats, caches
 
 
@@ -62,7 +62,7 @@ def test_the_steps_compile_to_one_graph_each(model, autoregressive):
     torch._dynamo.reset()
     counters.clear()
     c = lambda f: torch.compile(f, fullgraph=True, backend="eager")  # noqa: E731
-    out, _, _ = run(model, 3, steps=(c(gen.draft_step), c(gen.verify_step), c(gen.commit)))
+    out, _, _ = run(model, 3, steps=gen.Steps(draft=c(gen.draft_step), verify=c(gen.verify_step), commit=c(gen.commit)))
     assert out == autoregressive[0]
     assert counters["stats"]["unique_graphs"] == 3
 

@@ -3,9 +3,10 @@ import pytest
 import torch
 
 import quant
+from cache import setup_caches
 from kernels import Fetched
-from generate import decode_step, generate, setup_caches
-from tests.helpers import setup, tiny_model
+from generate import decode_step
+from tests.helpers import run_generate, setup, tiny_model
 
 PROMPT_LEN, NEW = 100, 40
 
@@ -15,10 +16,9 @@ def prompt(batch=1, n=PROMPT_LEN, seed=1):
 
 
 def run(model, cache, new=NEW, batch=1, step_fn=decode_step, **kw):
-    caches, prefetcher, meter = setup(model, cache, batch=batch, max_seq_len=PROMPT_LEN + new + 1, **kw)
-    speculative = cache == "specache" and kw.get("fetch", "speculative") == "speculative"
-    out, stats = generate(model, prompt(batch), new, speculative=speculative, step_fn=step_fn)
-    return out, stats, caches, meter
+    caches = setup(model, cache, batch=batch, max_seq_len=PROMPT_LEN + new + 1, **kw)
+    out, stats = run_generate(model, prompt(batch), new, caches.config, step_fn=step_fn)
+    return out, stats, caches, caches.meter
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_lowbit_counters_and_contents(model, full_tokens, fit):
     n = seq.shape[1]
     fed = {}
     for kind, kw in (("full", {}), ("kivi", dict(bits=2, group=16, residual=32, fit=fit))):
-        caches, _, _ = setup(model, kind, batch=1, max_seq_len=n + 1, **kw)
+        caches = setup(model, kind, batch=1, max_seq_len=n + 1, **kw)
         with torch.no_grad():
             model(seq[:, :PROMPT_LEN], torch.arange(PROMPT_LEN), mode="prefill")
             for p in range(PROMPT_LEN, n):
@@ -67,9 +67,7 @@ def run_policy(model, fetch, new=NEW, step_fn=decode_step, predecode_fn=None, **
     from config import CacheConfig
     cfg = CacheConfig("specache", fetch=fetch, **{"bits": 1, "group": 16, "residual": 32, **kw}).validated()
     setup_caches(model, cfg, 1, PROMPT_LEN + new + 2)
-    from generate import pre_decode
-    return generate(model, prompt(), new, speculative=cfg.two_tokens, step_fn=step_fn, resync=fetch == "resync",
-                    predecode_fn=predecode_fn or pre_decode)
+    return run_generate(model, prompt(), new, cfg, step_fn=step_fn, pre_decode_fn=predecode_fn)
 
 
 @pytest.mark.parametrize("fetch", POLICIES)
@@ -133,8 +131,9 @@ def test_sinks_stay_in_fp16_and_are_never_fetched(model):
     from config import CacheConfig
     from kernels import dequant_keys
     cfg = CacheConfig("specache", bits=1, group=16, residual=32, k=8, sinks=4)
-    caches, prefetcher, _ = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
-    generate(model, prompt(), NEW, speculative=True)
+    caches = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
+    prefetcher = caches.prefetcher
+    run_generate(model, prompt(), NEW, cfg)
     for c in caches:
         assert torch.equal(c.fetch_idx[:, :, :4], torch.arange(4).expand(1, 2, 4)) and c.fetch_valid[:, :, :4].all()
         assert torch.equal(c.ring_k[:, :, :4], prefetcher.host_k[c.layer_idx, :, :, :4])
@@ -156,8 +155,9 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
     import kernels
     import topk
     cfg = CacheConfig("specache", bits=1, group=16, residual=32, k=8, rerank=3)
-    caches, prefetcher, _ = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
-    generate(model, prompt(), 10, speculative=True)
+    caches = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
+    prefetcher = caches.prefetcher
+    run_generate(model, prompt(), 10, cfg)
     c = caches[1]
     g = torch.Generator().manual_seed(0)
     D = model.args.head_dim
@@ -179,11 +179,11 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
 
 
 def test_rerank_with_fewer_rows_moves_the_presets_bus_bytes(model):
-    """The README's equal-bus-bytes comparison: the preset (rr2, k 64) moves 128 keys + 64 values per
+    """docs/policies.md's equal-bus-bytes comparison: the preset (rr2, k 64) moves 128 keys + 64 values per
     layer and kv head, what the preset before it moved with k 96 and no re-ranking; the paper's k 64
     moves two thirds of that, re-ranking on top of k 96 half as much again."""
     def bus(name):
-        return setup_caches(model, name, 1, 512)[1].bytes_per_step()
+        return setup_caches(model, name, 1, 512).prefetcher.bytes_per_step()
     assert bus("specache-1bit-best") == bus("specache-1bit-best-rr1-k96-r32") == 3 * bus("specache-1bit") // 2
     assert bus("specache-1bit-best-k96-r32") == 3 * bus("specache-1bit-best") // 2
 
@@ -201,8 +201,8 @@ def test_batch_rows_agree(model, full_tokens):
 
 def test_prefill_peak_is_one_layer_of_fp_kv(model):
     """Algorithm 1: device KV during prefill peaks at the low-bit cache + one layer's fp K/V."""
-    caches, prefetcher, meter = setup(model, "specache", batch=1, max_seq_len=256, bits=1, group=16,
-                                             residual=32, k=8)
+    caches = setup(model, "specache", batch=1, max_seq_len=256, bits=1, group=16, residual=32, k=8)
+    prefetcher, meter = caches.prefetcher, caches.meter
     resident = meter.current
     from generate import prefill
     prefill(model, prompt(), chunk=4096)
@@ -223,14 +223,14 @@ def test_chunked_prefill_is_exact_for_specache(model):
 
 
 def test_fetch_probe_measures_without_changing_the_tokens(model, full_tokens):
-    """probe.FetchProbe (eval.py's hit rates) hooks the layers from outside: same tokens, rates in
+    """probe.FetchProbe (tools/eval.py's hit rates) hooks the layers from outside: same tokens, rates in
     [0, 1]; the most-mass top-k carries at least the mass of any k rows (the fetched ones, the exact
     top-k); with k >= context every row is held (both hit rates and the masses exactly 1 / equal)."""
-    from probe import FetchProbe
+    from tools.probe import FetchProbe
     plain, *_ = run(model, "specache", bits=1, group=16, residual=32, k=8)
-    caches, _, _ = setup(model, "specache", max_seq_len=PROMPT_LEN + NEW + 1, bits=1, group=16, residual=32, k=8)
+    caches = setup(model, "specache", max_seq_len=PROMPT_LEN + NEW + 1, bits=1, group=16, residual=32, k=8)
     with FetchProbe(caches) as probe:
-        out, _ = generate(model, prompt(), NEW, speculative=True)
+        out, _ = run_generate(model, prompt(), NEW, caches.config)
     assert torch.equal(out, plain)
     for key in ("hit", "hit_mass", "hit_own", "mass", "mass_topk", "mass_best", "reuse"):
         vals = probe.per_step(key)
@@ -239,9 +239,9 @@ def test_fetch_probe_measures_without_changing_the_tokens(model, full_tokens):
     for key in ("mass", "mass_topk"):
         assert all(m <= b + 1e-6 for m, b in zip(probe.per_step(key), best)), key
     assert probe.per_step("hit_mass") != probe.per_step("hit")  # GQA (2 query heads per kv head): the sets differ
-    caches, _, _ = setup(model, "specache", max_seq_len=PROMPT_LEN + NEW + 1, bits=1, group=16, residual=32, k=256)
+    caches = setup(model, "specache", max_seq_len=PROMPT_LEN + NEW + 1, bits=1, group=16, residual=32, k=256)
     with FetchProbe(caches) as probe:
-        generate(model, prompt(), NEW, speculative=True)
+        run_generate(model, prompt(), NEW, caches.config)
     for key in ("hit", "hit_mass"):
         assert probe.per_step(key) and all(h == 1.0 for h in probe.per_step(key)), key
     for key in ("mass_topk", "mass_best"):
@@ -259,7 +259,7 @@ def test_most_mass_topk_weighs_heads_by_their_real_attention():
     position 1. Renormalized over the ranked positions (topk.topk_exact), A's leftovers vote as
     loudly as B's real attention and position 2 wins; by attention actually paid, position 1 does."""
     from topk import topk_exact
-    from probe import most_mass_topk
+    from tools.probe import most_mass_topk
     keys = torch.eye(4)[None, None]  # [B=1, Hkv=1, S=4, D=4]: logits = q itself
     q = torch.tensor([[10.0, 0, 2, 0], [0, 1, 0, 0]])[None]  # [B=1, H=2, D=4]
     _, renorm = topk_exact(q, keys, 4, 1, 1.0, first=1)
@@ -304,7 +304,7 @@ def test_sibling_quantizers_plug_into_the_same_cache(model, full_tokens, scheme,
     seq = torch.cat([prompt(), full_tokens[:, :-1]], 1)
     fed = {}
     for kind, kw in (("full", {}), ("kivi", dict(bits=bits, group=16, residual=32, scheme=scheme))):
-        caches, _, _ = setup(model, kind, batch=1, max_seq_len=seq.shape[1] + 1, **kw)
+        caches = setup(model, kind, batch=1, max_seq_len=seq.shape[1] + 1, **kw)
         with torch.no_grad():
             model(seq, torch.arange(seq.shape[1]), mode="prefill")
         fed[kind] = caches[0]

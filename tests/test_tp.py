@@ -33,6 +33,22 @@ def tiny(seed=0, vocab=256):
     return model.eval()
 
 
+def test_random_weights_agree_across_ranks_where_replicated():
+    """tools/bench.py's random-weight models under torchrun: a tensor every rank holds whole (the
+    embedding and head when the ranks do not split the vocabulary) must be the same on every rank,
+    or the ranks compute different models; the slices of split tensors differ from rank to rank."""
+    import tp
+    from model import ModelArgs, random_weights
+    args = ModelArgs(name="t", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=255, intermediate_size=128,
+                     max_seq_len=16)
+    assert args.vocab_size % 2  # 2 ranks do not split it: the embedding and head are replicated
+    ranks = [random_weights(tp.build_rank_model(args, r, 2), seed=7, rank=r,
+                            split=lambda name: tp.split_dim(name, args, 2) is not None).state_dict() for r in (0, 1)]
+    assert torch.equal(ranks[0]["tok_embeddings.weight"], ranks[1]["tok_embeddings.weight"])  # replicated
+    assert torch.equal(ranks[0]["output.weight"], ranks[1]["output.weight"])
+    assert not torch.equal(ranks[0]["layers.0.attention.wq.weight"], ranks[1]["layers.0.attention.wq.weight"])
+
+
 def _join(rank, store):
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
@@ -45,27 +61,29 @@ def greedy(model, name, prompt):
     import generate as gen
     import quantspec as qs
     from config import CacheConfig
+    from cache import setup_caches
+    from tests.helpers import run_generate
     cfg = CacheConfig.from_name(name.split("+")[0], salient=0.5 if name.endswith("+salient") else None)
     if cfg.kind == "quantspec":
-        gen.setup_caches(model, cfg, 1, PROMPT + NEW + 8, gamma=3)
+        qs.setup_caches(model, cfg, 1, PROMPT + NEW + 8, gamma=3)
         draft = qs.make_draft(model, group=32)
         qs.share_caches(draft, model)
-        return gen.generate_quantspec(model, draft, prompt, NEW, 3)[0]
-    gen.setup_caches(model, cfg, 1, PROMPT + NEW + 4)
-    return gen.generate(model, prompt, NEW, speculative=cfg.two_tokens, resync=cfg.fetch == "resync")[0]
+        return gen.generate_quantspec(model, draft, prompt, 3, gen.Decoding(NEW))[0]
+    setup_caches(model, cfg, 1, PROMPT + NEW + 4)
+    return run_generate(model, prompt, NEW, cfg)[0]
 
 
 def _parity(rank, store, out):
     _join(rank, store)
     import tp
-    import generate as gen
+    from cache import setup_caches
     full = tiny()
     local = tp.shard_model(full)
     assert local.args.n_kv_heads == 2 and local.layers[0].attention.wk.weight.shape == (32, 128)
     prompt = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(PROMPT)
-    gen.setup_caches(full, "full", 2, PROMPT + 4)
-    gen.setup_caches(local, "full", 2, PROMPT + 4)
+    setup_caches(full, "full", 2, PROMPT + 4)
+    setup_caches(local, "full", 2, PROMPT + 4)
     with torch.no_grad():  # batch 2: the whole batch is all-reduced, not row 0
         ref, got = full(prompt, pos, mode="prefill"), local(prompt, pos, mode="prefill")
     report = {"logits_max_err": float((ref - got).abs().max()), "logits_max": float(ref.abs().max()), "tokens": {}}
@@ -81,16 +99,18 @@ def _compiled(rank, store, out):
     _join(rank, store)
     import tp
     import generate as gen
+    from cache import setup_caches
+    from tests.helpers import run_generate
     from torch._dynamo.utils import counters
     local = tp.shard_model(tiny())
     prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
-    gen.setup_caches(local, "specache-1bit", 1, 64)
-    eager = gen.generate(local, prompt, 6, speculative=True)[0]
+    setup_caches(local, "specache-1bit", 1, 64)
+    eager = run_generate(local, prompt, 6, "specache-1bit")[0]
     torch._dynamo.reset()
     counters.clear()
     step = torch.compile(gen.decode_step, backend="eager", fullgraph=True)  # fullgraph: a graph break raises
-    gen.setup_caches(local, "specache-1bit", 1, 64)
-    compiled = gen.generate(local, prompt, 6, speculative=True, step_fn=step)[0]
+    setup_caches(local, "specache-1bit", 1, 64)
+    compiled = run_generate(local, prompt, 6, "specache-1bit", step_fn=step)[0]
     if rank == 0:
         out.put({"graphs": counters["stats"]["unique_graphs"], "same": torch.equal(eager, compiled)})
     dist.destroy_process_group()
@@ -187,7 +207,7 @@ def test_generate_under_torchrun_equals_one_process(ckpt):
     proc = torchrun("generate.py", "--checkpoint", ckpt, "--tp", WORLD, *GEN)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert len(lines) == 1  # rank 0 prints; the other rank's stdout is closed
+    assert len(lines) == 1  # rank 0 prints; the other rank prints nothing
     assert json.loads(lines[0])["tokens"] == ref["tokens"]
 
 
@@ -233,9 +253,9 @@ def test_launch_errors_are_one_line(case, ckpt, tmp_path):
 
 
 def test_floors_per_rank():
-    """bench.py --floors --tp N: a rank's weights are 1/N of the split ones plus its vocabulary
+    """tools/bench.py --floors --tp N: a rank's weights are 1/N of the split ones plus its vocabulary
     slice; its KV bytes are 1/N (its KV heads); N must divide the KV heads."""
-    import bench
+    from tools import bench
     from model import ModelArgs
     rows = {}
     for n in (1, 2, 8):
@@ -262,17 +282,17 @@ def cells(out):
 
 
 def test_eval_cells_over_ranks_and_a_failed_rank(ckpt, tmp_path):
-    """eval.py niah on 2 ranks writes the cells one process writes, into one results file; a rank
+    """tools/eval.py niah on 2 ranks writes the cells one process writes, into one results file; a rank
     that fails (here: its prompts exceed the tiny model's 512 positions) ends the run non-zero
     instead of leaving the other rank waiting; the cells finished so far stay for a rerun."""
-    import eval as ev
+    from tools import eval as ev
     ev.main(["niah", "--checkpoint", str(ckpt), *NIAH, "--lengths", "150,250", "--out", str(tmp_path / "one")])
-    proc = torchrun("eval.py", "niah", "--checkpoint", ckpt, *NIAH, "--lengths", "150,250", "--out", tmp_path / "two")
+    proc = torchrun("tools/eval.py", "niah", "--checkpoint", ckpt, *NIAH, "--lengths", "150,250", "--out", tmp_path / "two")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "two").glob("*.jsonl")) == ["results.jsonl"]
     assert cells(tmp_path / "two") == cells(tmp_path / "one") and len(cells(tmp_path / "one")) == 8
     bad = tmp_path / "bad"
-    proc = torchrun("eval.py", "niah", "--checkpoint", ckpt, *NIAH, "--lengths", "150,700", "--out", bad)
+    proc = torchrun("tools/eval.py", "niah", "--checkpoint", ckpt, *NIAH, "--lengths", "150,700", "--out", bad)
     assert proc.returncode != 0
     assert "IndexError" in proc.stderr and "[rank1]" in proc.stderr  # the long prompts are rank 1's share
     kept = [json.loads(ln) for ln in (bad / "results.rank0.jsonl").read_text().splitlines()] \

@@ -9,8 +9,9 @@ import torch
 from cache import LowBitCache
 from config import CacheConfig
 from quant import probe_positions
-from generate import decode_step, generate, pre_decode, setup_caches
-from tests.helpers import tiny_model
+from cache import setup_caches
+from generate import decode_step
+from tests.helpers import run_generate, tiny_model
 
 PROMPT_LEN, NEW = 100, 40
 
@@ -26,9 +27,8 @@ def prompt():
 
 def run(model, name, new=NEW, step_fn=decode_step):
     cfg = CacheConfig.from_name(name)
-    caches, _, _ = setup_caches(model, cfg, 1, PROMPT_LEN + new + 2)
-    out, _ = generate(model, prompt(), new, speculative=cfg.two_tokens, step_fn=step_fn,
-                      resync=cfg.fetch == "resync" and cfg.kind == "specache", predecode_fn=pre_decode)
+    caches = setup_caches(model, cfg, 1, PROMPT_LEN + new + 2)
+    out, _ = run_generate(model, prompt(), new, cfg, step_fn=step_fn)
     return out, caches
 
 
@@ -58,7 +58,7 @@ def test_mixed_precision_error_lies_between_the_uniform_widths(model, full_token
     seq = torch.cat([prompt(), full_tokens[:, :-1]], 1)
     errs = {}
     for name in ("full", "kivi-2bit-zipcache-g16-r32", "kivi-2bit-zipcache-s40-hi4-g16-r32", "kivi-4bit-zipcache-g16-r32"):
-        caches, _, _ = setup_caches(model, name, 1, seq.shape[1] + 1)
+        caches = setup_caches(model, name, 1, seq.shape[1] + 1)
         with torch.no_grad():
             model(seq, torch.arange(seq.shape[1]), mode="prefill")
         errs[name] = caches[0]

@@ -6,6 +6,7 @@ Llama-3.1-8B shapes (8 kv heads x 4, head_dim 128), bf16, k=64, 1 and 2 bits. Ti
 replays after an L2 flush (measure.time_fn graph=True); a torch.profiler breakdown per GPU kernel
 comes first. (sweep-unpack-variants.txt came from a variant of this script with a trial unpack
 option, since removed from kernels.py.)"""
+import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -14,13 +15,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-import measure  # noqa: E402
-from bench import lowbit_kernel_case  # noqa: E402
+from tools import measure  # noqa: E402
+from tools.bench_kernels import lowbit_kernel_case  # noqa: E402
 
+cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+cli.add_argument("context", type=int, nargs="?", default=32768)
+cli.add_argument("which", nargs="?", default="all", choices=["all", "attn", "topk", "none"])
+args = cli.parse_args()
 dev, dt = torch.device("cuda"), torch.bfloat16
 Hkv, G, D, K = 8, 4, 128, 64
-S = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
-which = sys.argv[2] if len(sys.argv) > 2 else "all"
+S, which = args.context, args.which
 g = torch.Generator(device=dev).manual_seed(0)
 
 

@@ -7,11 +7,11 @@ T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 R=/tmp/r; mkdir -p $R
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)"; } > $R/env.txt 2>&1
-B="python3 bench.py --model Llama-3.1-8B --random-weights --dtype bfloat16"
+B="python3 tools/bench.py --model Llama-3.1-8B --random-weights --dtype bfloat16"
 CACHES="${CACHES:-full kivi specache specache-1bit-best specache-1bit-best-rr2-k64-r64 specache-1bit-best-rr2}"
 BUDGET=${BUDGET:-560}
 # phase A
-[ -z "$SKIP_TESTS" ] && { (timeout ${TEST_S:-330} python3 gpu_check.py --skip-speed --out $R/check > $R/check.log 2>&1; echo "rc=$?" >> $R/check.log) & TPID=$!; }
+[ -z "$SKIP_TESTS" ] && { (timeout ${TEST_S:-330} python3 tools/gpu_check.py --skip-speed --out $R/check > $R/check.log 2>&1; echo "rc=$?" >> $R/check.log) & TPID=$!; }
 set -- $CACHES
 while [ $# -gt 0 ]; do
   PIDS=""

@@ -5,7 +5,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 R=/tmp/r3; mkdir -p $R; BUDGET=${BUDGET:-500}
 (timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py -k "topk_kernel or compiled_step or fp32_tokens" > $R/pytest.log 2>&1; echo "pytest rc=$? at $(el) s" >> $R/env.txt) &
-B="python3 bench.py --model Llama-3.1-8B --random-weights --dtype bfloat16"
+B="python3 tools/bench.py --model Llama-3.1-8B --random-weights --dtype bfloat16"
 for c in ${CACHES:-specache-1bit-best specache-1bit-best-rr2-k64-r64 specache kivi}; do
   l=$(( BUDGET - $(el) )); [ $l -lt 100 ] && { echo "no time for $c" >> $R/env.txt; continue; }
   if [ $c = specache ]; then export TORCH_LOGS=output_code; else unset TORCH_LOGS; fi

@@ -9,7 +9,7 @@ cp -r .cache/gpu-carry/a/* /tmp/dm/ 2>/dev/null; ls /tmp/dm > $R/stash.txt
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)"
   git log --oneline -1 2>/dev/null; } > $R/env.txt 2>&1
-B="python3 bench.py --model Llama-3.1-8B --random-weights --dtype bfloat16"
+B="python3 tools/bench.py --model Llama-3.1-8B --random-weights --dtype bfloat16"
 timeout 90 $B --kernels --contexts 32768 --json $R/kernels.json > $R/kernels.log 2>&1
 echo "kernels rc=$? at $(el) s" >> $R/env.txt
 for c in ${CACHES:-specache-1bit-best specache-1bit-best-rr2-k64-r64}; do

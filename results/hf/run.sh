@@ -30,6 +30,6 @@ done > $OUT/generate.jsonl.txt
 for src in hf native; do
   flag=$([ $src = hf ] && echo "--hf $HF" || echo "--checkpoint checkpoints/smollm2-135m-instruct")
   rm -rf $OUT/niah-$src
-  .venv/bin/python eval.py niah $flag --methods full,kivi-1bit,specache-1bit --lengths 1000 \
+  .venv/bin/python tools/eval.py niah $flag --methods full,kivi-1bit,specache-1bit --lengths 1000 \
     --depths 0,0.5,1.0 --out $OUT/niah-$src > $OUT/niah-$src.log 2>&1
 done

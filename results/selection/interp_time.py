@@ -1,8 +1,10 @@
 """Interpreter time of one topk_lowbit_triton call, old (chunked tl.topk + merge) vs radix; run from a
 repo root (argv[1]) with TRITON_INTERPRET=1."""
-import os, sys, time
+import argparse, os, sys, time
+cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+cli.add_argument("root", help="a checkout of the repository (the old or the new code)")
+root = cli.parse_args().root
 os.environ["TRITON_INTERPRET"] = "1"
-root = sys.argv[1]
 sys.path.insert(0, root)
 os.chdir(root)
 import torch

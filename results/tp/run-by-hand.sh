@@ -15,9 +15,9 @@ if [ -d /tmp/tiny-tp-ckpt ]; then
   TORCHINDUCTOR_CACHE_DIR=/tmp/tp-inductor .venv/bin/torchrun --nproc-per-node 2 generate.py $T --compile > results/tp/tiny-tp2-inductor.json 2> results/tp/tiny-tp2-inductor.err
   echo "inductor tp2 rc=$?"
 fi
-# 3. eval.py niah on the default model: 2 ranks against one process (8 cells)
+# 3. tools/eval.py niah on the default model: 2 ranks against one process (8 cells)
 E="--checkpoint $CK --methods full,specache-1bit --lengths 500,1000 --depths 0.2,0.8 --max-new-tokens 16"
 rm -rf results/tp/niah-1proc results/tp/niah-tp2
-.venv/bin/python eval.py niah $E --out results/tp/niah-1proc > /dev/null 2> results/tp/niah-1proc.err
-.venv/bin/torchrun --nproc-per-node 2 eval.py niah $E --out results/tp/niah-tp2 > /dev/null 2> results/tp/niah-tp2.err
+.venv/bin/python tools/eval.py niah $E --out results/tp/niah-1proc > /dev/null 2> results/tp/niah-1proc.err
+.venv/bin/torchrun --nproc-per-node 2 tools/eval.py niah $E --out results/tp/niah-tp2 > /dev/null 2> results/tp/niah-tp2.err
 echo "eval tp2 rc=$?"

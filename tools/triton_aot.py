@@ -1,9 +1,9 @@
 """Compile every Triton kernel for NVIDIA GPUs on a machine that has none: the compile gate, and
 the numbers a kernel author needs without a GPU (registers, spills, load widths in the hot loops).
 
-    python triton_aot.py                 # compile all variants for sm_80 and sm_90, print the report
-    python triton_aot.py --kernel _attn_split_kernel   # one kernel's variants only (minutes, not ~15)
-    python triton_aot.py --arch 90 --sass _attn_split_kernel   # also print that kernel's SASS loops
+    python tools/triton_aot.py                 # compile all variants for sm_80 and sm_90, print the report
+    python tools/triton_aot.py --kernel _attn_split_kernel   # one kernel's variants only (minutes, not ~15)
+    python tools/triton_aot.py --arch 90 --sass _attn_split_kernel   # also print that kernel's SASS loops
 
 The report's static cost columns, per variant and target (docs/kernels.md): registers, local memory
 and stack bytes (spills), shared memory; the hot loop (the longest innermost loop of `cuobjdump
@@ -14,7 +14,7 @@ data goes through shared memory for a layout conversion), its LDL/STL; global lo
 How. The interpreter (TRITON_INTERPRET=1, what the CPU tests use) checks semantics but not what
 the compiler rejects (types of loop-carried values, implicit casts) and says nothing about the
 machine code. Here a stand-in CUDA driver, which only names a target, lets the real launchers in
-kernels.py and prefetch.py run on CPU tensors; Triton's `jit_cache_hook` records each
+kernels.py, topk.py and transfer.py run on CPU tensors; Triton's `jit_cache_hook` records each
 specialization they ask for (signature, constexprs, divisibility attributes, num_warps/stages),
 exactly as a GPU launch would, and skips the launch. `triton.compile` then builds each one for
 each target with the real front and back end (the wheel ships ptxas, cuobjdump and nvdisasm).
@@ -34,9 +34,10 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the method's modules are at the root
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    raise SystemExit("error: triton_aot.py compiles real kernels: run it without TRITON_INTERPRET=1")
+    raise SystemExit("error: tools/triton_aot.py compiles real kernels: run it without TRITON_INTERPRET=1")
 os.environ.setdefault("TRITON_CACHE_DIR", str(ROOT / ".cache" / "triton"))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 = its current default
 
@@ -254,7 +255,6 @@ def cases(quick=False):
     flags themselves."""
     import kernels
     import topk
-    import prefetch
     import transfer
     from cache import LowBitCache
     from config import CacheConfig
@@ -284,7 +284,7 @@ def cases(quick=False):
 
     def quantspec_case(dtype, D, gamma=4):
         def run():  # the draft's one-token step over the INT4 view, the verify step over the INT8 view
-            from cache import QuantSpecCache
+            from quantspec import QuantSpecCache
             c = QuantSpecCache(1, 2, 1024, D, dtype, torch.device("cpu"), CacheConfig.from_name("quantspec"), gamma)
             c.n_quant.fill_(512)
             c.res_len.fill_(130)
@@ -312,14 +312,19 @@ def cases(quick=False):
                        torch.zeros(1, 2, 1, D, dtype=dtype), torch.zeros((), dtype=torch.long)]
             record = (torch.ones(1, 2, 64, dtype=torch.bool), torch.zeros(1, 2, 68, dtype=torch.long),
                       torch.zeros(1, 2, 68, dtype=torch.bool), 4)  # a SpeCache transfer records idx after 4 sinks
-            prefetch.stage_triton(idx, new, new, pos, *staging, record=record)
-            prefetch.stage_triton(idx, None, None, None, *staging, record=record)
-            prefetch.stage_triton(None, new, new, pos, *staging)
+            transfer.stage_triton(idx, new, new, pos, *staging, record=record)
+            transfer.stage_triton(idx, None, None, None, *staging, record=record)
+            transfer.stage_triton(None, new, new, pos, *staging)
             for G, R in ((4, 1), (3, 2)):  # re-ranking's inputs: 128 candidates, R query tokens of G heads each
                 rerank = (torch.zeros(1, 2, 128, dtype=torch.long), torch.zeros(1, 2, 128, dtype=torch.bool),
                           torch.zeros(1, 2 * G, 2, D, dtype=dtype)[:, :, -R:], torch.zeros(1, 2 * G, 2)[:, :, -R:])
-                prefetch.stage_triton(None, new, new, pos, *staging, rerank,
+                transfer.stage_triton(None, new, new, pos, *staging, rerank,
                                       tuple(torch.zeros(t.shape, dtype=t.dtype) for t in rerank))
+            # union's pre-decoding: one selecting token staged into two rows per head
+            q1, lse1 = torch.zeros(1, 8, 1, D, dtype=dtype), torch.zeros(1, 8, 1)
+            transfer.stage_triton(None, new, new, pos, *staging, (*rerank[:2], q1, lse1),
+                                  (*(torch.zeros(t.shape, dtype=t.dtype) for t in rerank[:2]),
+                                   torch.zeros(1, 8, 2, D, dtype=dtype), torch.zeros(1, 8, 2)))
         return run
 
     out = []

@@ -1,4 +1,4 @@
-"""Each decode-step kernel alone, at a model's shapes (`python bench.py --kernels`): the low-bit
+"""Each decode-step kernel alone, at a model's shapes (`python tools/bench.py --kernels`): the low-bit
 attention, the speculative top-k, the row transfer and re-ranking's transfer, timed against their
 byte floors, and the main stream's attention with the transfer beside it on a side stream.
 
@@ -10,8 +10,8 @@ import sys
 import torch
 
 import generate
-import measure
-from measure import H100_GBS
+from tools import measure
+from tools.measure import H100_GBS
 from config import CacheConfig
 
 
@@ -135,7 +135,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     return rows
 
 
-# ---- the launch-configuration sweep (`python bench.py --kernels --sweep`, CUDA only) -------------------
+# ---- the launch-configuration sweep (`python tools/bench.py --kernels --sweep`, CUDA only) -------------------
 # Every attention kernel the launchers can use, every low-bit width, each launch configuration the
 # launcher takes (num_warps x num_stages, and the split count around its default), at 8k, 32k and
 # 128k, Llama-3.1-8B shapes (8 kv heads x 4 query heads, d 128), bf16, batch 1, 2 query tokens and 64
@@ -175,7 +175,7 @@ def sweep_rows(args, bw, device=torch.device("cuda"), dtype=torch.bfloat16) -> l
     import kernels
     Hkv, G, D = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.head_dim
     start, rows, skipped = time.perf_counter(), [], 0
-    n_splits_default = max(1, kernels._n_programs_target(device) // Hkv)
+    n_splits_default = max(1, kernels.programs_target(device) // Hkv)
     g = torch.Generator(device=device).manual_seed(0)
     for bits in SWEEP_BITS:
         for context in SWEEP_CONTEXTS:

@@ -1,4 +1,4 @@
-"""Measuring instruments for bench.py: the environment, a bandwidth probe, per-step timers, peak
+"""Measuring instruments for tools/bench.py: the environment, a bandwidth probe, per-step timers, peak
 memory, kernel timing, the CUDA side-stream overlap profile, the weights a step reads and the
 reference bandwidths of the byte floors. Nothing here knows about caches."""
 import datetime
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 H100_GBS = 3350.0  # H100 SXM HBM3 bandwidth, GB/s (the byte floors' reference device)
 PCIE_GBS = 50.0  # host-to-device over PCIe 5.0 x16: a nominal figure for the floors, not a measurement
 

@@ -1,4 +1,4 @@
-"""bench.py's markdown report: decode steps, step-time ratios, the CUDA profile, kernels alone,
+"""tools/bench.py's markdown report: decode steps, step-time ratios, the CUDA profile, kernels alone,
 Table 3 on a KV budget, QuantSpec and the transformers side by side."""
 
 

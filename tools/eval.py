@@ -1,17 +1,17 @@
 """Accuracy evaluation of the KV caches: needle-in-a-haystack (specache.txt §4.3, Appendix B),
 RULER-style tasks (rebuttal Q5), perplexity through the decode path (and Table 5's 1-bit
 ablation), and SpeCache's hit rates by decode step (rebuttal Q2/Q6). The data, sample generators
-and scorers are in tasks.py; this file runs them through generate.py and writes the tables.
+and scorers are in tools/tasks.py; this file runs them through generate.py and writes the tables.
 
-    python eval.py prompt --length 3000 --depth 0.5 > needle.txt       # a NIAH prompt (user turn)
-    python eval.py niah --quick --out results/quick-niah               # a few minutes
-    python eval.py niah --methods full,kivi-1bit,specache-1bit --lengths 1000,2000,4000,8000 --out results/niah
-    python eval.py ruler --lengths 4000 --samples 5 --out results/ruler
-    python eval.py ppl --methods kivi-1bit,kivi-1bit-orig,specache-1bit,specache-1bit-orig --out results/ppl
-    python eval.py hitrate --methods specache-1bit,specache-2bit --out results/hitrate
-    python eval.py niah --methods specache-1bit --k 16,32,64,128 --out results/k-sweep   # Figure 5-style sweep
-    python eval.py quantspec --lengths 4000,8000 --gammas 0,1,2,4,6 --out results/quantspec    # acceptance rates
-    python eval.py saliency --lengths 2000,4000 --out results/saliency     # ZipCache: probe vs exact saliency
+    python tools/eval.py prompt --length 3000 --depth 0.5 > needle.txt       # a NIAH prompt (user turn)
+    python tools/eval.py niah --quick --out results/quick-niah               # a few minutes
+    python tools/eval.py niah --methods full,kivi-1bit,specache-1bit --lengths 1000,2000,4000,8000 --out results/niah
+    python tools/eval.py ruler --lengths 4000 --samples 5 --out results/ruler
+    python tools/eval.py ppl --methods kivi-1bit,kivi-1bit-orig,specache-1bit,specache-1bit-orig --out results/ppl
+    python tools/eval.py hitrate --methods specache-1bit,specache-2bit --out results/hitrate
+    python tools/eval.py niah --methods specache-1bit --k 16,32,64,128 --out results/k-sweep   # Figure 5-style sweep
+    python tools/eval.py quantspec --lengths 4000,8000 --gammas 0,1,2,4,6 --out results/quantspec    # acceptance rates
+    python tools/eval.py saliency --lengths 2000,4000 --out results/saliency     # ZipCache: probe vs exact saliency
 
 Every subcommand appends one JSON line per finished cell to OUT/results.jsonl (a rerun with the
 same OUT skips the cells already there, so an interrupted run resumes), rewrites OUT/results.md,
@@ -23,19 +23,26 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
-import tp
-from config import CacheConfig
-from eval_report import (Results, mean, write_hitrate_report, write_niah_report, write_ppl_report,
-                         write_quantspec_report, write_ruler_report, write_saliency_report)
-from tasks import (RULER_TASKS, essay_ids, essay_window, niah, niah_score, render, ruler_max_new,
-                   ruler_sample, ruler_score, summary_prompt)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the method's modules are at the root (`python tools/eval.py` puts tools/ first)
+
+import torch  # noqa: E402
+
+import tp  # noqa: E402
+from cache import exact_attention  # noqa: E402
+from config import CacheConfig  # noqa: E402
+from tools.eval_report import (Results, begin_cells, end_cells, init_cells, mean, my_cells,  # noqa: E402
+                                write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
+                                write_ruler_report, write_saliency_report)
+from tools.tasks import (RULER_TASKS, essay_ids, essay_window, niah, niah_score, render,  # noqa: E402
+                         ruler_max_new, ruler_sample, ruler_score, summary_prompt)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the machine is shared; see cpu-toolchain notes
 
-ROOT = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
 
 
@@ -92,7 +99,6 @@ class PrefillReplay:
         self.key, self.kv, self.logits = None, None, None
 
     def __call__(self, model, prompt):
-        import torch
         key = (tuple(prompt.shape), hash(tuple(prompt[0].tolist())), str(prompt.device))
         pos = torch.arange(prompt.shape[1], device=prompt.device)
         if key != self.key:
@@ -107,22 +113,18 @@ class PrefillReplay:
         return self.logits
 
 
-class _Recorder(__import__("torch").nn.Module):
+class _Recorder(torch.nn.Module):
     """A prefill-only cache: exact causal attention over the chunk; keeps the chunk's Q/K/V."""
 
     def forward(self, q, k, v, input_pos, mode="prefill"):
-        import torch.nn.functional as F
-        from cache import causal_mask
         self.q, self.k, self.v = q, k, v
-        mask = causal_mask(input_pos, input_pos, None)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return exact_attention(q, k, v, input_pos, input_pos)
 
 
 class Runner:
     """One model + tokenizer; fresh caches for every prompt (each prompt prefilled once)."""
 
     def __init__(self, a):
-        import torch
         import generate
         from model import load_model
         from tokenizer import load_tokenizer
@@ -147,11 +149,17 @@ class Runner:
         self.replay = PrefillReplay()
         # Compiled steps need one cache shape for the whole run, or every prompt recompiles.
         self.fixed_len = a.cache_len if a.compile else None
-        self.step_fn = generate.compile_step(self.device) if a.compile else generate.decode_step
+        self.steps = generate.Steps().compiled(self.device) if a.compile else generate.Steps()
 
     def setup(self, m: CacheConfig, seq_len: int):
         """Fresh caches for one prompt (kept in self.caches)."""
-        self.caches = self.gen.setup_caches(self.model, m, 1, self.fixed_len or seq_len)[0]
+        from cache import setup_caches
+        self.caches = setup_caches(self.model, m, 1, self.fixed_len or seq_len)
+
+    def prefill_step(self):
+        """The recorded prefill's replay, or (replay None) each cache's own chunked prefill."""
+        from functools import partial
+        return getattr(self, "replay", None) or partial(self.gen.prefill, chunk=self.chunk)
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tok.encode(text, bos=False)  # chat text carries its own special tokens
@@ -163,10 +171,9 @@ class Runner:
         if before:
             before(self.caches)
         prompt = self.torch.tensor([ids], device=self.device)
-        out, stats = self.gen.generate(self.model, prompt, max_new, speculative=m.two_tokens,
-                                       eos_ids=self.tok.eos_ids if eos else (), step_fn=self.step_fn,
-                                       chunk=self.chunk, on_step=on_step, prefill_fn=getattr(self, "replay", None),
-                                       resync=m.kind == "specache" and m.fetch == "resync")
+        decoding = self.gen.Decoding(max_new, eos_ids=frozenset(self.tok.eos_ids) if eos else frozenset())
+        out, stats = self.gen.generate(self.model, prompt, m.policy, decoding,
+                                       replace(self.steps, prefill=self.prefill_step()), on_step)
         row = [int(t) for t in out[0]]
         ends = [i for i, t in enumerate(row) if t in self.tok.eos_ids]
         return self.tok.decode(row[:ends[0]] if ends else row), stats
@@ -195,7 +202,7 @@ class Runner:
         errors; the mean over layers, None while nothing is quantized) and "exact", whether the
         speculative token fed at the step equalled the real token it produced (None without one).
         Per layer: each measure's mean over the steps ("layer_<key>")."""
-        from probe import KEYS, FetchProbe
+        from tools.probe import KEYS, FetchProbe
 
         trace = {key: [] for key in KEYS}
         trace["exact"] = []
@@ -225,12 +232,12 @@ def run_cells(cells, results: Results, fn, desc: str):
     todo = [(f, p) for f, p in cells if Results.key(f) not in results.done]
     if len(todo) < len(cells):
         print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {results.path}: skipped", file=sys.stderr)
-    tp.begin_cells(results)  # under torchrun: each rank takes a share and appends to its own file
-    for fields, payload in tqdm(tp.my_cells(todo), desc=desc, unit="cell", dynamic_ncols=True):
+    begin_cells(results)  # under torchrun: each rank takes a share and appends to its own file
+    for fields, payload in tqdm(my_cells(todo), desc=desc, unit="cell", dynamic_ncols=True):
         t0 = time.perf_counter()
         record = fn(fields, payload)
         results.add(Results.key(fields), dict(fields, **record, seconds=round(time.perf_counter() - t0, 2)))
-    tp.end_cells(results)  # rank 0 folds the ranks' files into the one results file; the others end here
+    end_cells(results)  # rank 0 folds the ranks' files into the one results file; the others end here
 
 
 def base_fields(cmd, a, m: CacheConfig) -> dict:
@@ -338,12 +345,11 @@ def cmd_quantspec(a, runner, methods, results):
         ids = runner.encode_prompt(summary_prompt(runner.tok, f["length"], f["sample"]))
         g = f["gamma"]
         seq_len = runner.fixed_len or len(ids) + f["max_new"] + g + 2
-        runner.gen.setup_caches(runner.model, m, 1, seq_len, gamma=max(g, 1))
+        quantspec.setup_caches(runner.model, m, 1, seq_len, gamma=max(g, 1))
         quantspec.share_caches(draft, runner.model)
-        steps = runner.gen.compile_quantspec_steps(runner.device, g) if a.compile else None
-        out, st = runner.gen.generate_quantspec(runner.model, draft, runner.torch.tensor([ids], device=runner.device),
-                                               f["max_new"], g, eos_ids=runner.tok.eos_ids, steps=steps,
-                                               prefill_fn=runner.replay)
+        out, st = runner.gen.generate_quantspec(runner.model, draft, runner.torch.tensor([ids], device=runner.device), g,
+                                                runner.gen.Decoding(f["max_new"], eos_ids=frozenset(runner.tok.eos_ids)),
+                                                replace(runner.steps, prefill=runner.prefill_step()))
         return dict(label=label(m), tokens=[int(t) for t in out[0]], prompt_tokens=len(ids),
                     acceptance=st["acceptance_rate"], rounds=st["rounds"], accepted=st["accepted"],
                     drafted=st["drafted"], decode_tok_s=round(st["decode_tok_s"], 2))
@@ -358,7 +364,6 @@ def cmd_saliency(a, runner, methods, results):
     exact salient set the probes select, per key group (what the cache keeps: round(ratio x group)
     per group) and over the whole prompt (the paper's top ratio); and the same for H2O's accumulated
     attention (eq. 7), the metric eq. 8 corrects."""
-    import torch
     from quant import normalized_attention, probe_positions
     cells = [(dict(cmd="saliency", model=a.checkpoint.name, length=L, sample=i, ratio=a.salient_ratio, group=g), None)
              for L in a.lengths for i in range(a.samples) for g in a.group_list]
@@ -527,8 +532,8 @@ def main(argv=None):
         return cmd_prompt(a)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
     sys.path.insert(0, str(ROOT))
-    import torch  # torchrun: the cells are spread over the ranks, one model per rank (docs/tp.md)
-    a.device = str(tp.init_eval(torch.device(a.device), a.out / "results.jsonl"))
+    # torchrun: the cells are spread over the ranks, one model per rank (docs/tp.md)
+    a.device = str(init_cells(torch.device(a.device), a.out / "results.jsonl"))
     runner = Runner(a)
     results = Results(a.out)
     print(f"{a.cmd}: {', '.join(label(m, a.method_list) for m in a.method_list)} -> {a.out}", file=sys.stderr)

@@ -1,14 +1,14 @@
 """Decode benchmark of the full, KIVI and SpeCache caches (specache.txt §4.4, Table 3; rebuttal Q1/Q4/Q6).
 
-    python bench.py --quick                                           # reduced grid + transformers, a few minutes
-    python bench.py --compile --contexts 1024,4096,8192 --caches full,kivi,specache --json results/bench/grid.json
-    python bench.py --model Llama-3.1-8B --random-weights --contexts 8192,32768 --compile   # 8B shapes, no download
-    python bench.py --kernels --model Llama-3.1-8B --random-weights --contexts 32768          # per-kernel GB/s
-    python bench.py --compile --contexts 2048 --kv-budget-gb 0.5 --max-run-batch 4           # Table 3 on a KV budget
-    python bench.py --compile --contexts 4096 --caches full,kivi,specache --hf                # side by side with HF
-    python bench.py --floors --contexts 32768 --batch-sizes 1,16                              # byte floors, nothing runs
-    python bench.py --floors --model Llama-3.1-70B --tp 8 --contexts 131072                   # per rank of 8 (docs/tp.md)
-    torchrun --nproc-per-node 8 bench.py --model Llama-3.1-70B --random-weights --compile     # tensor parallel
+    python tools/bench.py --quick                                           # reduced grid + transformers, a few minutes
+    python tools/bench.py --compile --contexts 1024,4096,8192 --caches full,kivi,specache --json results/bench/grid.json
+    python tools/bench.py --model Llama-3.1-8B --random-weights --contexts 8192,32768 --compile   # 8B shapes, no download
+    python tools/bench.py --kernels --model Llama-3.1-8B --random-weights --contexts 32768          # per-kernel GB/s
+    python tools/bench.py --compile --contexts 2048 --kv-budget-gb 0.5 --max-run-batch 4           # Table 3 on a KV budget
+    python tools/bench.py --compile --contexts 4096 --caches full,kivi,specache --hf                # side by side with HF
+    python tools/bench.py --floors --contexts 32768 --batch-sizes 1,16                              # byte floors, nothing runs
+    python tools/bench.py --floors --model Llama-3.1-70B --tp 8 --contexts 131072                   # per rank of 8 (docs/tp.md)
+    torchrun --nproc-per-node 8 tools/bench.py --model Llama-3.1-70B --random-weights --compile     # tensor parallel
 
 Caches are config.CacheConfig names (full, kivi-2bit, specache-1bit-sequential, ...); --bits/--k/--group/
 --residual/--quant apply to every low-bit name that does not set them. `NAME+2tok` feeds a
@@ -24,26 +24,30 @@ measured at start-up. --kernels times each kernel alone against its byte floor, 
 bandwidth and at an H100 SXM's 3.35 TB/s.
 """
 import argparse
+import functools
 import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the method's modules are at the root (`python tools/bench.py` puts tools/ first)
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
 
 import torch  # noqa: E402
 
-import bench_kernels  # noqa: E402
+from tools import bench_kernels  # noqa: E402
 import generate  # noqa: E402
-import measure  # noqa: E402
-from bench_report import md_table, mb, report  # noqa: E402
+from tools import measure  # noqa: E402
+from tools.bench_report import md_table, mb, report  # noqa: E402
 import quant  # noqa: E402
+from cache import kv_fp16_bytes, setup_caches  # noqa: E402
 from config import CacheConfig  # noqa: E402
-from measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402
+from tools.measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402
 import tp  # noqa: E402
 from model import KNOWN_CONFIGS  # noqa: E402
 from tp import load_model, random_model  # noqa: E402 - model.py's, or this rank's slices under torchrun
@@ -111,11 +115,13 @@ def cache_len(context: int, a) -> int:
 def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw: dict) -> dict:
     device = model.tok_embeddings.weight.device
     cfg, T = bench_config(name, a)
+    # the policy's own loop (resync: its extra pre-decoding forwards fall between two steps' marks,
+    # so the step times include them); NAME+2tok: a one-token cache fed the speculative loop's two tokens
+    policy = cfg.policy if T == cfg.policy.step_tokens else replace(cfg.policy, step_tokens=2, pre_decode=True)
+    steps = generate.Steps(prefill=functools.partial(generate.prefill, chunk=a.prefill_chunk))
     if a.compile:
         torch._dynamo.reset()  # one graph per configuration; also keeps under the recompile limit
-        step_fn = generate.compile_step(device)
-    else:
-        step_fn = generate.decode_step
+        steps = steps.compiled(device, pre_decode=cfg.policy.resync)
     prompt = torch.tensor([ids[:context]] * batch, device=device)
     marks, timed = measure.StepMarks(device), a.warmup + a.steps
     profile = {}
@@ -132,11 +138,10 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
             profile["p"].start()
 
     with measure.PeakMemory(device) as mem:  # the cache buffers are allocated inside, as in HF's generate()
-        caches, prefetcher, _ = generate.setup_caches(model, cfg, batch, cache_len(context, a))
+        caches = setup_caches(model, cfg, batch, cache_len(context, a))
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        out, stats = generate.generate(model, prompt, timed + (a.profile_steps if device.type == "cuda" else 0) + 1,
-                                       speculative=T == 2, step_fn=step_fn, chunk=a.prefill_chunk, on_step=on_step,
-                                       sync=lambda: measure.synchronize(device))
+        n_new = timed + (a.profile_steps if device.type == "cuda" else 0) + 1
+        out, stats = generate.generate(model, prompt, policy, generate.Decoding(n_new), steps, on_step)
         wall = time.perf_counter() - wall0
         cpu_share = (time.process_time() - cpu0) / (wall * torch.get_num_threads())
     if "p" in profile:
@@ -144,18 +149,19 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
         torch.cuda.synchronize()
     times = marks.durations()[a.warmup:timed]
     med = statistics.median(times)
-    read = weight_bytes(model) + generate.kv_read_bytes(caches, T)
+    read = weight_bytes(model) + caches.read_bytes(T)
     row = {"cache": name, "label": label(name, a), "config": cfg.as_dict(), "context": context, "batch": batch,
            "step_tokens": T, "compiled": a.compile, "prefill_s": stats["prefill_s"],
-           "step_ms_median": 1e3 * med, "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),
+           "step_ms_median": 1e3 * med, "step_ms_mean": 1e3 * statistics.fmean(times),
+           "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times), "resyncs": stats["resyncs"],
            "spread_pct": 100 * (max(times) - min(times)) / med, "n_timed": len(times),
            # CPU seconds this process got / (wall seconds x threads): well below ~0.8 on CPU means other
            # processes took the cores and the row's timings are suspect.
            "cpu_share": cpu_share if device.type == "cpu" else None, "loadavg_1m": os.getloadavg()[0],
            "tok_s": batch / med,  # one output token per step (SpeCache: per two-token step)
-           "kv_device_bytes": generate.kv_device_bytes(caches), "kv_host_bytes": generate.kv_host_bytes(caches),
-           "fetch_bytes_per_step": prefetcher.bytes_per_step() if prefetcher is not None else 0,
-           "kv_fp16_bytes": generate.kv_fp16_bytes(model, batch, context + timed),
+           "kv_device_bytes": caches.device_bytes(), "kv_host_bytes": caches.host_bytes(),
+           "fetch_bytes_per_step": caches.fetch_bytes_per_step(),
+           "kv_fp16_bytes": kv_fp16_bytes(model.args, batch, context + timed),
            "weight_bytes": weight_bytes(model), "read_bytes_per_step": read,
            "achieved_gbs": read / med / 1e9, "of_copy_bw": read / med / 1e9 / bw["copy_gbs"],
            "floor_ms_h100": 1e3 * read / (H100_GBS * 1e9),
@@ -206,7 +212,6 @@ def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
     draft = quantspec.make_draft(model, a.draft_group)
     prompt = torch.tensor([ids[:context]], device=device)
     n_new = a.warmup + a.steps
-    sync = lambda: measure.synchronize(device)  # noqa: E731
     rows = []
     full = run_config(model, "full", context, 1, ids, a, bw)
     rows.append(dict(method="autoregressive, full cache", context=context, gamma=None, acceptance=None,
@@ -214,15 +219,15 @@ def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
     for g in a.gammas:
         if a.compile:
             torch._dynamo.reset()
-        steps = generate.compile_quantspec_steps(device, g) if a.compile else None
+        steps = generate.Steps().compiled(device) if a.compile else generate.Steps()
         for n in (a.warmup + 1, n_new):  # a warm-up run (compiles), then the measured one on fresh caches
-            caches, _, _ = generate.setup_caches(model, "quantspec", 1, context + n_new + g + 2, gamma=max(g, 1))
+            caches = quantspec.setup_caches(model, "quantspec", 1, context + n_new + g + 2, gamma=max(g, 1))
             quantspec.share_caches(draft, model)
-            out, st = generate.generate_quantspec(model, draft, prompt, n, g, steps=steps, sync=sync)
+            out, st = generate.generate_quantspec(model, draft, prompt, g, generate.Decoding(n), steps)
         per_round = (st["accepted"] + st["rounds"]) / max(1, st["rounds"])
         c = caches[0]
-        draft_read = draft_weight_bytes(draft) + sum(x.read_bytes(1, view=4) for x in caches)
-        verify_read = weight_bytes(model) + sum(x.read_bytes(g + 1, view=8) for x in caches)
+        draft_read = draft_weight_bytes(draft) + sum(x.read_bytes(1, view_bits=4) for x in caches)
+        verify_read = weight_bytes(model) + sum(x.read_bytes(g + 1, view_bits=8) for x in caches)
         per_token = (g * draft_read + verify_read) / per_round
         rows.append(dict(method=f"quantspec gamma {g}" + (" (target alone, INT8 view)" if g == 0 else ""),
                          context=context, gamma=g, acceptance=st["acceptance_rate"], tokens_per_round=per_round,
@@ -235,15 +240,11 @@ def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
     return rows
 
 
-# ---- kernels alone -------------------------------------------------------------------------------------
-
-
 # ---- byte floors, computed without running a model -------------------------------------------
 def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
     """Per decode step: the bytes the weights (bf16) and each cache's kernels must read, and the PCIe bytes
     of SpeCache's fetch, from one layer's caches built at `context` and filled to it (no weights
     are allocated, nothing runs), times n_layers; the floors at an H100's bandwidth."""
-    from dataclasses import replace
     from types import SimpleNamespace
     from model import Transformer
     dtype, n = torch.bfloat16, getattr(a, "tp", None) or 1  # --tp N: one rank's bytes (its heads, FFN and vocabulary slices)
@@ -257,14 +258,15 @@ def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
         cfg, T = bench_config(name, a)
         if cfg.kind == "quantspec":
             raise ValueError(f"{name}: QuantSpec's draft/verify bytes are in --quantspec")
-        (c,), pf, _ = generate.setup_caches(one, cfg, batch, context + 8)
+        one_layer = setup_caches(one, cfg, batch, context + 8)
+        c = one_layer[0]
         if cfg.kind == "full":
             c.length.fill_(context)
         else:  # steady state: whole residual blocks quantized, the rest in the fp window
             nq = context // c.residual * c.residual
             c.n_quant.fill_(nq)
             c.res_len.fill_(context - nq)
-        kv, pcie = c.read_bytes(T) * args.n_layers, (pf.bytes_per_step() * args.n_layers if pf else 0)
+        kv, pcie = c.read_bytes(T) * args.n_layers, one_layer.fetch_bytes_per_step() * args.n_layers
         rows.append(dict(context=context, batch=batch, cache=cfg.name, weight_bytes=weights, kv_read_bytes=kv,
                          kv_device_bytes=c.device_bytes() * args.n_layers, pcie_bytes=pcie,
                          floor_ms=1e3 * (weights + kv) / (H100_GBS * 1e9), kv_floor_us=1e6 * kv / (H100_GBS * 1e9),
@@ -279,9 +281,9 @@ def kv_bytes_linear(model, name: str, length: int, a) -> tuple[int, int, int]:
     cfg, _ = bench_config(name, a)
     d, h = [], []
     for b in (1, 2):
-        caches = generate.setup_caches(model, cfg, b, length)[0]
-        d.append(generate.kv_device_bytes(caches))
-        h.append(generate.kv_host_bytes(caches))
+        caches = setup_caches(model, cfg, b, length)
+        d.append(caches.device_bytes())
+        h.append(caches.host_bytes())
     return d[0] - (d[1] - d[0]), d[1] - d[0], h[1] - h[0]
 
 
@@ -333,7 +335,7 @@ def hf_section(a, ids, dtype, device) -> list[dict]:
         from transformers.generation.streamers import BaseStreamer
         from convert_hf import find_default_gguf
         gguf = find_default_gguf()
-    except (ImportError, SystemExit) as e:
+    except (ImportError, ValueError) as e:
         return [{"name": "transformers", "skipped": f"{type(e).__name__}: {e}"}]
 
     class Clock(BaseStreamer):  # put() gets the prompt, then each new token
@@ -369,9 +371,6 @@ def hf_section(a, ids, dtype, device) -> list[dict]:
         rows.append({"name": name, "prefill_s": clock.t[1] - clock.t[0], "step_ms_median": 1e3 * med,
                      "step_ms_min": 1e3 * min(steps), "tok_s": 1 / med, "tokens": out[0, len(ids):].tolist()})
     return rows
-
-
-# ---- report ---------------------------------------------------------------------------------------------
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------
@@ -411,7 +410,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kernels", action="store_true", help="time each decode kernel alone (and skip the grid)")
     p.add_argument("--sweep", action="store_true", help="with --kernels: every attention kernel, width and launch "
-                   "configuration at 8k/32k/128k, Llama-3.1-8B shapes (CUDA only; bench_kernels.py)")
+                   "configuration at 8k/32k/128k, Llama-3.1-8B shapes (CUDA only; tools/bench_kernels.py)")
     p.add_argument("--kernel-bits", type=int_list, default=[1, 2])
     p.add_argument("--kernel-reps", type=int, default=20)
     p.add_argument("--kv-budget-gb", type=float, default=None, help="Table 3: largest batch whose device KV fits")
@@ -512,7 +511,10 @@ def main(argv=None):
             a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps(res, indent=1, default=str))
         return res
-    device = tp.init(a.tp, device)
+    try:
+        device = tp.init(a.tp, device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -560,12 +562,14 @@ def main(argv=None):
         res["hf"] = hf_section(a, ids[:a.hf_context], dtype, device)
     res["grid"] = list(runner.rows.values())
     text = report(res)
+    if tp.rank() > 0:  # one rank reports
+        return res
     print(text)
-    if a.json and tp.rank() == 0:
+    if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(res, indent=1, default=str))
         (a.md or a.json.with_suffix(".md")).write_text(text + "\n")
-    elif a.md and tp.rank() == 0:
+    elif a.md:
         a.md.write_text(text + "\n")
     return res
 

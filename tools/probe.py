@@ -12,7 +12,7 @@ fp16 while it attends (the ring: fetched rows and attention sinks):
             Under GQA the two top-k differ only in how query heads are weighed: topk_exact
             renormalizes each head over the quantized positions, so a head whose attention sits
             on the sinks and the recent window votes as loudly as one that attends the old tokens.
-            The two agree for one query head, and nearly agree with no sinks (README).
+            The two agree for one query head, and nearly agree with no sinks (docs/policies.md).
   hit_own   the same against the real token's own low-bit top-k (what a sequential fetch brings)
   mass      sum of p over H, mean over query heads: the share of the real token's attention
             that its fp16 rows carry exactly; mass_topk / mass_best: the same for the exact /
@@ -115,9 +115,9 @@ class FetchProbe:
             rec = self._pending.pop(i, None)
             if rec is None:
                 return
-            # Sequential/oracle fetch inside the step: the real token used what the ring holds now.
+            # A fetch inside the step (sequential, oracle): the real token used what the ring holds now.
             before, after = rec["held"][:, :, cache.sinks:], _held(cache)[:, :, cache.sinks:]
-            held = after if cache.fetch in ("sequential", "oracle") else before
+            held = before if cache.policy.ahead else after
             p, top, best, own = rec.pop("p"), rec.pop("top"), rec.pop("best"), rec.pop("own")
             rec.update(hit=_overlap(held, top), hit_mass=_overlap(held, best), hit_own=_overlap(held, own),
                        mass=_mass(p, held), err=rec.pop("err_with")(held), reuse=_reuse(before, after))

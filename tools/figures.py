@@ -1,6 +1,6 @@
 """The docs' figures, regenerated from the raw results committed under results/.
 
-    python figures.py [--results results] [--out docs]
+    python tools/figures.py [--results results] [--out docs]
 
 Writes docs/h100-step-time.png, docs/h100-kernels.png, docs/niah.png and docs/hitrate-per-layer.png.
 Every number comes from a results file (JSON/JSONL; the 2026-11-22 kernel table exists only as markdown,
@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 CPU = "CPU (2-core AMD EPYC), fp32, SmolLM2-135M-Instruct"
 PRESET = "lsq-resync-rr2-g32-sink4"  # `--preset best` spelled out (config.py)
 NAMES = {  # canonical cache names -> what the figures call them, in plotting order
@@ -111,13 +111,13 @@ def step_time(results: Path, out: Path):
 
 
 def parse_kernel_md(path: Path) -> dict:
-    """A `bench.py --kernels` markdown table -> the same shape as its JSON (`environment`, `kernels`)."""
+    """A `tools/bench.py --kernels` markdown table -> the same shape as its JSON (`environment`, `kernels`)."""
     text = path.read_text()
     head = re.search(r"^# bench\.py: cuda \((.*?)\).*?(\d{4}-\d{2}-\d{2})T", text, re.M)
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
             if line.startswith("|") and not line.startswith("|---")]
     if not head or not rows or rows[0][0] != "kernel":
-        raise MissingInput(f"a `bench.py --kernels` table in {path}")
+        raise MissingInput(f"a `tools/bench.py --kernels` table in {path}")
     col = {name: i for i, name in enumerate(rows[0])}
     num = lambda s: float(s.split()[0].replace(",", ""))  # noqa: E731  ("48.6 (47.7)" -> 48.6)
     return dict(environment=dict(gpu=head[1], date=head[2]),

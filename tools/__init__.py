@@ -1,0 +1,8 @@
+"""The measuring tools: they import the method's modules at the root; nothing at the root imports them.
+
+  bench.py, bench_kernels.py, bench_report.py, measure.py   decode steps, kernels alone, byte floors, their report
+  eval.py, eval_report.py, tasks.py, probe.py               accuracy: NIAH, RULER, perplexity, hit rates; task data
+  triton_aot.py                                            the compile gate and the static kernel report (no GPU)
+  gpu_check.py                                             `make gpu-check`: the CUDA tests, kernels and steps
+  figures.py                                               the docs' figures from results/
+"""
