@@ -335,6 +335,39 @@ def test_triton_staging_copies_the_transfer_inputs(R):
         assert torch.equal(staged[0], rows) and torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
 
 
+@needs_interpreter
+def test_one_selecting_token_staged_for_two_then_reranked():
+    """The union policy with re-ranking stages its query rows for two selecting tokens per head; its
+    pre-decoding has one (T1). The Triton staging writes that token into both rows, as the CPU
+    path's broadcasting copy does, and the re-ranking that reads the staged buffer picks the rows
+    the one token's own scores pick (the best of two equal rows is the row)."""
+    g = torch.Generator().manual_seed(4)
+    B, Hkv, G, S, D, C, K = 1, 2, 3, 48, 40, 12, 6
+    q1, lse1 = torch.randn(B, Hkv * G, 1, D, generator=g), torch.rand(B, Hkv * G, 1, generator=g) + 3
+    cand = torch.stack([torch.randperm(S, generator=g)[:C] for _ in range(B * Hkv)]).view(B, Hkv, C)
+    valid = torch.ones(B, Hkv, C, dtype=torch.bool)
+    s_q, s_lse = torch.full((B, Hkv * G, 2, D), 7.0), torch.full((B, Hkv * G, 2), 7.0)  # stale rows of an earlier step
+    s_rerank = (torch.zeros(B, Hkv, C, dtype=torch.long), torch.zeros(B, Hkv, C, dtype=torch.bool), s_q, s_lse)
+    staged = [torch.zeros(B, Hkv, K, dtype=torch.long), torch.zeros(B, Hkv, 1, D), torch.zeros(B, Hkv, 1, D),
+              torch.zeros((), dtype=torch.long)]
+    transfer.stage_triton(None, None, None, None, *staged, (cand, valid, q1, lse1), s_rerank)
+    cpu = (torch.zeros(B, Hkv, C, dtype=torch.long), torch.zeros(B, Hkv, C, dtype=torch.bool),
+           torch.zeros_like(s_q), torch.zeros_like(s_lse))
+    transfer.stage(None, None, None, None, *[t.clone() for t in staged], (cand, valid, q1, lse1), cpu)
+    for a, b in zip(s_rerank, cpu):
+        assert torch.equal(a, b)
+    assert torch.equal(s_q[:, :, 0], q1[:, :, 0]) and torch.equal(s_q[:, :, 1], q1[:, :, 0])
+    host = [torch.randn(B, Hkv, S, D, generator=g) for _ in range(2)]
+    picked = []
+    for q_rows, lse_rows, fn in ((s_q, s_lse, transfer.rerank_rows_triton), (q1, lse1, transfer.rerank_rows_ref)):
+        bufs = [torch.zeros(B, Hkv, K, D), torch.zeros(B, Hkv, K, D), torch.full((B, Hkv, K), -1),
+                torch.zeros(B, Hkv, K, dtype=torch.bool)]
+        fn(*host, *bufs, s_rerank[0], s_rerank[1], q_rows, lse_rows, 0.2)
+        picked.append(bufs)
+    for a, b in zip(*picked):
+        assert torch.equal(a, b)
+
+
 def test_wait_blocks_until_the_delayed_copy_landed():
     p = make_prefetcher()
     log = fake_async(p, delay=0.05)
