@@ -293,14 +293,6 @@ def gguf_reader(path):
     return reader, meta
 
 
-def write_gguf_tokenizer(path, out) -> dict:
-    """Write tokenizer.json + tokenizer_config.json from a GGUF's metadata into out; returns the
-    config.json "tokenizer" entry."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    return gguf_tokenizer(gguf_reader(path)[1], out)
-
-
 def gguf_tokenizer(meta, out):
     tj = gguf_tokenizer_json(meta)
     (out / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
