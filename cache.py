@@ -1,24 +1,15 @@
 """KV caches. Each attention layer owns one; model.py calls `cache(q, k, v, input_pos, mode)`, where
-`mode` (MODES) says what the forward is. What a cache is, and its name, is a config.CacheConfig;
-`setup_caches` gives every layer of a model its cache.
-
-- FullCache: the 16-bit baseline (fp32 on CPU), static [B, Hkv, max_seq_len, D] buffers.
-- LowBitCache: KIVI (specache.txt §3.4, eq. 2/3): packed low-bit codes for tokens [0, n_quant) and a
-  full-precision residual window for the most recent tokens; when the residual holds `residual`
-  tokens they are quantized as a block (keys per channel in groups of `group` tokens, values per
-  token in groups of `group` channels). `n_quant` and `res_len` are 0-d tensors, so one compiled
-  decode graph serves every step.
-- SpeCache: LowBitCache + the full fp16 cache on the host + `n_fetch` fetched fp16 rows per kv head
-  that replace their quantized copies in attention (eq. 1). A fetch policy (config.FetchPolicy)
-  decides which rows; the paper's (Algorithm 3) lets a speculative token's attention pick the rows
-  the next step needs and starts their transfer (prefetch.py) while the step goes on.
-- QuantSpecCache: QuantSpec's hierarchical INT4/INT8 store with its double fp buffer.
-A layer that attends within a sliding window shorter than the cache (Gemma 3's local layers,
-Mistral's window) keeps the FullCache, masked to its window, whatever the configuration.
-
-Byte accounting is exact: `device_bytes()` sums the tensors that live on the compute device and
-`read_bytes(T)` is what a decode step of T tokens reads from them (the kernels' byte floor).
+`mode` (model.MODES) says what the forward is. What a cache is, and its name, is a
+config.CacheConfig; `setup_caches` gives every layer of a model its cache:
+  FullCache    the 16-bit baseline; a ring of its window in a layer with a shorter sliding window
+  LowBitCache  KIVI (specache.txt §3.4, eq. 2/3) and ZipCache: packed low-bit codes and an fp residual
+  SpeCache     LowBitCache + the fp16 cache on the host + fetched fp16 rows that replace their
+               quantized copies in attention (eq. 1), picked and moved by a fetch policy (§3.3)
+(quantspec.py holds QuantSpec's cache.) Byte accounting is exact: `device_bytes()` sums the tensors
+on the compute device, `read_bytes(T)` is what a decode step of T tokens reads (the byte floor).
 """
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -31,15 +22,6 @@ import topk
 from config import CacheConfig
 from kernels import Fetched, LowBitKV, Residual
 from prefetch import Prefetcher
-
-MODES = {  # what a forward asks of the caches (the model passes `mode` through unchanged)
-    "prefill": "Algorithm 1: a chunk of the prompt, attended exactly, then stored",
-    "decode": "a decode step (Algorithm 3's [real, speculative] or one token): the first token's K/V stays",
-    "predecode": "Algorithm 2: attend and select the first step's rows; nothing stays",
-    "draft": "QuantSpec: draft tokens over the INT4 view",
-    "verify": "QuantSpec: the target over the INT8 view, written over the round's drafts",
-}
-
 
 def causal_mask(input_pos: torch.Tensor, key_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """[T, S] bool: query at input_pos[t] may attend key at key_pos[s]."""
@@ -56,13 +38,12 @@ def exact_attention(q, k, v, input_pos, key_pos, window=None):
 
 
 
+@dataclass
 class MemoryMeter:
     """Device-side KV bytes over time, by the caches' own accounting (CPU has no allocator stats).
     Prefill registers each layer's transient fp KV, so `peak` shows Algorithm 1's layer-by-layer bound."""
-
-    def __init__(self):
-        self.current = 0
-        self.peak = 0
+    current: int = 0
+    peak: int = 0
 
     def alloc(self, n: int):
         self.current += n
@@ -71,25 +52,67 @@ class MemoryMeter:
     def free(self, n: int):
         self.current -= n
 
+    @contextmanager
+    def holding(self, *tensors):
+        """The tensors' bytes count while the block runs (a layer's transient fp K/V during prefill)."""
+        n = sum(t.nbytes for t in tensors)
+        self.alloc(n)
+        try:
+            yield
+        finally:
+            self.free(n)
+
 
 class FullCache(nn.Module):
-    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, sliding_window=None):
+    """The 16-bit cache (fp32 on CPU): K/V of position p in slot p % capacity, `key_pos` the position
+    each slot holds. Without a sliding window (or one as long as the sequence) the capacity is
+    max_seq_len and nothing wraps. A layer that attends within a window W shorter than that keeps a
+    ring of W + max_step_tokens - 1 slots: the window of every token of a decode step (Gemma 3's
+    local layers, Mistral's window)."""
+
+    EMPTY = 2 ** 62  # key_pos of a slot never written: after every query, so masked as causality masks the future
+
+    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, sliding_window=None,
+                 max_step_tokens=2, meter=None):
         super().__init__()
-        shape = (batch, n_kv_heads, max_seq_len, head_dim)
+        self.ring = sliding_window is not None and sliding_window + max_step_tokens - 1 < max_seq_len
+        self.capacity = sliding_window + max_step_tokens - 1 if self.ring else max_seq_len
+        shape = (batch, n_kv_heads, self.capacity, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("key_pos", torch.arange(max_seq_len, device=device), persistent=False)
+        self.register_buffer("key_pos", torch.full((self.capacity,), self.EMPTY, device=device), persistent=False)
         self.register_buffer("length", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
-        self.sliding_window = sliding_window
+        self.sliding_window, self.meter = sliding_window, meter or MemoryMeter()
 
     def forward(self, q, k, v, input_pos, mode="decode"):
+        if mode == "prefill":
+            return self.prefill(q, k, v, input_pos)
         self.append_prefill(k, v, input_pos)  # every mode stores: a later step writes its positions again
         return exact_attention(q, self.k_cache, self.v_cache, input_pos, self.key_pos, self.sliding_window)
 
+    def prefill(self, q, k, v, input_pos):
+        """A chunk attends to the earlier positions the cache holds and to itself, then is stored.
+        Eager: without a ring over the filled slots only; with one, over the ring's slots and the
+        chunk side by side (a chunk longer than the ring would overwrite the rows it still needs)."""
+        if not self.ring:
+            self.append_prefill(k, v, input_pos)
+            end = int(input_pos[-1]) + 1
+            return exact_attention(q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], input_pos,
+                                   self.key_pos[:end], self.sliding_window)
+        k_all, v_all = torch.cat([self.k_cache, k], 2), torch.cat([self.v_cache, v], 2)
+        with self.meter.holding(k_all, v_all):
+            out = exact_attention(q, k_all, v_all, input_pos, torch.cat([self.key_pos, input_pos]), self.sliding_window)
+        self.append_prefill(k, v, input_pos)
+        return out
+
     def append_prefill(self, k, v, input_pos, q=None):
-        """Store K/V [B,Hkv,T,D] at positions input_pos (tools/eval.py replays a recorded prefill this way)."""
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
+        """Store K/V [B,Hkv,T,D] at positions input_pos (a ring keeps the last `capacity`; tools/eval.py
+        replays a recorded prefill this way)."""
+        n = min(k.shape[2], self.capacity)
+        slots = input_pos[-n:] % self.capacity
+        self.k_cache.index_copy_(2, slots, k[:, :, -n:])
+        self.v_cache.index_copy_(2, slots, v[:, :, -n:])
+        self.key_pos.index_copy_(0, slots, input_pos[-n:])
         self.length.copy_(torch.maximum(self.length, input_pos[-1] + 1))
 
     def device_bytes(self) -> int:
@@ -99,9 +122,9 @@ class FullCache(nn.Module):
         return 0
 
     def read_bytes(self, step_tokens: int = 1) -> int:
-        """K/V bytes a decode step must read: every valid token (the step's own included)."""
+        """K/V bytes a decode step must read: every valid token (the step's own included; a ring: its slots)."""
         row = self.k_cache[0, :, 0].nbytes * self.k_cache.shape[0]
-        return 2 * row * (int(self.length) + step_tokens)
+        return 2 * row * min(int(self.length) + step_tokens, self.capacity)
 
 
 class LowBitCache(nn.Module):
@@ -168,7 +191,7 @@ class LowBitCache(nn.Module):
         buf("v_res", (B, H, R + max_step_tokens, D), dtype=dtype, device=device)
         buf("n_quant", (), dtype=torch.int64, device=device)
         buf("res_len", (), dtype=torch.int64, device=device)
-        self.meter = meter  # counts prefill's transient fp K/V; setup_caches counts these buffers
+        self.meter = meter or MemoryMeter()  # counts prefill's transient fp K/V; setup_caches counts these buffers
         self.custom_ops = None  # kernels behind their custom ops: None = on CUDA; True on CPU (tests): the CUDA graph
 
     # ---- what the kernels read -----------------------------------------------------------------
@@ -241,12 +264,7 @@ class LowBitCache(nn.Module):
 
     def dequantized(self, n: int):
         """Full-precision view of quantized tokens [0, n) (prefill only: it materializes them)."""
-        s = self.stored()
-        cut = lambda x, m=n: None if x is None else x[:, :, :m]  # noqa: E731
-        part = s._replace(k_codes=cut(s.k_codes), k_scale=cut(s.k_scale, n // self.group), k_zero=cut(s.k_zero, n // self.group),
-                          v_codes=cut(s.v_codes), v_scale=cut(s.v_scale), v_zero=cut(s.v_zero),
-                          k_codes_lo=cut(s.k_codes_lo), v_codes_lo=cut(s.v_codes_lo), ref_map=cut(s.ref_map),
-                          k_ref=cut(s.k_ref, n // self.group * s.n_ref), v_ref=cut(s.v_ref, n // self.group * s.n_ref))
+        part = kernels.first_tokens(self.stored(), n)
         return kernels.dequant_keys(part).to(self.k_res.dtype), kernels.dequant_values(part).to(self.v_res.dtype)
 
     # ---- Algorithm 1: prefill, one layer and one chunk of the prompt ----------------------------
@@ -258,13 +276,9 @@ class LowBitCache(nn.Module):
             raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {held} tokens")
         earlier_k, earlier_v = self.earlier_kv(p0)
         k_all, v_all = torch.cat([earlier_k, k], 2), torch.cat([earlier_v, v], 2)
-        transient = k_all.nbytes + v_all.nbytes
-        if self.meter is not None:
-            self.meter.alloc(transient)
-        out = exact_attention(q, k_all, v_all, input_pos, torch.arange(k_all.shape[2], device=q.device))
-        self.append_prefill(k, v, input_pos, q=q)
-        if self.meter is not None:
-            self.meter.free(transient)
+        with self.meter.holding(k_all, v_all):
+            out = exact_attention(q, k_all, v_all, input_pos, torch.arange(k_all.shape[2], device=q.device))
+            self.append_prefill(k, v, input_pos, q=q)
         return out
 
     def earlier_kv(self, p0: int):
@@ -318,13 +332,9 @@ class LowBitCache(nn.Module):
     def accumulate_saliency(self, q, lse):
         """Eq. 8 while decoding: the real token's (q [B,H,1,D], its lse [B,H,1]) attention to the
         residual rows it sees (its own included) joins their sums."""
-        B, H, _, D = q.shape
-        Hkv = self.k_res.shape[1]
-        logits = (q.float().reshape(B, Hkv, H // Hkv, D) @ self.k_res.float().transpose(-1, -2)) * self.sm_scale
-        p = torch.exp(logits - lse.float().reshape(B, Hkv, H // Hkv, 1))
-        sees = torch.arange(self.k_res.shape[2], device=q.device) <= self.res_len
-        self.sal_acc.add_(torch.where(sees, p.sum(2), 0.0))
-        self.sal_cnt.add_(sees.float() * (H // Hkv))
+        acc, cnt = quant.residual_attention(q, lse, self.k_res, self.res_len, self.sm_scale)
+        self.sal_acc.add_(acc)
+        self.sal_cnt.add_(cnt)
 
     # ---- decoding -------------------------------------------------------------------------------
     def write_step(self, k, v):
@@ -512,31 +522,23 @@ class SpeCache(LowBitCache):
 
 
 # ---- a model's caches ------------------------------------------------------------------------------
-class KVCaches:
+class KVCaches(list):
     """The caches setup_caches gave a model's layers, in layer order, with what they hold and move."""
 
     def __init__(self, config: CacheConfig, layers: list, prefetcher: Optional[Prefetcher], meter: MemoryMeter):
-        self.config, self.layers, self.prefetcher, self.meter = config, layers, prefetcher, meter
-
-    def __iter__(self):
-        return iter(self.layers)
-
-    def __len__(self):
-        return len(self.layers)
-
-    def __getitem__(self, i):
-        return self.layers[i]
+        super().__init__(layers)
+        self.config, self.prefetcher, self.meter = config, prefetcher, meter
 
     def device_bytes(self) -> int:
         """KV bytes on the compute device (every buffer the caches allocated)."""
-        return sum(c.device_bytes() for c in self.layers)
+        return sum(c.device_bytes() for c in self)
 
     def host_bytes(self) -> int:
-        return sum(c.host_bytes() for c in self.layers)
+        return sum(c.host_bytes() for c in self)
 
     def read_bytes(self, step_tokens: int) -> int:
         """KV bytes one decode step of `step_tokens` tokens reads (each cache's own byte floor)."""
-        return sum(c.read_bytes(step_tokens) for c in self.layers)
+        return sum(c.read_bytes(step_tokens) for c in self)
 
     def fetch_bytes_per_step(self) -> int:
         """Host-to-device bytes a decode step may move (an upper bound: Prefetcher.bytes_per_step)."""
@@ -549,12 +551,13 @@ def kv_fp16_bytes(args, batch: int, seq_len: int) -> int:
 
 
 def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len: Optional[int] = None,
-                 lowbit_cache=None) -> KVCaches:
+                 lowbit_cache=None, max_step_tokens: int = 2) -> KVCaches:
     """Give every layer of `model` (model.Transformer, or hf.HFModel) its cache, on the model's device
     and dtype, for sequences of max_seq_len positions (default the model's). `config`: a CacheConfig or
     its name. A layer whose sliding window (model.args.window) is shorter keeps the window-masked
     FullCache; the others the configured cache, and SpeCache's host store holds only them.
-    `lowbit_cache(dims, meter)` builds another kind's layer cache (quantspec.setup_caches: QuantSpec's).
+    `lowbit_cache(dims, meter)` builds another kind's layer cache (quantspec.setup_caches: QuantSpec's,
+    whose verify steps feed max_step_tokens = gamma + 1).
     Raises ValueError on what the model or the kernels cannot run."""
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if batch < 1:
@@ -584,7 +587,7 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
 
     def make(i):
         if config.kind == "full" or local[i]:
-            return FullCache(*dims, sliding_window=windows[i])
+            return FullCache(*dims, sliding_window=windows[i], max_step_tokens=max_step_tokens, meter=meter)
         if lowbit_cache is not None:
             return lowbit_cache(dims, meter)
         if config.kind == "kivi":

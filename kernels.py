@@ -101,6 +101,15 @@ def dequant_values(s: LowBitKV) -> Tensor:
     return v
 
 
+def first_tokens(s: LowBitKV, n: int) -> LowBitKV:
+    """The stored tuple cut to quantized tokens [0, n) (n a multiple of the key group)."""
+    cut = lambda x, m=n: None if x is None else x[:, :, :m]  # noqa: E731
+    return s._replace(k_codes=cut(s.k_codes), k_scale=cut(s.k_scale, n // s.group_k), k_zero=cut(s.k_zero, n // s.group_k),
+                      v_codes=cut(s.v_codes), v_scale=cut(s.v_scale), v_zero=cut(s.v_zero), k_codes_lo=cut(s.k_codes_lo),
+                      v_codes_lo=cut(s.v_codes_lo), ref_map=cut(s.ref_map), k_ref=cut(s.k_ref, n // s.group_k * s.n_ref),
+                      v_ref=cut(s.v_ref, n // s.group_k * s.n_ref))
+
+
 def replaced_mask(fetched: Fetched, S: int) -> Tensor:
     """[B,Hkv,S] bool: quantized slots whose fp row was fetched. Unused fetch slots point at S-1,
     a scratch slot that is never attended."""

@@ -4,7 +4,7 @@ Everything the decode step touches is allocated up front (cache.setup_caches), p
 an `input_pos` tensor, and the KV cache is a pluggable object owned by each attention layer: the
 layer computes q/k/v and RoPE, the cache stores k/v and returns the attention output. cache.py
 holds the caches (fp16, low-bit KIVI, SpeCache); this file knows nothing about them: it passes
-the forward's `mode` (cache.MODES) through to them.
+the forward's `mode` (MODES) through to them.
 """
 import json
 import math
@@ -16,6 +16,15 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+MODES = {  # what a forward asks of the caches: `mode`, passed through to them unchanged
+    "prefill": "Algorithm 1: a chunk of the prompt, attended exactly, then stored",
+    "decode": "a decode step (Algorithm 3's [real, speculative] or one token): the first token's K/V stays",
+    "predecode": "Algorithm 2: attend and select the first step's rows; nothing stays",
+    "draft": "QuantSpec: draft tokens over the INT4 view",
+    "verify": "QuantSpec: the target over the INT8 view, written over the round's drafts",
+}
 
 
 @dataclass
@@ -187,7 +196,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, mode: str = "decode") -> torch.Tensor:
         """idx: [B, T] token ids, input_pos: [T] absolute positions. Returns logits [B, T, vocab] (fp32).
-        `mode` tells the caches what the step is (cache.MODES: prefill, decode, predecode, draft, verify)."""
+        `mode` tells the caches what the step is (MODES: prefill, decode, predecode, draft, verify)."""
         rope = self.rope[input_pos]
         x = self.tok_embeddings(idx)
         for layer in self.layers:

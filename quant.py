@@ -283,6 +283,18 @@ def normalized_attention(q, keys, q_pos, sm_scale):
     return a.sum(2), sees.sum(0).float().expand(B, Hkv, L).contiguous()
 
 
+def residual_attention(q, lse, k_res, res_len, sm_scale):
+    """Eq. 8's sums while decoding: the attention q [B,H,1,D] (its logsumexp lse [B,H,1]) pays each
+    residual row k_res [B,Hkv,R,D] it sees (rows <= res_len, its own included), summed over the kv
+    head's query heads -> (acc [B,Hkv,R], cnt [R]) to add to the rows' sums."""
+    B, H, _, D = q.shape
+    Hkv = k_res.shape[1]
+    logits = (q.float().reshape(B, Hkv, H // Hkv, D) @ k_res.float().transpose(-1, -2)) * sm_scale
+    p = torch.exp(logits - lse.float().reshape(B, Hkv, H // Hkv, 1))
+    sees = torch.arange(k_res.shape[2], device=q.device) <= res_len
+    return torch.where(sees, p.sum(2), 0.0), sees.float() * (H // Hkv)
+
+
 # ---- QuantSpec hierarchical INT8 = upper INT4 + lower INT4 (quantspec.txt §4.2) ------------------
 # Upper U in [0,15]: 4-bit asymmetric RTN, x ~ U*s4 + z. Lower L in [-8,7]: symmetric RTN of the
 # error x - (U*s4 + z) with s8 = s4/16, stored as L + 8. INT8 view: (16U + L)*s8 + z.

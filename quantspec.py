@@ -173,7 +173,7 @@ def setup_caches(model, config: CacheConfig | str = "quantspec", batch: int = 1,
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind != "quantspec":
         raise ValueError(f"QuantSpec runs on the quantspec cache (quantspec[-gN]), not {config.name}")
-    return cache.setup_caches(model, config, batch, max_seq_len,
+    return cache.setup_caches(model, config, batch, max_seq_len, max_step_tokens=gamma + 1,
                               lowbit_cache=lambda dims, meter: QuantSpecCache(*dims, config, gamma=gamma, meter=meter))
 
 

@@ -120,6 +120,28 @@ def test_gemma3_local_and_global_layers():
     assert adapter(model, ids, "kivi-1bit-g32-r32") != ref
 
 
+def test_gemma3_local_layers_keep_a_ring_of_their_window():
+    """The local layers (window 8) keep a ring of 9 positions: the 100-token prompt wraps it many
+    times, prefilled in one chunk and in chunks of 13 (not a multiple of the window: the ring wraps
+    inside a chunk and between chunks), and 12 decode steps run past the wrap, with the fp16 cache
+    and with low-bit SpeCache in the global layer (every row fetched): transformers' own tokens."""
+    cfg = transformers.Gemma3TextConfig(**dict(SMALL, num_hidden_layers=3), head_dim=16, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = randomize(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    ids = prompt()
+    ref = reference(model, ids)
+    assert len(set(ref)) > 3
+    names = ["full", "specache-1bit-k512-g32-r32", "specache-2bit-best-k512-r32"]
+    for chunk in (2048, 13):
+        assert [adapter(model, ids, c, prefill_chunk=chunk) for c in names] == [ref] * len(names), chunk
+    from cache import FullCache, SpeCache
+    caches = setup_caches(hf.HFModel(model), "specache-1bit-g32-r32", 1, 200)
+    assert [type(c) for c in caches] == [FullCache, SpeCache, FullCache] and caches[0].capacity == caches[2].capacity == 9
+    assert caches[0].device_bytes() == 2 * 1 * 2 * 9 * 16 * 4  # K and V, batch 1, 2 kv heads, 9 slots, fp32
+
+
 def test_gemma3_host_store_and_fetches_cover_the_global_layers_only():
     """The local layers hold their window in fp and fetch nothing: SpeCache's host store, rings and
     bus bytes are the global layer's alone (one of three layers here)."""

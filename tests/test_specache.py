@@ -324,3 +324,29 @@ def test_sibling_quantizers_plug_into_the_same_cache(model, full_tokens, scheme,
 def test_bad_scheme_bits():
     with pytest.raises(ValueError, match="not available for scheme quantspec"):
         setup(tiny_model(), "kivi", max_seq_len=64, bits=1, group=16, residual=32, scheme="quantspec")
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 100])
+def test_window_ring_equals_the_masked_full_cache(chunk):
+    """FullCache with a sliding window of 7: a ring of 8 slots (two-token steps) against the same
+    cache at full capacity, masked: chunked prefill (chunks of 5: the ring wraps inside and between
+    chunks; 100: one chunk longer than the ring), then two-token steps whose speculative row the
+    next step writes again, and a pre-decoding step; the same outputs at every step."""
+    from cache import FullCache
+    g = torch.Generator().manual_seed(0)
+    ring, full = FullCache(1, 2, 128, 8, torch.float32, "cpu", sliding_window=7), FullCache(1, 2, 128, 8, torch.float32, "cpu")
+    full.sliding_window = 7  # the same window, masked over every slot
+    assert ring.ring and ring.capacity == 8 and not full.ring and full.capacity == 128
+    def qkv(T):
+        return torch.randn(1, 4, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g)
+    for p0 in range(0, 100, chunk):
+        pos = torch.arange(p0, min(100, p0 + chunk))
+        q, k, v = qkv(len(pos))
+        torch.testing.assert_close(ring(q, k, v, pos, "prefill"), full(q, k, v, pos, "prefill"), atol=1e-5, rtol=0)
+    q, k, v = qkv(1)
+    torch.testing.assert_close(ring(q, k, v, torch.tensor([100]), "predecode"), full(q, k, v, torch.tensor([100]), "predecode"))
+    for p in range(100, 112):
+        q, k, v = qkv(2)
+        pos = torch.tensor([p, p + 1])
+        torch.testing.assert_close(ring(q, k, v, pos), full(q, k, v, pos), atol=1e-5, rtol=0)
+    assert ring.read_bytes(2) == 2 * 2 * 8 * 4 * 8 and ring.device_bytes() == 2 * 2 * 8 * 8 * 4
