@@ -142,6 +142,30 @@ def test_gemma3_local_layers_keep_a_ring_of_their_window():
     assert caches[0].device_bytes() == 2 * 1 * 2 * 9 * 16 * 4  # K and V, batch 1, 2 kv heads, 9 slots, fp32
 
 
+def test_prefill_replay_of_a_windowed_model():
+    """tools/eval.py's PrefillReplay prefills once in chunks (13: not a multiple of the window 8),
+    the local layers through their rings, and replays the recording into each new set of caches:
+    the tokens of transformers' own generate(), for the fp16 cache and SpeCache with every row
+    fetched, on the recording's first use and on its replays."""
+    import functools
+    from generate import Decoding, Steps, generate as loop, prefill
+    from tools import eval as ev
+    cfg = transformers.Gemma3TextConfig(**dict(SMALL, num_hidden_layers=3), head_dim=16, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = randomize(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    ids = prompt()
+    ref = reference(model, ids)
+    view, replay = hf.HFModel(model), ev.PrefillReplay(13)
+    for name in ["full", "specache-1bit-k512-g32-r32", "full"]:
+        config = CacheConfig.from_name(name)
+        for fill in (replay, functools.partial(prefill, chunk=13)):
+            setup_caches(view, config, 1, ids.shape[1] + NEW + 1)
+            out, _ = loop(view, ids, config.policy, Decoding(NEW), Steps(prefill=fill))
+            assert out[0].tolist() == ref, (name, fill)
+
+
 def test_gemma3_host_store_and_fetches_cover_the_global_layers_only():
     """The local layers hold their window in fp and fetch nothing: SpeCache's host store, rings and
     bus bytes are the global layer's alone (one of three layers here)."""

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))  # the method's modules are at the root (`python t
 import torch  # noqa: E402
 
 import tp  # noqa: E402
-from cache import exact_attention  # noqa: E402
+from cache import FullCache  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from tools.eval_report import (Results, begin_cells, end_cells, init_cells, mean, my_cells,  # noqa: E402
                                 write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
@@ -89,36 +89,50 @@ def label(m: CacheConfig, methods=None) -> str:
 
 # ==== the model side ============================================================================================
 class PrefillReplay:
-    """Algorithm 1 once per prompt, replayed into every cache configuration: the prompt is prefilled
-    in one chunk with exact attention (what LowBitCache/SpeCache.prefill compute for a single chunk,
-    so nothing changes for them), every layer's K/V is kept, and each new set of caches stores them
-    as its own prefill would (quantize, offload; the full cache copies). Evaluations run many caches
-    on the same prompt: this turns N prefills into one."""
+    """Algorithm 1 once per prompt, replayed into every cache configuration. The prompt is prefilled
+    in chunks through fp caches that record it (_Recorder): a layer that attends to every position
+    keeps all of them (and the queries: ZipCache's saliency probes), a layer with a shorter sliding
+    window its ring, as its own FullCache would. Every new set of caches then stores the recording
+    as its own one-chunk prefill would (quantize, offload; a ring copies the window): the exact
+    attention of Algorithm 1 over the whole prompt. Evaluations run many caches on the same prompt:
+    this turns N prefills into one."""
 
-    def __init__(self):
-        self.key, self.kv, self.logits = None, None, None
+    def __init__(self, chunk: int = 2048):
+        self.chunk, self.key, self.recorded, self.logits = chunk, None, None, None
 
     def __call__(self, model, prompt):
+        from generate import prefill
         key = (tuple(prompt.shape), hash(tuple(prompt[0].tolist())), str(prompt.device))
-        pos = torch.arange(prompt.shape[1], device=prompt.device)
         if key != self.key:
             caches = [layer.attention.kv_cache for layer in model.layers]
-            recorders = model.setup_caches(lambda i: _Recorder())
-            self.logits = model(prompt, pos, mode="prefill")[:, -1]
-            self.kv, self.key = [(r.k, r.v, r.q) for r in recorders], key
+            B, P = prompt.shape
+            w, a = model.tok_embeddings.weight, model.args
+            self.recorded = model.setup_caches(lambda i: _Recorder(B, a.n_kv_heads, P, a.head_dim, w.dtype, w.device,
+                                                                   sliding_window=a.window(i)))
+            self.logits, self.key = prefill(model, prompt, self.chunk), key
             for layer, cache in zip(model.layers, caches):
                 layer.attention.kv_cache = cache
-        for layer, (k, v, q) in zip(model.layers, self.kv):
-            layer.attention.kv_cache.append_prefill(k, v, pos, q=q)  # q: ZipCache's saliency probes
+        for layer, rec in zip(model.layers, self.recorded):
+            layer.attention.kv_cache.append_prefill(*rec.recording())
         return self.logits
 
 
-class _Recorder(torch.nn.Module):
-    """A prefill-only cache: exact causal attention over the chunk; keeps the chunk's Q/K/V."""
+class _Recorder(FullCache):
+    """A prefill-only FullCache for PrefillReplay (a ring for a layer with a shorter sliding window)
+    that also keeps the queries of a layer that attends to every position."""
 
-    def forward(self, q, k, v, input_pos, mode="prefill"):
-        self.q, self.k, self.v = q, k, v
-        return exact_attention(q, k, v, input_pos, input_pos)
+    def prefill(self, q, k, v, input_pos):
+        if not self.ring:
+            self.queries = getattr(self, "queries", []) + [q]
+        return super().prefill(q, k, v, input_pos)
+
+    def recording(self):
+        """(k, v, positions, q) of what the layer keeps, in position order (q None for a ring)."""
+        pos, order = self.key_pos.sort()
+        n = int((pos < self.EMPTY).sum())
+        pos, order = pos[:n], order[:n]
+        q = None if self.ring else torch.cat(self.queries, 2)
+        return self.k_cache[:, :, order], self.v_cache[:, :, order], pos, q
 
 
 class Runner:
@@ -146,7 +160,7 @@ class Runner:
             self.model = load_model(a.checkpoint, device=self.device, dtype=dtype)
             self.tok = load_tokenizer(a.checkpoint)
         self.chunk = a.prefill_chunk
-        self.replay = PrefillReplay()
+        self.replay = PrefillReplay(a.prefill_chunk)
         # Compiled steps need one cache shape for the whole run, or every prompt recompiles.
         self.fixed_len = a.cache_len if a.compile else None
         self.steps = generate.Steps().compiled(self.device) if a.compile else generate.Steps()
@@ -381,13 +395,14 @@ def cmd_saliency(a, runner, methods, results):
         ids = essay_window(runner.tok, f["sample"] * 2 * L, L)
         L = L // g * g  # whole key groups
         prompt = torch.tensor([ids[:L]], device=runner.device)
-        recorders = runner.model.setup_caches(lambda i: _Recorder())
+        w, args = runner.model.tok_embeddings.weight, runner.model.args
+        recorders = runner.model.setup_caches(lambda i: _Recorder(1, args.n_kv_heads, L, args.head_dim, w.dtype, w.device))
         with torch.no_grad():
             runner.model(prompt, torch.arange(L, device=runner.device), mode="prefill")
         out = {key: [] for key in ("group", "global", "accumulated")}
-        sm_scale = runner.model.args.head_dim ** -0.5
+        sm_scale = args.head_dim ** -0.5
         for rec in recorders:
-            q, k = rec.q, rec.k
+            k, _, _, q = rec.recording()
             acc, cnt = torch.zeros(k.shape[:3]), torch.zeros(k.shape[:3])
             for c0 in range(0, L, 256):  # every token a probe, in chunks of queries
                 a_c, n_c = normalized_attention(q[:, :, c0:c0 + 256], k, torch.arange(c0, min(L, c0 + 256)), sm_scale)
