@@ -350,3 +350,21 @@ def test_gpu_check_run_keeps_the_output_of_a_cut_run(tmp_path):
     assert log.read_text() == out
     code, out, _ = gpu_check.run([sys.executable, "-c", "raise SystemExit(3)"], 30, log)
     assert code == 3 and out == ""
+
+
+def test_the_presets_resync_forwards_are_run_and_counted(model):
+    """`--caches specache-1bit-best`: the row runs the resync policy's own loop, whose extra
+    pre-decoding forward after every wrong speculative token falls between two steps' time marks,
+    and reports how many there were beside the median and mean step times."""
+    modes = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: modes.append(kw.get("mode", args[2] if len(args) > 2 else "decode")),
+                                           with_kwargs=True)
+    try:
+        a = opts(steps=12)
+        ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+        r = bench.run_config(model, "specache-1bit-best", 100, 1, ids, a, BW)
+    finally:
+        hook.remove()
+    assert bench.bench_config("specache-1bit-best", a)[0].policy.resync
+    assert r["resyncs"] > 0 and modes.count("predecode") == 1 + r["resyncs"]  # Algorithm 2, then one per miss
+    assert r["step_ms_min"] <= r["step_ms_mean"] <= r["step_ms_max"] and r["n_timed"] == 12

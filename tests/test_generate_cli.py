@@ -111,3 +111,50 @@ def test_streams_text_and_summary(ckpt, capsys):
     main(["--checkpoint", ckpt, "--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "8"])
     out = capsys.readouterr().out
     assert "Paris" in out and "decode" in out and "<|im_end|>" not in out
+
+
+def count_decode_syncs(monkeypatch, argv):
+    """Run generate.main and count the tensor-to-host conversions (a sync on CUDA: bool(), int(),
+    .item(), .tolist()) made while the decode loop runs, from its first decode step until generate()
+    returns -> (conversions, decode steps)."""
+    import torch
+    import generate
+    import model
+    state = {"steps": 0, "conversions": 0, "done": False}
+    forward = model.Transformer.forward
+
+    def counted(self, idx, input_pos, mode="decode"):
+        state["steps"] += mode == "decode"
+        return forward(self, idx, input_pos, mode)
+    monkeypatch.setattr(model.Transformer, "forward", counted)
+    for name in ("__bool__", "__int__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _original=original, **kw):
+            state["conversions"] += state["steps"] >= 1 and not state["done"]
+            return _original(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    loop = generate.generate
+
+    def until_done(*a, **kw):
+        try:
+            return loop(*a, **kw)
+        finally:
+            state["done"] = True
+    monkeypatch.setattr(generate, "generate", until_done)
+    main(argv)
+    return state["conversions"], state["steps"]
+
+
+@pytest.mark.parametrize("cache", ["specache", "kivi"])
+def test_quiet_decoding_reads_eos_every_few_steps_not_every_step(ckpt, monkeypatch, capsys, cache):
+    """With --quiet (or --json) nothing reads a token on the host each step: the loop keeps the eos
+    test on the device and reads it once every Decoding.eos_check_every (8) steps, plus the hit count
+    at the end. Streaming reads every token, so every step converts."""
+    args = ["--checkpoint", ckpt, "--cache", cache, "--max-new-tokens", "40", "--prompt", "Count from one to fifty:",
+            "--chat"]
+    quiet, steps = count_decode_syncs(monkeypatch, args + ["--quiet"])
+    assert steps == 39 and quiet <= steps // 8 + 2, (quiet, steps)
+    monkeypatch.undo()
+    streamed, steps = count_decode_syncs(monkeypatch, args)
+    assert streamed >= steps, (streamed, steps)

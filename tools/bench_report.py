@@ -19,12 +19,17 @@ def report(res: dict) -> str:
            f"{res['prompt_source']}. Measured bandwidth: copy {bw['copy_gbs']:.1f} GB/s ((read+write)/time), "
            f"streaming read {bw['read_gbs']:.1f} GB/s.", ""]
     if res.get("grid"):
-        md += ["## Decode steps (median of timed steps; MiB = 2^20 bytes; tok/s = output tokens)", ""]
+        md += ["## Decode steps (median of timed steps; MiB = 2^20 bytes; tok/s = output tokens)", "",
+               "A step's time runs from one step's end to the next's: the decode step, the loop's own work, and for "
+               "the resync policy the extra pre-decoding forward after each wrong speculative token (counted in "
+               "`resyncs`; the mean shows their cost, the median hides it while fewer than half the steps miss).", ""]
         md.append(md_table(
-            ["cache", "context", "batch", "prefill s", "step ms (min, spread)", "tok/s", "KV device MiB", "host MiB",
-             "fetched MiB/step", "read MiB/step", "achieved GB/s", "of copy BW", "H100 floor ms", "CPU share"],
+            ["cache", "context", "batch", "prefill s", "step ms (min, spread)", "mean ms", "resyncs", "tok/s",
+             "KV device MiB", "host MiB", "fetched MiB/step", "read MiB/step", "achieved GB/s", "of copy BW",
+             "H100 floor ms", "CPU share"],
             [[r["label"], r["context"], r["batch"], f"{r['prefill_s']:.2f}",
-              f"{r['step_ms_median']:.2f} ({r['step_ms_min']:.2f}, {r['spread_pct']:.0f}%)", f"{r['tok_s']:.1f}",
+              f"{r['step_ms_median']:.2f} ({r['step_ms_min']:.2f}, {r['spread_pct']:.0f}%)",
+              f"{r['step_ms_mean']:.2f}" if "step_ms_mean" in r else "-", r.get("resyncs", "-"), f"{r['tok_s']:.1f}",
               mb(r["kv_device_bytes"]), mb(r["kv_host_bytes"]), f"{r['fetch_bytes_per_step'] / 2**20:.2f}",
               mb(r["read_bytes_per_step"]), f"{r['achieved_gbs']:.1f}", f"{100 * r['of_copy_bw']:.0f}%",
               f"{r['floor_ms_h100']:.2f}", "-" if r["cpu_share"] is None else f"{r['cpu_share']:.2f}"]
