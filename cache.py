@@ -23,19 +23,13 @@ from config import CacheConfig
 from kernels import Fetched, LowBitKV, Residual
 from prefetch import Prefetcher
 
-def causal_mask(input_pos: torch.Tensor, key_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
-    """[T, S] bool: query at input_pos[t] may attend key at key_pos[s]."""
-    mask = key_pos[None, :] <= input_pos[:, None]
-    if window is not None:  # sliding window
-        mask &= input_pos[:, None] - key_pos[None, :] < window
-    return mask
-
-
 def exact_attention(q, k, v, input_pos, key_pos, window=None):
-    """Softmax attention of queries at input_pos over keys at key_pos, causal (and windowed)."""
-    mask = causal_mask(input_pos, key_pos, window)
+    """Softmax attention of queries at input_pos over keys at key_pos, causal (and windowed). The mask
+    takes two comparisons per element: prefill builds one for every layer and chunk."""
+    mask = key_pos[None, :] <= input_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > (input_pos - window)[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
 
 
 @dataclass
@@ -100,10 +94,16 @@ class FullCache(nn.Module):
             return exact_attention(q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], input_pos,
                                    self.key_pos[:end], self.sliding_window)
         k_all, v_all = torch.cat([self.k_cache, k], 2), torch.cat([self.v_cache, v], 2)
+        pos_all, W, C = torch.cat([self.key_pos, input_pos]), self.sliding_window, self.capacity
+        out = []
         with self.meter.holding(k_all, v_all):
-            out = exact_attention(q, k_all, v_all, input_pos, torch.cat([self.key_pos, input_pos]), self.sliding_window)
+            for b0 in range(0, k.shape[2], W):  # query blocks of W positions: each sees at most 2W - 1 keys
+                b1 = min(k.shape[2], b0 + W)
+                keys = slice(C + b0 - W + 1 if b0 >= W - 1 else 0, C + b1)  # the ring's rows only near the start
+                out.append(exact_attention(q[:, :, b0:b1], k_all[:, :, keys], v_all[:, :, keys], input_pos[b0:b1],
+                                           pos_all[keys], W))
         self.append_prefill(k, v, input_pos)
-        return out
+        return torch.cat(out, 2)
 
     def append_prefill(self, k, v, input_pos, q=None):
         """Store K/V [B,Hkv,T,D] at positions input_pos (a ring keeps the last `capacity`; tools/eval.py
