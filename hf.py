@@ -355,16 +355,21 @@ def ids_list(v) -> list:
     return [] if v is None else [v] if isinstance(v, int) else list(v)
 
 
+def check_tokenizer_files(path):
+    """HFError for a directory without tokenizer files (transformers' own message there is about
+    installing sentencepiece or tiktoken)."""
+    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        raise HFError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, ...): save the tokenizer "
+                      f"next to the weights (tokenizer.save_pretrained(DIR))")
+
+
 def load_tokenizer(path, eos_ids=None) -> "HFTokenizer":
-    """The HFTokenizer of a transformers model directory. Raises HFError for a directory without
-    tokenizer files (transformers' own message there is about installing sentencepiece or
-    tiktoken). eos_ids: default generation_config.json's, else config.json's."""
+    """The HFTokenizer of a transformers model directory (HFError as load() gives it). eos_ids:
+    default generation_config.json's, else config.json's."""
     path = Path(path)
     cfg = read_config(path)
     transformers = check_transformers()
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise HFError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, ...): save the tokenizer "
-                      f"next to the weights (tokenizer.save_pretrained(DIR))")
+    check_tokenizer_files(path)
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     if eos_ids is None:
         gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
@@ -379,8 +384,7 @@ def load(path, device="cpu", dtype=torch.float32):
     path = Path(path)
     read_config(path)
     transformers = check_transformers()
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        load_tokenizer(path)  # its error, before the weights are read
+    check_tokenizer_files(path)  # before the weights are read
     register()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=NAME)
     model = model.to(device).eval()
