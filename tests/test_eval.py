@@ -16,7 +16,7 @@ CKPT = Path(ev.DEFAULT_CHECKPOINT)
 class WordTokenizer:
     """Tokenizer-free length check: one token per whitespace-separated word; a chat template
     that adds a fixed number of tokens, like a real one."""
-    eos_ids, bos_id, add_bos = set(), None, False
+    eos_ids, bos_id, add_bos, bos_text = set(), None, False, ""
 
     def encode(self, text, bos=False):
         return re.findall(r"\S+", text)
@@ -63,6 +63,70 @@ def test_niah_deterministic_and_real_tokenizer_length(real_tok):
         assert s.prompt == tk.niah(real_tok, L, d).prompt
         assert abs(n_tok(real_tok, s) - L) <= 0.01 * L
         assert s.prompt.count(tk.NEEDLE) == 1
+
+
+class BosWordTokenizer(WordTokenizer):
+    """A base model's tokenizer: adds BOS ("<s>", one word), no chat template."""
+    bos_id, add_bos, bos_text = "<s>", True, "<s>"
+
+    def chat(self, prompt):
+        return prompt
+
+
+@pytest.mark.parametrize("tok", [WordTokenizer(), BosWordTokenizer()], ids=["chat-template", "base"])
+def test_niah_completion_form(tok):
+    """The completion form: the haystack with the needle once, then the start of the needle's sentence
+    for the model to finish (no question); BOS first where the tokenizer adds one; the length fits."""
+    s = tk.niah(tok, 2000, 0.5, "completion")
+    assert s.form == "completion" and s.prompt.count(tk.NEEDLE) == 1
+    assert s.prompt.endswith("\n\n" + tk.COMPLETION_CUE) and tk.QUESTION not in s.prompt
+    text = tk.render(tok, s)
+    assert text == tok.bos_text + s.prompt and "<user>" not in text
+    assert 1980 <= n_tok(tok, s) <= 2000
+    assert abs(s.meta["needle_char"] / s.meta["context_chars"] - 0.5) < 0.03
+    chat = tk.niah(tok, 2000, 0.5)
+    assert chat.form == "chat" and chat.prompt.endswith(tk.RETRIEVAL_CUE) and tk.COMPLETION_CUE not in chat.prompt
+    with pytest.raises(ValueError, match="unknown prompt form 'plain'"):
+        tk.niah(tok, 2000, 0.5, "plain")
+
+
+@pytest.mark.parametrize("task", ["niah_single_2", "niah_multikey_1", "niah_multivalue", "vt", "qa_squad"])
+def test_ruler_completion_form_is_rulers_base_template(task):
+    """RULER's `base` template: the task text, then a space and the answer prefix, no chat turn."""
+    tok = BosWordTokenizer()
+    s = tk.ruler_sample(tok, task, 2000, 0, form="completion")
+    assert s.form == "completion" and s.prefix
+    assert tk.render(tok, s) == "<s>" + s.prompt + " " + s.prefix
+    assert 1980 <= n_tok(tok, s) <= 2000
+    assert tk.ruler_sample(WordTokenizer(), task, 2000, 0).form == "chat"
+    if task.startswith("niah"):
+        assert s.prefix.startswith("The special magic") and all(s.prompt.count(a) == 1 for a in s.answers)
+
+
+def test_completion_form_real_tokenizer_length(real_tok):
+    for L in (1000, 4000):
+        s = tk.niah(real_tok, L, 0.5, "completion")
+        assert L - 0.01 * L <= len(real_tok.encode_prompt(s.prompt)) == n_tok(real_tok, s) <= L
+
+
+def test_prompt_subcommand_prints_either_form(real_tok, capsys):
+    """`tools/eval.py prompt`: the chat form's user turn (generate.py --chat wraps it) or the completion
+    form's text (generate.py adds BOS), each about --length tokens as generate.py encodes it."""
+    ev.main(["prompt", "--length", "800"])
+    chat = capsys.readouterr().out[:-1]
+    ev.main(["prompt", "--length", "800", "--prompt-form", "completion", "--depth", "0.25"])
+    completion = capsys.readouterr().out  # (no newline at the end: it would be a prompt token)
+    assert chat.endswith(tk.RETRIEVAL_CUE) and completion.endswith(tk.COMPLETION_CUE)
+    assert 790 <= len(real_tok.encode_prompt(chat, chat=True)) <= 800
+    assert 790 <= len(real_tok.encode_prompt(completion)) <= 800
+
+
+def test_hf_and_checkpoint_together_is_one_error_line():
+    for cmd in (["prompt"], ["niah", "--out", "x"], ["ruler", "--out", "x"]):
+        with pytest.raises(SystemExit, match=r"^error: --hf DIR and --checkpoint DIR both name the model: give one$"):
+            ev.parse_args([*cmd, "--hf", "a", "--checkpoint", "b"])
+    assert ev.parse_args(["niah", "--out", "x"]).checkpoint == ev.DEFAULT_CHECKPOINT
+    assert ev.parse_args(["niah", "--out", "x", "--hf", "d"]).checkpoint == Path("d")
 
 
 # ---- RULER ---------------------------------------------------------------------------------------------
@@ -219,6 +283,38 @@ def tiny_runner():
     r.torch, r.gen, r.device, r.model, r.tok = torch, generate, torch.device("cpu"), tiny_model(), IdTokenizer()
     r.chunk, r.fixed_len, r.steps = 2048, None, generate.Steps()
     return r
+
+
+class HashTokenizer(WordTokenizer):
+    """Words as ids below the tiny model's vocabulary; decodes ids as numbers."""
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_niah_rows_record_the_prompt_form(tmp_path):
+    """tools/eval.py niah on a tiny model: every row records its prompt form, the report names it,
+    and chat and completion cells of one results file are told apart."""
+    import zlib
+    from types import SimpleNamespace
+
+    r = tiny_runner()
+    r.tok = HashTokenizer()
+    r.encode_prompt = lambda text: [zlib.crc32(w.encode()) % 256 for w in text.split()]
+    results = ev.Results(tmp_path)
+    a = SimpleNamespace(checkpoint=tmp_path / "tiny", lengths=[300], depths=[0.5], max_new_tokens=3,
+                        prompt_form="completion")
+    ev.cmd_niah(a, r, ev.expand_methods("full"), results)
+    (row,) = results.of("niah")
+    assert row["prompt_form"] == "completion" and row["prompt_tokens"] <= 300 and '"prompt_form"' in row["key"]
+    md = (tmp_path / "results.md").read_text()
+    assert "Prompt form: completion (text that a base model continues to the answer)." in md
+    assert "| full |" in md
+    a.prompt_form = "chat"
+    ev.cmd_niah(a, r, ev.expand_methods("full"), results)
+    rows = results.of("niah")
+    assert [x["prompt_form"] for x in rows] == ["completion", "chat"] and '"prompt_form"' not in rows[1]["key"]
+    md = (tmp_path / "results.md").read_text()
+    assert "| full (chat) |" in md and "| full (completion) |" in md and "Prompt form: chat (" in md
 
 
 def test_hit_trace_per_step_agrees_with_the_probe():

@@ -354,6 +354,26 @@ def test_one_line_errors(tmp_path, monkeypatch):
         generate.main(["--hf", str(tmp_path), "--prompt", "x"])
 
 
+def test_directory_without_tokenizer_files_and_two_model_flags(tmp_path):
+    """A model saved without its tokenizer is named in one line, before the weights are read
+    (transformers' own message would be about installing sentencepiece or tiktoken); --hf with
+    --checkpoint is refused."""
+    tiny("llama").save_pretrained(tmp_path / "m")
+    message = r"^error: \S+m has no tokenizer files \(tokenizer.json, tokenizer.model, ...\): save the tokenizer next to"
+    with pytest.raises(SystemExit, match=message):
+        generate.main(["--hf", str(tmp_path / "m"), "--prompt", "x"])
+    from tools import eval as ev
+    with pytest.raises(SystemExit, match=message):
+        ev.main(["niah", "--hf", str(tmp_path / "m"), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=message):
+        ev.main(["prompt", "--hf", str(tmp_path / "m")])
+    with pytest.raises(SystemExit, match=r"^error: --hf DIR and --checkpoint DIR both name the model: give one$"):
+        generate.main(["--hf", str(tmp_path / "m"), "--checkpoint", str(tmp_path / "m"), "--prompt", "x"])
+    save_tokenizer(tmp_path / "m")
+    tok = hf.load_tokenizer(tmp_path / "m")
+    assert tok.encode("the needle") and tok.chat("x").startswith("<|im_start|>user")
+
+
 # ---- the default model, loaded by transformers from its GGUF ----------------------------------------------
 @pytest.mark.slow
 def test_default_model_from_its_gguf():

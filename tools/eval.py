@@ -4,6 +4,8 @@ ablation), and SpeCache's hit rates by decode step (rebuttal Q2/Q6). The data, s
 and scorers are in tools/tasks.py; this file runs them through generate.py and writes the tables.
 
     python tools/eval.py prompt --length 3000 --depth 0.5 > needle.txt       # a NIAH prompt (user turn)
+    python tools/eval.py prompt --hf checkpoints/gemma-3-270m --prompt-form completion --length 1000 > needle.txt
+    python tools/eval.py niah --hf checkpoints/gemma-3-270m --prompt-form completion --quick --out results/gemma-niah
     python tools/eval.py niah --quick --out results/quick-niah               # a few minutes
     python tools/eval.py niah --methods full,kivi-1bit,specache-1bit --lengths 1000,2000,4000,8000 --out results/niah
     python tools/eval.py ruler --lengths 4000 --samples 5 --out results/ruler
@@ -17,7 +19,11 @@ Every subcommand appends one JSON line per finished cell to OUT/results.jsonl (a
 same OUT skips the cells already there, so an interrupted run resumes), rewrites OUT/results.md,
 and `niah` also draws OUT/niah.png (Figure 4 style). All scores are deterministic string matches:
 there is no GPT-4 judge offline (the paper's NIAH scores are GPT-4 ratings, 1-10).
-Lengths are prompt tokens, chat template included.
+Lengths are prompt tokens, chat template included. --prompt-form (niah, ruler, prompt) picks how a
+task is asked (tools/tasks.py): chat (the default: a question in the model's chat template, for
+instruct models) or completion (text that a base model continues: NIAH's haystack then "According to
+the text above, the best thing to do in San Francisco is"; RULER's `base` template). Each results row
+records it as prompt_form.
 """
 import argparse
 import os
@@ -38,8 +44,8 @@ from config import CacheConfig  # noqa: E402
 from tools.eval_report import (Results, begin_cells, end_cells, init_cells, mean, my_cells,  # noqa: E402
                                 write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
                                 write_ruler_report, write_saliency_report)
-from tools.tasks import (RULER_TASKS, essay_ids, essay_window, niah, niah_score, render,  # noqa: E402
-                         ruler_max_new, ruler_sample, ruler_score, summary_prompt)
+from tools.tasks import (PROMPT_FORMS, RULER_TASKS, essay_ids, essay_window, niah, niah_score,  # noqa: E402
+                         render, ruler_max_new, ruler_sample, ruler_score, summary_prompt)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the machine is shared; see cpu-toolchain notes
 
@@ -258,6 +264,12 @@ def base_fields(cmd, a, m: CacheConfig) -> dict:
     return dict(cmd=cmd, model=a.checkpoint.name, method=m.name)
 
 
+def form_fields(a) -> dict:
+    """The prompt form in a cell's key: chat, the default, is left out, so results files without
+    the field resume as chat cells. Every row records the form (prompt_form)."""
+    return {} if a.prompt_form == "chat" else dict(prompt_form=a.prompt_form)
+
+
 def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
     """Greedy answer to a task sample: the fields every generation cell records (plus the text)."""
     ids = runner.encode_prompt(render(runner.tok, sample))
@@ -267,14 +279,14 @@ def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
 
 
 def cmd_niah(a, runner, methods, results):
-    cells = [(dict(base_fields("niah", a, m), length=L, depth=d, max_new=a.max_new_tokens), m)
+    cells = [(dict(base_fields("niah", a, m), length=L, depth=d, max_new=a.max_new_tokens, **form_fields(a)), m)
              for L in a.lengths for d in a.depths for m in methods]  # prompt-major: one prefill per prompt
-    sample = lru_cache(None)(lambda L, d: niah(runner.tok, L, d))
+    sample = lru_cache(None)(lambda L, d: niah(runner.tok, L, d, a.prompt_form))
 
     def run(f, m):
         s = sample(f["length"], f["depth"])
         out = answer(runner, m, s, f["max_new"])
-        return dict(label=label(m, methods), score=niah_score(out["output"]), **out,
+        return dict(label=label(m, methods), score=niah_score(out["output"]), **out, prompt_form=s.form,
                     needle_depth=round(s.meta["needle_char"] / max(1, s.meta["context_chars"]), 4))
 
     run_cells(cells, results, run, "niah")
@@ -287,17 +299,17 @@ def cmd_ruler(a, runner, methods, results):
     if unknown:
         raise SystemExit(f"error: unknown RULER task {unknown[0]!r}; known: {', '.join(RULER_TASKS)}")
     cells = [(dict(base_fields("ruler", a, m), task=t, length=L, sample=i, seed=a.seed,
-                   max_new=a.max_new_tokens or ruler_max_new(t)), m)
+                   max_new=a.max_new_tokens or ruler_max_new(t), **form_fields(a)), m)
              for m in methods for L in a.lengths for t in tasks for i in range(a.samples)]
     # task-major order, so that a sample is built once and reused by every method
     cells.sort(key=lambda c: (c[0]["length"], c[0]["task"], c[0]["sample"]))
-    sample = lru_cache(1)(lambda t, L, i: ruler_sample(runner.tok, t, L, i, seed=a.seed))
+    sample = lru_cache(1)(lambda t, L, i: ruler_sample(runner.tok, t, L, i, seed=a.seed, form=a.prompt_form))
 
     def run(f, m):
         s = sample(f["task"], f["length"], f["sample"])
         out = answer(runner, m, s, f["max_new"])
         return dict(label=label(m, methods), score=ruler_score(f["task"], out["output"], s.answers),
-                    answers=s.answers, **out)
+                    answers=s.answers, **out, prompt_form=s.form)
 
     run_cells(cells, results, run, "ruler")
     write_ruler_report(results)
@@ -423,12 +435,23 @@ def cmd_saliency(a, runner, methods, results):
 
 
 def cmd_prompt(a):
+    """A NIAH prompt of about --length tokens as generate.py counts them: the chat form's user turn
+    (generate.py --chat wraps it) or the completion form's text (generate.py adds the BOS)."""
     from tokenizer import load_tokenizer
 
-    if not (a.checkpoint / "config.json").exists():
+    if a.hf:
+        import hf
+        try:
+            tok = hf.load_tokenizer(a.hf)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
+    elif not (a.checkpoint / "config.json").exists():
         raise SystemExit(f"error: no checkpoint at {a.checkpoint} (its tokenizer measures the length)")
-    s = niah(load_tokenizer(a.checkpoint), a.length, a.depth)
-    sys.stdout.write(s.prompt + "\n")  # the user turn: generate.py --chat wraps it
+    else:
+        tok = load_tokenizer(a.checkpoint)
+    s = niah(tok, a.length, a.depth, a.prompt_form)
+    # no newline after a completion: it would be the prompt's last token, where the answer starts
+    sys.stdout.write(s.prompt + ("\n" if s.form == "chat" else ""))
 
 
 # ==== CLI =============================================================================================================
@@ -450,11 +473,15 @@ DEFAULTS = {
     "quantspec": dict(methods="quantspec", lengths="4000,8000", samples=2, gammas="0,1,2,4,6", max_new_tokens=128),
     "saliency": dict(methods="full", lengths="2000,4000", samples=2),
 }
+PROMPT_FORM_HELP = ("chat (default): the question in the model's chat template (instruct models); completion: "
+                    "text that a base model continues (tools/tasks.py)")
 SUBCOMMANDS = {  # name: (help, its own options)
     "niah": ("needle in a haystack grid + heatmap", [
+        ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
         ("--depths", dict(default=None, help="needle depths in [0, 1]")),
         ("--max-new-tokens", dict(type=int, default=32))]),
     "ruler": ("RULER-style tasks", [
+        ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
         ("--tasks", dict(default=None, help=f"comma list of: {', '.join(RULER_TASKS)} (default all)")),
         ("--samples", dict(type=int, default=None)),
         ("--max-new-tokens", dict(type=int, default=None, help="default per task (32-64)"))]),
@@ -480,10 +507,12 @@ SUBCOMMANDS = {  # name: (help, its own options)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    pr = sub.add_parser("prompt", help="print a NIAH prompt (user turn) of about --length tokens")
+    pr = sub.add_parser("prompt", help="print a NIAH prompt (chat: the user turn) of about --length tokens")
     pr.add_argument("--length", type=int, default=3000)
     pr.add_argument("--depth", type=float, default=0.5)
-    pr.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    pr.add_argument("--prompt-form", default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)
+    pr.add_argument("--checkpoint", type=Path, default=None, help=f"default {DEFAULT_CHECKPOINT.relative_to(ROOT)}")
+    pr.add_argument("--hf", type=Path, default=None, help="the tokenizer of a transformers model directory instead")
     for cmd, (helptext, options) in SUBCOMMANDS.items():
         s = sub.add_parser(cmd, help=helptext)
         s.add_argument("--out", type=Path, required=True, help="results folder (reruns resume into it)")
@@ -493,7 +522,7 @@ def parse_args(argv=None):
         s.add_argument("--group", default=None, help="quantization group size (64); a list sweeps")
         s.add_argument("--residual", default=None, help="fp residual window (default 128 KIVI, 64 SpeCache); a list sweeps")
         s.add_argument("--lengths", default=None, help="prompt lengths in tokens")
-        s.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+        s.add_argument("--checkpoint", type=Path, default=None, help=f"default {DEFAULT_CHECKPOINT.relative_to(ROOT)}")
         s.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py)")
         s.add_argument("--device", default="cpu")
         s.add_argument("--threads", type=int, default=1)
@@ -503,8 +532,10 @@ def parse_args(argv=None):
         for flag, kw in options:
             s.add_argument(flag, **kw)
     a = p.parse_args(argv)
+    if a.hf and a.checkpoint:
+        raise SystemExit("error: --hf DIR and --checkpoint DIR both name the model: give one")
+    a.checkpoint = a.checkpoint or DEFAULT_CHECKPOINT
     if a.cmd == "prompt":
-        a.hf = None
         if a.length < 1 or not 0 <= a.depth <= 1:
             raise SystemExit("error: --length must be >= 1 and --depth in [0, 1]")
         return a

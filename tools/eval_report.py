@@ -145,8 +145,22 @@ def bits_column(recs, lb):
     return None if bits is None else f"{bits:.2f}"
 
 
+PROMPT_FORMS_SAID = {"chat": "chat (the question in the model's chat template)",
+                     "completion": "completion (text that a base model continues to the answer)"}
+
+
+def by_prompt_form(recs):
+    """(records, the sentence naming their prompt forms). Rows without the field are chat rows;
+    with several forms in one file the form joins each label, so the tables keep them apart."""
+    form = lambda r: r.get("prompt_form", "chat")  # noqa: E731
+    forms = sorted({form(r) for r in recs})
+    if len(forms) > 1:
+        recs = [dict(r, label=f"{r['label']} ({form(r)})") for r in recs]
+    return recs, "Prompt form: " + "; ".join(PROMPT_FORMS_SAID.get(f, f) for f in forms) + "."
+
+
 def write_niah_report(results: Results):
-    recs = results.of("niah")
+    recs, forms = by_prompt_form(results.of("niah"))
     lengths = sorted({r["length"] for r in recs})
     rows = [[lb, bits_column(recs, lb)] + [pct(mean([r["score"] for r in where(recs, label=lb, length=L)])) for L in lengths]
             + [pct(mean([r["score"] for r in where(recs, label=lb)]))] for lb in labels_of(recs)]
@@ -154,7 +168,7 @@ def write_niah_report(results: Results):
                      "Score: share of the needle's key phrases (" + ", ".join(KEY_PHRASES) + ") in the greedy answer, "
                      "x100, mean over depths. Deterministic string match: no GPT-4 judge offline (the paper rates 1-10 "
                      "with GPT-4). bits: device bits per stored K/V element (codes, scales, refinement; "
-                     "config.CacheConfig.bits_per_value).",
+                     "config.CacheConfig.bits_per_value). " + forms,
                      md_table(["method", "bits"] + [f"{L} tok" for L in lengths] + ["avg"], rows),
                      "![niah](niah.png)")
     plot_niah(recs, labels_of(recs), results.dir / "niah.png")
@@ -188,7 +202,7 @@ def plot_niah(recs, labels, path):
 
 
 def write_ruler_report(results: Results):
-    recs = results.of("ruler")
+    recs, forms = by_prompt_form(results.of("ruler"))
     tasks = [t for t in RULER_TASKS if where(recs, task=t)]
     rows = []
     for L in sorted({r["length"] for r in recs}):
@@ -200,7 +214,7 @@ def write_ruler_report(results: Results):
     results.write_md("RULER-style tasks",
                      "Recall of the expected strings in the greedy output (RULER's string_match_all; QA: "
                      "string_match_part), x100, case and punctuation insensitive. Samples generated locally with a "
-                     "fixed seed; n = samples per task.",
+                     "fixed seed; n = samples per task. " + forms,
                      md_table(["method", "length", "n"] + [RULER_TASKS[t][2] for t in tasks] + ["Average"], rows))
 
 

