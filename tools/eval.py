@@ -339,14 +339,14 @@ def cmd_hitrate(a, runner, methods, results):
     bad = [m.name for m in methods if m.kind != "specache"]
     if bad:
         raise SystemExit(f"error: hitrate measures SpeCache fetches (specache-...), not {', '.join(bad)}")
-    cells = [(dict(base_fields("hitrate", a, m), prompt=kind, length=L, sample=i, steps=a.steps), m)
+    cells = [(dict(base_fields("hitrate", a, m), prompt=kind, length=L, sample=i, steps=a.steps, **form_fields(a)), m)
              for kind in a.prompts.split(",") for L in a.lengths for i in range(a.samples) for m in methods]
 
     def run(f, m):
         if f["prompt"] == "needle":  # the needle at depths spread over the samples
-            text = render(runner.tok, niah(runner.tok, f["length"], (f["sample"] + 0.5) / a.samples))
-        else:
-            text = summary_prompt(runner.tok, f["length"], f["sample"])
+            text = render(runner.tok, niah(runner.tok, f["length"], (f["sample"] + 0.5) / a.samples, a.prompt_form))
+        else:  # (completion: the essay window itself, which a base model continues)
+            text = summary_prompt(runner.tok, f["length"], f["sample"], a.prompt_form)
         ids = runner.encode_prompt(text)
         return dict(label=label(m, methods), **runner.hit_trace(m, ids, f["steps"]), prompt_tokens=len(ids))
 
@@ -490,6 +490,7 @@ SUBCOMMANDS = {  # name: (help, its own options)
         ("--windows", dict(type=int, default=None, help="windows per length")),
         ("--stride", dict(type=int, default=None, help="tokens between window starts (default: the length)"))]),
     "hitrate": ("SpeCache fetch quality (hit rates, attention mass, output error) by step and layer", [
+        ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
         ("--samples", dict(type=int, default=None)),
         ("--steps", dict(type=int, default=None, help="decode steps (stops earlier at EOS)")),
         ("--prompts", dict(default="essay", help="essay (summaries), needle (NIAH prompts), or both: essay,needle"))]),

@@ -465,10 +465,11 @@ def ruler_score(task: str, pred: str, refs) -> float:
 SUMMARY_ASK = "Write a long, detailed summary of the essay above."
 
 
-def summary_prompt(tok, length: int, index: int) -> str:
+def summary_prompt(tok, length: int, index: int, form: str = "chat") -> str:
     """Chat text asking for a summary of essay window `index` (windows 2x`length` tokens apart): the
     window decoded back to text, 64 tokens left for the template and the request. A long generation
-    over a long context (rebuttal Q2: long summaries of MultiNews and GovReport)."""
+    over a long context (rebuttal Q2: long summaries of MultiNews and GovReport). The completion
+    form is the window alone, which a base model continues."""
     start = index * 2 * length
     ctx = tok.decode(essay_ids(tok)[start:start + length - 64])
-    return tok.chat(f"{ctx}\n\n{SUMMARY_ASK}")
+    return tok.chat(f"{ctx}\n\n{SUMMARY_ASK}") if check_form(form) == "chat" else ctx
