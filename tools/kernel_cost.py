@@ -29,8 +29,9 @@ STEP = dict(n_quant=32768, Hkv=8, G=4, T=2, k=64, res_len=64, candidates=128, sm
 
 # Source loops in address order: (name, items per iteration: a constexpr name or a number, item, present when).
 LOOPS = {
-    "_attn_split_kernel": [("quantized", "GROUP_K", "token", None), ("fetched", "BLOCK_F", "row", "HAS_FETCH"),
+    "_attn_split_kernel": [("quantized", "GROUP_K", "token", "QUANT"), ("fetched", "BLOCK_F", "row", "HAS_FETCH"),
                            ("residual", "BLOCK_F", "row", None)],
+    "_attn_planes_gluon": [("quantized", ("GROUP_K", "NW"), "token", None)],
     "_topk_score_kernel": [("scores", "GROUP_K", "position", None)],
     "_transfer_rows_kernel": [("rows", "BLOCK_R", "row", "HAS_IDX"), ("new token", 1, "kv head", "HAS_NEW")],
 }
@@ -38,6 +39,7 @@ LOOPS = {
 # kernel -> (budget per item, item, the minimum it is 4x of: what it counts)
 BUDGETS = {
     "_attn_split_kernel": (24.0, "KV token", "5.9: codes 0.1 loads + 4 unpack + 1 MMA + 0.75 softmax (every loop: 24)"),
+    "_attn_planes_gluon": (24.0, "KV token", "the attention's quantized slots (as _attn_split_kernel's)"),
     "_topk_score_kernel": (12.0, "position", "3.1: 0.04 loads + 2 unpack + 0.5 MMA + 0.6 exp, sum over heads, key"),
     "_radix_round_kernel": (1.1, "key", "0.28: 0.01 load + 0.125 digit and count + 0.14 threshold (3 rounds x 256 bins / 1024 keys)"),
     "_radix_collect_kernel": (2.0, "key", "0.51: 0.01 load + 0.31 compare, two scans, store + 0.19 threshold"),
@@ -56,12 +58,20 @@ def _cx(row, name, default=None):
 
 
 def _items_per_iteration(row, per):
-    return per if isinstance(per, int) else _cx(row, per)
+    """A number, a constexpr's value, or the product of several constexprs' (a tuple of names)."""
+    if isinstance(per, int):
+        return per
+    if isinstance(per, tuple):
+        out = 1
+        for name in per:
+            out *= _cx(row, name)
+        return out
+    return _cx(row, per)
 
 
 def loops_of(row, bodies: list[int]) -> list[dict]:
     """Each innermost loop (bodies: their instructions, address order) with its name and per-item cost."""
-    want = [lp for lp in LOOPS.get(row["kernel"], []) if lp[3] is None or _cx(row, lp[3])]
+    want = [lp for lp in LOOPS.get(row["kernel"], []) if lp[3] is None or _cx(row, lp[3], True)]
     if len(want) != len(bodies):
         return [dict(name=f"loop {i}", instr=n, item=None, per_item=None) for i, n in enumerate(bodies)]
     out = []
@@ -76,10 +86,15 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
     """(programs, {loop name: items in the step}, the step's items, item) for the STEP shape, or None."""
     s, kern = STEP, row["kernel"]
     H, nq = s["Hkv"], s["n_quant"]
+    splits = min(nq // (_cx(row, "GROUP_K") or 1), 4 * s["sms"] // H)
     if kern == "_attn_split_kernel":
-        splits = min(nq // _cx(row, "GROUP_K"), 4 * s["sms"] // H)
-        loops = dict(quantized=nq * H, fetched=s["k"] * H if _cx(row, "HAS_FETCH") else 0, residual=s["res_len"] * H)
-        return H * (splits + 1), loops, sum(loops.values()), "KV token"
+        quant = _cx(row, "QUANT", True)  # (False: the fp-row program alone, beside _attn_planes_gluon)
+        loops = dict(quantized=nq * H if quant else 0, fetched=s["k"] * H if _cx(row, "HAS_FETCH") else 0,
+                     residual=s["res_len"] * H)
+        return H * (splits * quant + 1), loops, sum(loops.values()), "KV token"
+    if kern == "_attn_planes_gluon":
+        splits = -(-splits // _cx(row, "NW"))  # (a split is a whole number of its warps' groups)
+        return H * splits, dict(quantized=nq * H), nq * H, "KV token"
     if kern == "_attn_combine_kernel":
         return H * s["G"] * s["T"], {}, H * s["G"] * s["T"], "output row"
     if kern in ("_topk_score_kernel", "_radix_round_kernel", "_radix_collect_kernel"):
@@ -124,7 +139,7 @@ def budget_check(row) -> Optional[dict]:
     if row["kernel"] not in BUDGETS or "loops" not in row:
         return None
     b, item, _ = BUDGETS[row["kernel"]]
-    if row["kernel"] == "_attn_split_kernel":
+    if row["kernel"] in ("_attn_split_kernel", "_attn_planes_gluon"):
         worst = max((lp["per_item"] or float("inf")) for lp in row["loops"]) if row["loops"] else None
     else:
         worst = (row.get("step") or {}).get("per_item")

@@ -46,6 +46,7 @@ import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402 (Gluon kernels: attn_gluon.py)
 from triton.runtime import driver  # noqa: E402
 
 from tools import kernel_cost  # noqa: E402
@@ -129,7 +130,8 @@ def _compile_one(job):
     spec = _SPECS[i]
     t0 = time.perf_counter()
     try:
-        src = ASTSource(spec["jit"], spec["signature"], spec["constants"], spec["attrs"])
+        src = (GluonASTSource if isinstance(spec["jit"], GluonJITFunction) else ASTSource)(
+            spec["jit"], spec["signature"], spec["constants"], spec["attrs"])
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                            options=dict(num_warps=spec["num_warps"], num_stages=spec["num_stages"]))
         out = dict(ok=True, ptx=k.asm["ptx"], cubin=k.asm["cubin"], shared=k.metadata.shared)
@@ -217,7 +219,7 @@ def loop_loads(sass_text: str) -> dict:
 
 
 # What one iteration of a kernel's hot loop processes, in KV tokens: the constexpr that sets it.
-TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_topk_score_kernel": "GROUP_K"}
+TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_topk_score_kernel": "GROUP_K", "_attn_planes_gluon": ("GROUP_K", "NW")}
 # Which innermost loop is the hot one (default: the longest). The attention kernel's loop over the
 # quantized slots is its first (the then-branch of `split < n_splits`; the fetched and residual fp-row
 # loops follow it), and need not be its longest.
@@ -257,9 +259,13 @@ def per_token(row) -> Optional[float]:
     """Warp-instructions the SM issues per KV token in the hot loop: the loop's instructions (per warp
     and iteration) x num_warps / the tokens of one iteration. None for kernels without a token loop."""
     name = TOKENS_PER_ITERATION.get(row["kernel"])
-    if not row.get("loop_instr") or name not in row["constexprs"]:
+    names = name if isinstance(name, tuple) else (name,)
+    if not row.get("loop_instr") or any(n not in row["constexprs"] for n in names):
         return None
-    return row["loop_instr"] * row["num_warps"] / int(row["constexprs"][name])
+    tokens = 1
+    for n in names:
+        tokens *= int(row["constexprs"][n])
+    return row["loop_instr"] * row["num_warps"] / tokens
 
 
 def print_loops_and_budgets(rows):
