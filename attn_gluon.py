@@ -201,7 +201,6 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
     qt = gl.load(q + (bh * M + am) * D + cha + aw * 0, mask=(am < M) & (aw >= 0), other=0.0)
     _, _, asig, _, _ = _consts(ac // W, BITS, BF16)
     sscale = gl.exp2(-asig.to(gl.float32))
-    qf = qt.to(gl.float32)
     # key scale/zero: a thread's 4 code bytes' PER planes are PER consecutive channels (i*PER + j) for each of
     # the W/16 16-byte tiles: loaded as [NW, ., NH, 16, PER] vectors and reshaped to the operand layouts
     RB: gl.constexpr = 16 if W >= 16 else W  # bytes per 16-column slice (W < 16: a slice spans 16 / W planes)
@@ -247,7 +246,7 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
         kg = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(kg, 1), 2), 3), 4)
         sk = gl.convert_layout(gl.reshape(gl.permute(gl.load(k_scale + kg + sa_off), [0, 1, 4, 2, 3]), [NW, 1, BLOCK_D]), LA)
         if BF16:  # (the scales are stored in fp16: q * s_k exact in fp32, then one rounding)
-            qs = (qf * (sk.to(gl.float32) * sscale)).to(dt)
+            qs = (qt.to(gl.float32) * (sk.to(gl.float32) * sscale)).to(dt)
         else:  # fp16 x fp16: one rounding of the exact product, as above
             qs = qt * (sk * sscale.to(gl.float16))
         zg = (bh * (S // N) + gl.minimum(grp + gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, SB))))), last)) * D

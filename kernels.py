@@ -441,9 +441,10 @@ def programs_target(device) -> int:
 DECODE_LAUNCH = dict(num_warps=2, num_stages=1)
 
 
-# The bit-plane path is what the tests run under the interpreter, but its PTX unpacking and 16-bit dots
-# of MAGIC + code have not yet run on a GPU: GPU launches take it only when asked (planes=True) until
-# tests/test_cuda.py's planes cases pass on one (`make gpu-check`); then flip this.
+# The bit-plane path is what the tests run under the interpreter, but its compiled forms have not yet run
+# on a GPU (the Triton kernel's PTX unpacking; attn_gluon's Gluon kernel, which compiled 16-bit launches
+# take where attn_gluon.fits): GPU launches take it only when asked (planes=True) until
+# tests/test_cuda.py's planes and Gluon cases pass on one (`make gpu-check`); then flip this.
 PLANES_BY_DEFAULT_ON_GPU = False
 
 
@@ -471,13 +472,30 @@ def _planes_layout(store: LowBitKV, D: int, M: int, dtype, planes=None):
     interpreted = _interpreted()
     if planes is False or not ok or (planes is None and not interpreted and not PLANES_BY_DEFAULT_ON_GPU):
         return None
+    return (NGV, max(16, rows)) + plane_codes_mode(store, D, dtype)
+
+
+def plane_codes_mode(store: LowBitKV, D: int, dtype) -> tuple[int, float]:
+    """(CODES, CODE_OFF) of tiles.plane_codes for the model's dtype."""
     dot16 = dtype != torch.float32 and not interpreter_upcast(dtype)
     # 16-bit dots read codes as MAGIC + c (exact: c < 128 in bf16, < 1024 in fp16); fp32 converts
     # (the PTX unpacks four elements with one shift: they must share a bit plane, which holds wherever a
     # plane's W bytes are a multiple of the 16 columns a dot-operand layout groups; else Triton's ops)
     codes = 0 if not dot16 or (dtype == torch.bfloat16 and store.bits == 8) else \
-        1 if interpreted or (D * store.bits // 8) % 16 else 2
-    return NGV, max(16, rows), codes, (128.0 if dtype == torch.bfloat16 else 1024.0) if codes else 0.0
+        1 if _interpreted() or (D * store.bits // 8) % 16 else 2
+    return codes, (128.0 if dtype == torch.bfloat16 else 1024.0) if codes else 0.0
+
+
+def planes_for_keys(store: LowBitKV, D: int, dtype, planes=None) -> Optional[tuple[int, float]]:
+    """(CODES, CODE_OFF) where a kernel that reads only the keys (topk.py's scores) takes the bit-plane
+    tiles, else None: plain KIVI codes of whole 32-bit words per row, D a power of two; GPU launches as
+    for the attention (PLANES_BY_DEFAULT_ON_GPU, planes=True asks)."""
+    ok = store.k_codes_lo is None and store.k_ref is None and D & (D - 1) == 0 and (D * store.bits) % 32 == 0
+    if planes and not ok:
+        raise ValueError("the bit-plane path does not take this cache layout")
+    if planes is False or not ok or (planes is None and not _interpreted() and not PLANES_BY_DEFAULT_ON_GPU):
+        return None
+    return plane_codes_mode(store, D, dtype)
 
 
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,

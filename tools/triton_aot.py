@@ -323,9 +323,11 @@ def cases(quick=False):
                 fetched = kernels.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
                                           torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
             both_paths(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
-            if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates)
-                topk.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), c.stored(), cfg.k * cfg.rerank,
-                                           c.sm_scale, fetched)
+            if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates; the bit-plane tiles where they fit)
+                store = c.stored()
+                for planes in (False, True) if kernels.planes_fit(store, D, 1) and not quick else (None,):
+                    topk.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), store, cfg.k * cfg.rerank,
+                                            c.sm_scale, fetched, planes=planes)
         return run
 
     def quantspec_case(dtype, D, gamma=4):
