@@ -529,7 +529,6 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     qk_scale = float(sm_scale) * LOG2E
     if gluon:
         attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, qk_scale, n_splits, split_len, NS)
-        plane, RG, BLOCK_M, CODES, CODE_OFF = None, 1, max(16, triton.next_power_of_2(M)), 0, 0.0
     _attn_split_kernel[(BH, 1 if gluon else NS)](
         q, k_codes, c(k_lo), c(store.k_scale), c(store.k_zero), v_codes, c(v_lo), c(store.v_scale), c(store.v_zero),
         c(store.v_chan), c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q,

@@ -33,7 +33,8 @@ LOOPS = {
                            ("residual", "BLOCK_F", "row", None)],
     "_attn_planes_gluon": [("quantized", ("GROUP_K", "NW"), "token", None)],
     "_topk_score_kernel": [("scores", "GROUP_K", "position", None)],
-    "_transfer_rows_kernel": [("rows", "BLOCK_R", "row", "HAS_IDX"), ("new token", 1, "kv head", "HAS_NEW")],
+    "_transfer_rows_kernel": [("rows", "BLOCK_R", "row", "HAS_IDX"), ("new token", 1, "kv head", ("HAS_NEW", "!HAS_IDX")),
+                              ("token slot", ("BLOCK_R", 4), "slot", ("HAS_NEW", "HAS_IDX"))],
 }
 
 # kernel -> (budget per item, item, the minimum it is 4x of: what it counts)
@@ -58,20 +59,29 @@ def _cx(row, name, default=None):
 
 
 def _items_per_iteration(row, per):
-    """A number, a constexpr's value, or the product of several constexprs' (a tuple of names)."""
+    """A number, a constexpr's value, or the product of a tuple of those."""
     if isinstance(per, int):
         return per
     if isinstance(per, tuple):
         out = 1
-        for name in per:
-            out *= _cx(row, name)
+        for x in per:
+            out *= _items_per_iteration(row, x)
         return out
     return _cx(row, per)
 
 
+def _present(row, cond) -> bool:
+    """A loop's condition: None (always), a constexpr flag, "!flag", or a tuple of those (all hold)."""
+    if cond is None:
+        return True
+    if isinstance(cond, tuple):
+        return all(_present(row, c) for c in cond)
+    return not _cx(row, cond[1:], True) if cond.startswith("!") else bool(_cx(row, cond, True))
+
+
 def loops_of(row, bodies: list[int]) -> list[dict]:
     """Each innermost loop (bodies: their instructions, address order) with its name and per-item cost."""
-    want = [lp for lp in LOOPS.get(row["kernel"], []) if lp[3] is None or _cx(row, lp[3], True)]
+    want = [lp for lp in LOOPS.get(row["kernel"], []) if _present(row, lp[3])]
     if len(want) != len(bodies):
         return [dict(name=f"loop {i}", instr=n, item=None, per_item=None) for i, n in enumerate(bodies)]
     out = []
@@ -105,7 +115,8 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
     if kern == "_transfer_rows_kernel":
         rows = s["k"] * H if _cx(row, "HAS_IDX") else 0
         progs = min(16, max(-(-rows // _cx(row, "BLOCK_R")), H))
-        return progs, {"rows": rows, "new token": H if _cx(row, "HAS_NEW") else 0}, rows or H, "row" if rows else "kv head"
+        new = H if _cx(row, "HAS_NEW") else 0
+        return progs, {"rows": rows, "new token": new, "token slot": s["k"] * new}, rows or H, "row" if rows else "kv head"
     if kern == "_stage_kernel":
         return H, {}, H, "kv head"
     if kern in ("_rerank_score_kernel", "_rerank_pick_kernel"):
