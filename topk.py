@@ -207,6 +207,9 @@ def best_row(p, offs_g, g_ok, R: tl.constexpr):
 # every key > T and the first (k - #keys > T) keys == T. Each round is a launch over the same
 # (kv head, chunk) grid, adding its chunks' histograms with atomics: no host sync, a static grid.
 RADIX = tl.constexpr(256)
+# One warp per program for the rounds, the collect and the order: each program's fixed work (the
+# threshold from the histograms, the ranks) is not repeated per warp (docs/kernels.md; not timed).
+ROUND_WARPS, COLLECT_WARPS, ORDER_WARPS = 1, 1, 1
 HIST_ROW = tl.constexpr(4 * 256 + 2)  # per kv head: the 4 rounds' histograms, then the two collect counters
 
 
@@ -298,14 +301,14 @@ def radix_select_triton(keys, k: int, chunk: int, hist=None):
     if hist is None:
         hist, first_round = torch.zeros(BH, HIST_ROW.value, dtype=torch.int32, device=keys.device), 0
     for r in range(first_round, 4):
-        _radix_round_kernel[grid](keys, hist, S_PAD, k, CHUNK=chunk, ROUND=r)
+        _radix_round_kernel[grid](keys, hist, S_PAD, k, CHUNK=chunk, ROUND=r, num_warps=ROUND_WARPS)
     BLOCK_K = max(16, triton.next_power_of_2(k))
     sel_key = torch.empty(BH, BLOCK_K, dtype=torch.int32, device=keys.device)
     sel_pos = torch.empty(BH, BLOCK_K, dtype=torch.int32, device=keys.device)
-    _radix_collect_kernel[grid](keys, hist, sel_key, sel_pos, S_PAD, k, CHUNK=chunk, BLOCK_K=BLOCK_K)
+    _radix_collect_kernel[grid](keys, hist, sel_key, sel_pos, S_PAD, k, CHUNK=chunk, BLOCK_K=BLOCK_K, num_warps=COLLECT_WARPS)
     top_score = torch.empty(BH, k, dtype=torch.float32, device=keys.device)
     top_idx = torch.empty(BH, k, dtype=torch.int64, device=keys.device)
-    _radix_order_kernel[(BH,)](sel_key, sel_pos, top_score, top_idx, k, BLOCK_K=BLOCK_K)
+    _radix_order_kernel[(BH,)](sel_key, sel_pos, top_score, top_idx, k, BLOCK_K=BLOCK_K, num_warps=ORDER_WARPS)
     return top_score, top_idx
 
 
@@ -338,7 +341,8 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
         DOT=dot_precision(q_row.dtype), UPCAST=interpreter_upcast(q_row.dtype), CHUNK=chunk,
         BLOCK_G=max(16, triton.next_power_of_2(G * R)), BLOCK_D=BLOCK_D,
         BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))), PLANES=plane is not None,
-        CODES=plane[0] if plane else 0, CODE_OFF=plane[1] if plane else 0.0, **launch)
+        CODES=plane[0] if plane else 0, CODE_OFF=plane[1] if plane else 0.0,
+        **{**({'num_warps': 2} if plane else {}), **launch})  # (planes: 2 warps, fewest instructions per position)
     top_score, top_idx = radix_select_triton(keys, k, chunk, hist)
     return top_score.view(B, Hkv, k), top_idx.view(B, Hkv, k)
 

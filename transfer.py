@@ -216,6 +216,7 @@ def _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs):
 TRANSFER_PROGRAMS = 16  # the transfer's persistent grid: at most this many SMs beside the main stream's kernels
 TRANSFER_ROWS = 16  # ring slots per tile: 16 whole host rows (4 KiB of K at D 128 in 16 bits), in flight together
 TRANSFER_WARPS = 1  # one warp moves a tile's 16 rows (fewest instructions per row, docs/kernels.md; not timed)
+RERANK_WARPS = 1  # one candidate per program: more warps only repeat its fixed cost (static count; not timed)
 
 
 @triton.jit
@@ -413,13 +414,13 @@ def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, c
     _rerank_score_kernel[(B * Hkv, C)](
         host_k, cand, cand_valid.contiguous().view(torch.int8), q_rows.contiguous(), lse_rows.float().contiguous(),
         new_k, pos, keys, score, float(sm_scale), S, C, D, M, R,
-        HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D)
+        HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
     _rerank_layout_kernel[(B * Hkv,)](cand, score, fetch_idx, fetch_valid.view(torch.int8), target, C, K,
                                       ring_k.shape[2], ring_off, BLOCK_C=triton.next_power_of_2(C),
                                       BLOCK_K=triton.next_power_of_2(K), num_warps=8)  # ([C, C] ranks)
     _rerank_pick_kernel[(B * Hkv, C + 1)](
         host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, pos, S, C, D, ring_k.shape[2], ring_off,
-        HAS_NEW=has_new, BLOCK_D=BLOCK_D)
+        HAS_NEW=has_new, BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
 
 
 def rerank_rows(*args, scratch=None, **kw):
