@@ -73,6 +73,9 @@ def record_rows_tile(fetch_idx, fetch_valid, slots, slot_ok, rows, row_ok, rank,
 # =============================================================================================
 # staging: the main stream's part of a fetch (CUDA: one launch; CPU: copies)
 # =============================================================================================
+STAGE_WARPS = 1  # one program per kv head: its copies and record_rows' [K, K] tile on one warp (static count; not timed)
+
+
 @triton.jit
 def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n_sb, n_sh, n_sd,
                   valid, rec_idx, rec_valid, RING, OFF,
@@ -150,7 +153,7 @@ def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None
                             *rec, *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
                             HAS_RECORD=record is not None, HAS_RERANK=rerank is not None, R=R, RQ=RQ,
                             BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
-                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M))
+                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M), num_warps=STAGE_WARPS)
 
 
 def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
