@@ -210,7 +210,6 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
     sa_off = _nat5(NW, 1, NH, RB, PER, SA, 2, 3, 4)
     sb_off = _nat5(NW, NH, RB, PER, 1, SB, 1, 2, 3)
     zw, zc, z8 = _idx3(NW, BLOCK_D, 8, LB)
-    zk_off = ((zc % W) * PER + zc // W + z8 * 0).to(gl.int32)
     _, _, _, _, zoff = _consts(zc // W + z8 * 0 + zw * 0, BITS, BF16)
     negoff = gl.where(z8 == 0, -zoff, 0.0).to(dt)  # [NW, D, 8]: -OFF of each column's plane, in column 0
     sw, sm, sn = _idx3(NW, BLOCK_M, N, MMA)
@@ -220,7 +219,7 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
     vsn = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, N, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VS)))), 0), 1), 3)
     vsg = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, NGV, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VS)))), 0), 1), 2)
     vs_off = (vsn * NGV + vsg).to(gl.int32)  # [1, 1, N, NGV]
-    ow, oe, om = _idx3(NW, DG, BLOCK_M, MMA)
+    _, oe, _ = _idx3(NW, DG, BLOCK_M, MMA)
     _, _, osig, _, ooff = _consts(oe // WG, BITS, BF16)
     vpow = gl.exp2(osig.to(gl.float32))  # [1, DG, 1]
     if HAS_FETCH:  # fetched positions, for each warp's bit word of its group
@@ -258,7 +257,6 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
         if BF16:
             zb = gl.where(z8 == 1, (zk.to(gl.float32) - z_hi.to(gl.float32)).to(dt), zb)
         zt = gl.sum(mma_v2(qt, zb, mma_v2(qs, negoff, gl.zeros([NW, BLOCK_M, 8], gl.float32, MMA))), 2)  # q.z - sum OFF q s
-        base = bh * S + n0
         krow = (bh * S + gl.minimum(n0 + kw * N, S - N)) * W  # [NW, 1, 1]: each warp's group, inside the cache
         kbytes = gl.load(k_codes + krow + k_off).to(gl.int16)
         kw16 = gl.convert_layout(gl.reshape(gl.expand_dims(kbytes, 1) + gl.full([NW, PER, W, N], 0, gl.int16, K4),
