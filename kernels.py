@@ -439,12 +439,12 @@ def programs_target(device) -> int:
 # sweep-launch-configs.txt). fp32 (the reference precision, unmeasured on a GPU) keeps the defaults.
 # `launch` (num_warps, num_stages) overrides either, for tuning sweeps.
 DECODE_LAUNCH = dict(num_warps=2, num_stages=1)
+FP_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)  # the fp-row program alone: <= 128 registers (not timed)
 
 
-# The bit-plane path is what the tests run under the interpreter, but its compiled forms have not yet run
-# on a GPU (the Triton kernel's PTX unpacking; attn_gluon's Gluon kernel, which compiled 16-bit launches
-# take where attn_gluon.fits): GPU launches take it only when asked (planes=True) until
-# tests/test_cuda.py's planes and Gluon cases pass on one (`make gpu-check`); then flip this.
+# The bit-plane path is what the interpreter tests run; its compiled forms (the PTX unpacking, attn_gluon's
+# kernel where attn_gluon.fits) have not run on a GPU: GPU launches take it only when asked (planes=True)
+# until tests/test_cuda.py's planes and Gluon cases pass on one (`make gpu-check`); then flip this.
 PLANES_BY_DEFAULT_ON_GPU = False
 
 
@@ -469,8 +469,7 @@ def _planes_layout(store: LowBitKV, D: int, M: int, dtype, planes=None):
     ok = planes_fit(store, D, M)
     if planes and not ok:
         raise ValueError("the bit-plane attention path does not take this cache layout")
-    interpreted = _interpreted()
-    if planes is False or not ok or (planes is None and not interpreted and not PLANES_BY_DEFAULT_ON_GPU):
+    if planes is False or not ok or (planes is None and not _interpreted() and not PLANES_BY_DEFAULT_ON_GPU):
         return None
     return (NGV, max(16, rows)) + plane_codes_mode(store, D, dtype)
 
@@ -513,8 +512,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     n_blocks = triton.cdiv(S, store.group_k)
     if n_splits is None:
         n_splits = min(n_blocks, max(1, programs_target(q.device) // BH))
-    # compiled 16-bit plane path: the quantized programs run as attn_gluon's kernel, whose warps take whole
-    # key groups (a split is a whole number of warps' groups); this kernel then runs the fp-row program only
+    # compiled 16-bit plane path: attn_gluon's kernel runs the quantized programs (a split: whole warps' key groups)
     gluon = plane is not None and not _interpreted() and attn_gluon.fits(store, D, M, q.dtype)
     per_split = attn_gluon.WARPS if gluon else 1
     split_len = triton.cdiv(triton.cdiv(n_blocks, max(1, n_splits)), per_split) * per_split * store.group_k
@@ -540,7 +538,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
         HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=dot_precision(q.dtype),
         UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
         BLOCK_F=64, PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF, QUANT=not gluon,
-        **{**(DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}), **launch})
+        **{**(DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}), **(FP_ROWS_LAUNCH if gluon else {}), **launch})
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,
