@@ -55,10 +55,22 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	@$(GPU_PY) tools/gpu_check.py
 
-# Registers, spills, shared memory, hot-loop instructions per KV token, shared-memory round trips and load widths
-# of every Triton kernel variant, compiled for sm_80/sm_90 (no GPU needed; KERNEL=name compiles one kernel only).
+# Registers, spills, shared memory, every innermost loop's instructions per KV token / row, each decode kernel's
+# step count and budget, shared-memory round trips and load widths of every Triton and Gluon kernel variant,
+# compiled for sm_80/sm_90 (no GPU needed). KERNEL=name: one kernel; CASE=text: the cases whose name has it;
+# ARCH=90: one target; AOT_PY=.venv-triton36/bin/python: the same report under Triton 3.6.0 (make venv-triton36).
+AOT_PY ?= $(PY)
 aot-report: $(STAMP)
-	$(PY) tools/triton_aot.py $(if $(KERNEL),--kernel $(KERNEL))
+	$(AOT_PY) tools/triton_aot.py $(if $(KERNEL),--kernel $(KERNEL)) $(if $(CASE),--case "$(CASE)") $(if $(ARCH),--arch $(ARCH))
+
+# A second venv with the Triton the GPU machine runs (3.6.0) beside the CPU build of torch, for aot-report only.
+.PHONY: venv-triton36
+venv-triton36: .venv-triton36/.installed
+.venv-triton36/.installed:
+	$(PYTHON) -m venv .venv-triton36
+	.venv-triton36/bin/pip install -q torch==2.13.0 numpy
+	.venv-triton36/bin/pip install -q triton==3.6.0
+	touch $@
 
 # The PNGs in docs/ from the raw results under results/ (no model, no GPU).
 .PHONY: figures

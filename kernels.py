@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+import attn_gluon
 import quant
 from tiles import fetched_hits, fetched_mask, integer_units, key_group, load_codes, online_softmax, plane_codes
 
@@ -233,22 +234,24 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale, v_zero, v_chan, n_quant_ptr,
                        f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part, k_ref, v_ref, ref_map,
-                       qk_scale, S, R, K, D, T, M, SPLIT_LEN, N_REF,
+                       qk_scale, S, R, K, D, T, M, SPLIT_LEN, N_REF, SPLIT0, NPARTS,
                        BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
                        NGV: tl.constexpr, HAS_FETCH: tl.constexpr, HAS_CHAN: tl.constexpr, DOT: tl.constexpr,
                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr,
                        PLANES: tl.constexpr = False, RG: tl.constexpr = 1, CODES: tl.constexpr = 0,
-                       CODE_OFF: tl.constexpr = 0.0):
+                       CODE_OFF: tl.constexpr = 0.0, QUANT: tl.constexpr = True):
     """Grid (B*Hkv, n_splits + 1). Program `split` < n_splits attends to quantized slots
     [split*SPLIT_LEN, +SPLIT_LEN) below n_quant; the last one to the fetched and residual fp rows.
-    Each writes (out, lse) partials for the kv head's G*T query rows m = g*T + t.
+    Each writes (out, lse) partial `split` of NPARTS for the kv head's G*T query rows m = g*T + t.
+    SPLIT0 offsets the program index (grid (B*Hkv, 1) with SPLIT0 = n_splits: the fp-row program
+    alone, beside attn_gluon's quantized programs); QUANT=False compiles the fp-row program only.
     PLANES (the bit-plane path, for the quantized slots): the tile's columns are channels in
     plane-major order (tiles.plane_codes), and its rows hold RG copies of the query rows, copy g taking
     the values' channel group g: one value dot serves every channel group (each with its own
     per-token scale), and the copies fill the MMA's 16 rows that M = 8 query rows would leave empty."""
     bh = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    n_splits = tl.num_programs(1) - 1
+    split = tl.program_id(1) + SPLIT0
+    n_splits = NPARTS - 1
     MR: tl.constexpr = BLOCK_M // RG
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = offs_r % MR  # the query row of each tile row
@@ -273,7 +276,7 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
         k_ok = offs_k < K
         fidx = tl.load(f_idx + bh * K + offs_k, mask=k_ok, other=-1)
         fidx = tl.where(tl.load(f_valid + bh * K + offs_k, mask=k_ok, other=0) != 0, fidx, -1)
-    if split < n_splits:
+    if QUANT and split < n_splits:
         lo = split * SPLIT_LEN
         hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
         if PLANES:
@@ -374,7 +377,7 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
         offs_m = tl.arange(0, MR)
         m_ok = offs_m < M
     has = l_i > 0
-    part = (bh * tl.num_programs(1) + split) * M + offs_m
+    part = (bh * NPARTS + split) * M + offs_m
     tl.store(out_part + part[:, None] * D + offs_d[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
              mask=m_ok[:, None] & d_ok[None, :])
     # natural-log lse (scores were in log2 units)
@@ -445,12 +448,17 @@ def programs_target(device) -> int:
 # sweep-launch-configs.txt). fp32 (the reference precision, unmeasured on a GPU) keeps the defaults.
 # `launch` (num_warps, num_stages) overrides either, for tuning sweeps.
 DECODE_LAUNCH = dict(num_warps=2, num_stages=1)
+FP_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)  # the fp-row program alone: <= 128 registers (not timed)
 
 
-# The bit-plane path is what the tests run under the interpreter, but its PTX unpacking and 16-bit dots
-# of MAGIC + code have not yet run on a GPU: GPU launches take it only when asked (planes=True) until
-# tests/test_cuda.py's planes cases pass on one (`make gpu-check`); then flip this.
+# The bit-plane path is what the interpreter tests run; its compiled forms (the PTX unpacking, attn_gluon's
+# kernel where attn_gluon.fits) have not run on a GPU: GPU launches take it only when asked (planes=True)
+# until tests/test_cuda.py's planes and Gluon cases pass on one (`make gpu-check`); then flip this.
 PLANES_BY_DEFAULT_ON_GPU = False
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def planes_fit(store: LowBitKV, D: int, M: int) -> bool:
@@ -470,16 +478,32 @@ def _planes_layout(store: LowBitKV, D: int, M: int, dtype, planes=None):
     ok = planes_fit(store, D, M)
     if planes and not ok:
         raise ValueError("the bit-plane attention path does not take this cache layout")
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if planes is False or not ok or (planes is None and not interpreted and not PLANES_BY_DEFAULT_ON_GPU):
+    if planes is False or not ok or (planes is None and not _interpreted() and not PLANES_BY_DEFAULT_ON_GPU):
         return None
+    return (NGV, max(16, rows)) + plane_codes_mode(store, D, dtype)
+
+
+def plane_codes_mode(store: LowBitKV, D: int, dtype) -> tuple[int, float]:
+    """(CODES, CODE_OFF) of tiles.plane_codes for the model's dtype."""
     dot16 = dtype != torch.float32 and not interpreter_upcast(dtype)
     # 16-bit dots read codes as MAGIC + c (exact: c < 128 in bf16, < 1024 in fp16); fp32 converts
     # (the PTX unpacks four elements with one shift: they must share a bit plane, which holds wherever a
     # plane's W bytes are a multiple of the 16 columns a dot-operand layout groups; else Triton's ops)
     codes = 0 if not dot16 or (dtype == torch.bfloat16 and store.bits == 8) else \
-        1 if interpreted or (D * store.bits // 8) % 16 else 2
-    return NGV, max(16, rows), codes, (128.0 if dtype == torch.bfloat16 else 1024.0) if codes else 0.0
+        1 if _interpreted() or (D * store.bits // 8) % 16 else 2
+    return codes, (128.0 if dtype == torch.bfloat16 else 1024.0) if codes else 0.0
+
+
+def planes_for_keys(store: LowBitKV, D: int, dtype, planes=None) -> Optional[tuple[int, float]]:
+    """(CODES, CODE_OFF) where a kernel that reads only the keys (topk.py's scores) takes the bit-plane
+    tiles, else None: plain KIVI codes of whole 32-bit words per row, D a power of two; GPU launches as
+    for the attention (PLANES_BY_DEFAULT_ON_GPU, planes=True asks)."""
+    ok = store.k_codes_lo is None and store.k_ref is None and D & (D - 1) == 0 and (D * store.bits) % 32 == 0
+    if planes and not ok:
+        raise ValueError("the bit-plane path does not take this cache layout")
+    if planes is False or not ok or (planes is None and not _interpreted() and not PLANES_BY_DEFAULT_ON_GPU):
+        return None
+    return plane_codes_mode(store, D, dtype)
 
 
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
@@ -497,7 +521,10 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     n_blocks = triton.cdiv(S, store.group_k)
     if n_splits is None:
         n_splits = min(n_blocks, max(1, programs_target(q.device) // BH))
-    split_len = triton.cdiv(n_blocks, max(1, n_splits)) * store.group_k
+    # compiled 16-bit plane path: attn_gluon's kernel runs the quantized programs (a split: whole warps' key groups)
+    gluon = plane is not None and not _interpreted() and attn_gluon.fits(store, D, M, q.dtype)
+    per_split = attn_gluon.WARPS if gluon else 1
+    split_len = triton.cdiv(triton.cdiv(n_blocks, max(1, n_splits)), per_split) * per_split * store.group_k
     n_splits = max(1, triton.cdiv(S, split_len))
     NS = n_splits + 1  # + the program for fetched and residual rows
     q = q.contiguous()
@@ -506,16 +533,21 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     K = f.k.shape[2] if f is not None else 0
     out_part = torch.empty(BH, NS, M, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(BH, NS, M, dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(BH, NS)](
+    qk_scale = float(sm_scale) * LOG2E
+    if gluon:
+        attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, qk_scale, n_splits, split_len, NS)
+    _attn_split_kernel[(BH, 1 if gluon else NS)](
         q, k_codes, c(k_lo), c(store.k_scale), c(store.k_zero), v_codes, c(v_lo), c(store.v_scale), c(store.v_zero),
         c(store.v_chan), c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q,
         c(f.k) if f else q, c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length), out_part, lse_part,
-        c(k_ref), c(v_ref), c(store.ref_map), float(sm_scale) * LOG2E, S, R, K, D, T, M, split_len, store.n_ref,
+        c(k_ref), c(v_ref), c(store.ref_map), qk_scale, S, R, K, D, T, M, split_len, store.n_ref,
+        n_splits if gluon else 0, NS,
         BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
         WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
         HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=dot_precision(q.dtype),
         UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
-        BLOCK_F=64, PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF, **{**(DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}), **launch})
+        BLOCK_F=64, PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF, QUANT=not gluon,
+        **{**(DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}), **(FP_ROWS_LAUNCH if gluon else {}), **launch})
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from kernels import (LOG2E, Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
-                     interpreter_upcast, key_logits, op_inputs)
-from tiles import key_group, load_codes
+                     interpreter_upcast, key_logits, op_inputs, planes_for_keys)
+from tiles import key_group, load_codes, plane_codes
 
 
 # =============================================================================================
@@ -111,17 +111,26 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
                        k_ref, ref_map, qk_scale, S, S_PAD, K, D, G, FIRST, N_REF, R: tl.constexpr,
                        BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
                        HAS_FETCH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+                       PLANES: tl.constexpr = False, CODES: tl.constexpr = 0, CODE_OFF: tl.constexpr = 0.0):
     """Grid (B*Hkv, n_chunks). Scores one chunk of CHUNK quantized positions for the selecting query
     tokens (R of them, rows m = g*R + r): score[p] = max_r sum_g 2^(q_gr.k'_p - lse_gr) (the
     attention probability summed over the kv head's query heads, the best token's; fetched positions
     use their fp rows). Writes each position's radix key (_radix_key) and adds the chunk's histogram
     of the keys' top 8 bits to the kv head's round-0 histogram (the selection's first round, fused).
-    Positions below FIRST or past n_quant are never candidates (key 0)."""
+    Positions below FIRST or past n_quant are never candidates (key 0).
+    PLANES (plain KIVI codes): the attention's bit-plane tiles (kernels.py: plane-major columns, codes
+    as CODE_OFF + c), and the fetched rows' exact keys written over the chunk's after the loop instead
+    of a [GROUP_K, K] comparison in it."""
     bh = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_D)
+    if PLANES:  # the channel of each tile column
+        W: tl.constexpr = BLOCK_D * BITS // 8
+        offs_d = (offs_c % W) * (8 // BITS) + offs_c // W
+    else:
+        offs_d = offs_c
     g_ok = offs_g < G * R
     d_ok = offs_d < D
     dt = q.dtype.element_ty
@@ -142,23 +151,39 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
         f_exact = best_row(fs, offs_g, g_ok, R)  # [BLOCK_F]
     lo = chunk * CHUNK
     hi = tl.minimum(tl.load(n_quant_ptr), S)
-    for n0 in range(0, CHUNK, GROUP_K):
-        offs_n = lo + n0 + tl.arange(0, GROUP_K)
-        n_ok = (offs_n < hi) & (offs_n >= FIRST)
-        rows = bh * S + offs_n
-        grp_ok = offs_d < tl.where(lo + n0 < hi, D, 0)  # (block & scalar-bool masks break the interpreter)
-        sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K,
-                                              offs_d, grp_ok, D, N_REF, HIER, RB)
-        ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
-                         GROUP_K, BLOCK_D)
-        s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
-        s = s + tl.sum(qt * zk[None, :], 1)[:, None]
-        prob = best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R)
-        if HAS_FETCH:
-            hit = offs_n[:, None] == fidx[None, :]
-            exact = tl.sum(tl.where(hit, f_exact[None, :], 0.0), 1)
-            prob = tl.where(tl.max(hit.to(tl.int32), 1) > 0, exact, prob)
-        tl.store(keys + bh * S_PAD + offs_n, _radix_key(prob, n_ok))
+    if PLANES:
+        last = S // GROUP_K - 1
+        for n0 in range(0, CHUNK, GROUP_K):
+            offs_n = lo + n0 + tl.arange(0, GROUP_K)
+            n_ok = (offs_n < hi) & (offs_n >= FIRST)
+            grp = bh * (S // GROUP_K) + tl.minimum((lo + n0) // GROUP_K, last)  # (past S: any group, no key)
+            qs = (qt * tl.load(k_scale + grp * D + offs_d).to(tl.float32)[None, :]).to(dt)
+            zk = tl.load(k_zero + grp * D + offs_d).to(tl.float32)
+            ck = plane_codes(k_codes, bh * S + tl.minimum(offs_n, S - 1)[None, :], offs_c[:, None], dt, BITS, BLOCK_D, CODES)
+            s = tl.dot(qs, ck, input_precision=DOT) + tl.sum(qt * zk[None, :] - CODE_OFF * qs.to(tl.float32), 1)[:, None]
+            tl.store(keys + bh * S_PAD + offs_n, _radix_key(best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R), n_ok))
+        if HAS_FETCH:  # the fetched positions of this chunk: their fp rows' exact scores replace the low-bit ones
+            tl.debug_barrier()
+            mine = (fidx >= lo) & (fidx < lo + CHUNK)
+            tl.store(keys + bh * S_PAD + fidx, _radix_key(f_exact, (fidx < hi) & (fidx >= FIRST)), mask=mine)
+    else:
+        for n0 in range(0, CHUNK, GROUP_K):
+            offs_n = lo + n0 + tl.arange(0, GROUP_K)
+            n_ok = (offs_n < hi) & (offs_n >= FIRST)
+            rows = bh * S + offs_n
+            grp_ok = offs_d < tl.where(lo + n0 < hi, D, 0)  # (block & scalar-bool masks break the interpreter)
+            sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K,
+                                                  offs_d, grp_ok, D, N_REF, HIER, RB)
+            ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+                             GROUP_K, BLOCK_D)
+            s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
+            s = s + tl.sum(qt * zk[None, :], 1)[:, None]
+            prob = best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R)
+            if HAS_FETCH:
+                hit = offs_n[:, None] == fidx[None, :]
+                exact = tl.sum(tl.where(hit, f_exact[None, :], 0.0), 1)
+                prob = tl.where(tl.max(hit.to(tl.int32), 1) > 0, exact, prob)
+            tl.store(keys + bh * S_PAD + offs_n, _radix_key(prob, n_ok))
     tl.debug_barrier()  # the chunk's keys, written by all threads, are read back by all threads
     key = tl.load(keys + bh * S_PAD + lo + tl.arange(0, CHUNK))
     h = tl.histogram(key >> 24, RADIX)
@@ -182,6 +207,9 @@ def best_row(p, offs_g, g_ok, R: tl.constexpr):
 # every key > T and the first (k - #keys > T) keys == T. Each round is a launch over the same
 # (kv head, chunk) grid, adding its chunks' histograms with atomics: no host sync, a static grid.
 RADIX = tl.constexpr(256)
+# One warp per program for the rounds, the collect and the order: each program's fixed work (the
+# threshold from the histograms, the ranks) is not repeated per warp (docs/kernels.md; not timed).
+ROUND_WARPS, COLLECT_WARPS, ORDER_WARPS = 1, 1, 1
 HIST_ROW = tl.constexpr(4 * 256 + 2)  # per kv head: the 4 rounds' histograms, then the two collect counters
 
 
@@ -273,25 +301,28 @@ def radix_select_triton(keys, k: int, chunk: int, hist=None):
     if hist is None:
         hist, first_round = torch.zeros(BH, HIST_ROW.value, dtype=torch.int32, device=keys.device), 0
     for r in range(first_round, 4):
-        _radix_round_kernel[grid](keys, hist, S_PAD, k, CHUNK=chunk, ROUND=r)
+        _radix_round_kernel[grid](keys, hist, S_PAD, k, CHUNK=chunk, ROUND=r, num_warps=ROUND_WARPS)
     BLOCK_K = max(16, triton.next_power_of_2(k))
     sel_key = torch.empty(BH, BLOCK_K, dtype=torch.int32, device=keys.device)
     sel_pos = torch.empty(BH, BLOCK_K, dtype=torch.int32, device=keys.device)
-    _radix_collect_kernel[grid](keys, hist, sel_key, sel_pos, S_PAD, k, CHUNK=chunk, BLOCK_K=BLOCK_K)
+    _radix_collect_kernel[grid](keys, hist, sel_key, sel_pos, S_PAD, k, CHUNK=chunk, BLOCK_K=BLOCK_K, num_warps=COLLECT_WARPS)
     top_score = torch.empty(BH, k, dtype=torch.float32, device=keys.device)
     top_idx = torch.empty(BH, k, dtype=torch.int64, device=keys.device)
-    _radix_order_kernel[(BH,)](sel_key, sel_pos, top_score, top_idx, k, BLOCK_K=BLOCK_K)
+    _radix_order_kernel[(BH,)](sel_key, sel_pos, top_score, top_idx, k, BLOCK_K=BLOCK_K, num_warps=ORDER_WARPS)
     return top_score, top_idx
 
 
 def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
-                       first: int = 0, chunk: int = 1024, **launch):
+                       first: int = 0, chunk: int = 1024, planes=None, **launch):
     q_rows, lse_rows = as_rows(q_row, lse_row)
     B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
     words, BLOCK_D, k_codes, _, k_lo, _, k_ref, _ = code_layout(store, D)
+    plane = planes_for_keys(store, D, q_row.dtype, planes)  # (CODES, CODE_OFF) of the bit-plane tiles, or None
+    if plane is not None:  # bytes, not words
+        k_codes = store.k_codes.contiguous()
     chunk = max(min(chunk, triton.next_power_of_2(S)), store.group_k)
     n_chunks = triton.cdiv(S, chunk)
     BH, G, dev = B * Hkv, H // Hkv, q_row.device
@@ -309,7 +340,9 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
         WORDS=words, GROUP_K=store.group_k, HAS_FETCH=f is not None,
         DOT=dot_precision(q_row.dtype), UPCAST=interpreter_upcast(q_row.dtype), CHUNK=chunk,
         BLOCK_G=max(16, triton.next_power_of_2(G * R)), BLOCK_D=BLOCK_D,
-        BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))), **launch)
+        BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))), PLANES=plane is not None,
+        CODES=plane[0] if plane else 0, CODE_OFF=plane[1] if plane else 0.0,
+        **{**({'num_warps': 2} if plane else {}), **launch})  # (planes: 2 warps, fewest instructions per position)
     top_score, top_idx = radix_select_triton(keys, k, chunk, hist)
     return top_score.view(B, Hkv, k), top_idx.view(B, Hkv, k)
 

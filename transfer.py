@@ -73,6 +73,9 @@ def record_rows_tile(fetch_idx, fetch_valid, slots, slot_ok, rows, row_ok, rank,
 # =============================================================================================
 # staging: the main stream's part of a fetch (CUDA: one launch; CPU: copies)
 # =============================================================================================
+STAGE_WARPS = 1  # one program per kv head: its copies and record_rows' [K, K] tile on one warp (static count; not timed)
+
+
 @triton.jit
 def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n_sb, n_sh, n_sd,
                   valid, rec_idx, rec_valid, RING, OFF,
@@ -150,7 +153,7 @@ def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None
                             *rec, *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
                             HAS_RECORD=record is not None, HAS_RERANK=rerank is not None, R=R, RQ=RQ,
                             BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
-                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M))
+                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M), num_warps=STAGE_WARPS)
 
 
 def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
@@ -215,45 +218,55 @@ def _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs):
 
 TRANSFER_PROGRAMS = 16  # the transfer's persistent grid: at most this many SMs beside the main stream's kernels
 TRANSFER_ROWS = 16  # ring slots per tile: 16 whole host rows (4 KiB of K at D 128 in 16 bits), in flight together
+TRANSFER_WARPS = 1  # one warp moves a tile's 16 rows (fewest instructions per row, docs/kernels.md; not timed)
+RERANK_WARPS = 1  # one candidate per program: more warps only repeat its fixed cost (static count; not timed)
 
 
 @triton.jit
 def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF, BH,
-                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                          EVEN_D: tl.constexpr = False):
     """Grid (P,), P <= TRANSFER_PROGRAMS: a small persistent grid, so the side stream holds few SMs
     while the main stream computes. Program p gathers the tiles p, p + P, ... of BLOCK_R ring slots
-    (kv head-major): slot j of kv head bh gets K and V host row idx[bh, j] (UVA on CUDA: each row a
+    (of one kv head each): slot j of kv head bh gets K and V host row idx[bh, j] (UVA on CUDA: each row a
     whole, aligned D-vector, so the reads are coalesced), a row equal to the token's position from
     new_k/new_v, nothing for idx -1 (the slot keeps its row). Then it writes the step's token to
-    host row new_pos for kv heads p, p + P, ..."""
+    host row new_pos for kv heads p, p + P, ..., and to the ring slot that selected it, if any (one
+    search per kv head instead of a per-row choice in the gather loop)."""
     p = tl.program_id(0)
     n_prog = tl.num_programs(0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
+    if EVEN_D:  # D == BLOCK_D: rows need no column mask (one predicate per row, none per vector)
+        d_ok = offs_d >= 0
     new_pos = -1  # (no row is the token without HAS_NEW)
     if HAS_NEW:
         new_pos = tl.load(new_pos_ptr).to(tl.int64)
     if HAS_IDX:
-        for t0 in range(p * BLOCK_R, BH * K, n_prog * BLOCK_R):
-            t = t0 + tl.arange(0, BLOCK_R).to(tl.int64)
-            bh, j = t // K, t % K
-            i = tl.load(idx + t, mask=t < BH * K, other=-1).to(tl.int64)
-            ok = (t < BH * K) & (i >= 0) & (i < S)
-            from_host = (ok & (i != new_pos))[:, None] & d_ok[None, :]
+        TPH = (K + BLOCK_R - 1) // BLOCK_R  # tiles per kv head: a tile's rows share one kv head (no per-row division)
+        for tile in range(p, BH * TPH, n_prog):
+            bh = (tile // TPH).to(tl.int64)
+            j = (tile - bh * TPH) * BLOCK_R + tl.arange(0, BLOCK_R)
+            i = tl.load(idx + bh * K + j, mask=j < K, other=-1).to(tl.int64)
+            ok = (j < K) & (i >= 0) & (i < S)
             src = (bh * S + i)[:, None] * D + offs_d[None, :]
-            kx = tl.load(host_k + src, mask=from_host, other=0.0)
-            vx = tl.load(host_v + src, mask=from_host, other=0.0)
-            if HAS_NEW:
-                tok = (ok & (i == new_pos))[:, None] & d_ok[None, :]
-                own = bh[:, None] * D + offs_d[None, :]
-                kx = tl.where(tok, tl.load(new_k + own, mask=tok, other=0.0).to(kx.dtype), kx)
-                vx = tl.where(tok, tl.load(new_v + own, mask=tok, other=0.0).to(vx.dtype), vx)
             dst = (bh * RING + OFF + j)[:, None] * D + offs_d[None, :]
-            tl.store(ring_k + dst, kx.to(ring_k.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
-            tl.store(ring_v + dst, vx.to(ring_v.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+            m = (ok & (i != new_pos))[:, None] & d_ok[None, :]
+            tl.store(ring_k + dst, tl.load(host_k + src, mask=m).to(ring_k.dtype.element_ty), mask=m)
+            tl.store(ring_v + dst, tl.load(host_v + src, mask=m).to(ring_v.dtype.element_ty), mask=m)
     if HAS_NEW:
         for bh in range(p, BH, n_prog):
             _write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs_d)  # (bh * S + new_pos: int64)
+            if HAS_IDX:  # the ring slot (at most one) that selected the token: its row from new_k/new_v,
+                BLOCK_K: tl.constexpr = 4 * BLOCK_R  # whose host row may not be written yet (the loop skipped it)
+                for k0 in range(0, K, BLOCK_K):
+                    j = k0 + tl.arange(0, BLOCK_K)
+                    hit = (j < K) & (tl.load(idx + bh * K + j, mask=j < K, other=-1).to(tl.int64) == new_pos)
+                    slot = tl.max(tl.where(hit, j, -1), 0)
+                    ok = offs_d < tl.where(slot >= 0, D, 0)
+                    dst = (bh * RING + OFF + slot) * D + offs_d
+                    tl.store(ring_k + dst, tl.load(new_k + bh * D + offs_d, mask=ok, other=0.0).to(ring_k.dtype.element_ty), mask=ok)
+                    tl.store(ring_v + dst, tl.load(new_v + bh * D + offs_d, mask=ok, other=0.0).to(ring_v.dtype.element_ty), mask=ok)
 
 
 def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0,
@@ -268,7 +281,8 @@ def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_
         host_k, host_v, ring_k, ring_v, idx.contiguous() if idx is not None else any_t,
         new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
         new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off, B * Hkv,
-        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_R=TRANSFER_ROWS, BLOCK_D=triton.next_power_of_2(D))
+        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_R=TRANSFER_ROWS, BLOCK_D=triton.next_power_of_2(D),
+        EVEN_D=D == triton.next_power_of_2(D), num_warps=TRANSFER_WARPS)
 
 
 def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0):
@@ -403,13 +417,13 @@ def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, c
     _rerank_score_kernel[(B * Hkv, C)](
         host_k, cand, cand_valid.contiguous().view(torch.int8), q_rows.contiguous(), lse_rows.float().contiguous(),
         new_k, pos, keys, score, float(sm_scale), S, C, D, M, R,
-        HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D)
+        HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
     _rerank_layout_kernel[(B * Hkv,)](cand, score, fetch_idx, fetch_valid.view(torch.int8), target, C, K,
                                       ring_k.shape[2], ring_off, BLOCK_C=triton.next_power_of_2(C),
                                       BLOCK_K=triton.next_power_of_2(K), num_warps=8)  # ([C, C] ranks)
     _rerank_pick_kernel[(B * Hkv, C + 1)](
         host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, pos, S, C, D, ring_k.shape[2], ring_off,
-        HAS_NEW=has_new, BLOCK_D=BLOCK_D)
+        HAS_NEW=has_new, BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
 
 
 def rerank_rows(*args, scratch=None, **kw):

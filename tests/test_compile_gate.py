@@ -152,3 +152,35 @@ def test_hot_loop_cost_of_a_synthetic_sass(aot):
     assert hot == dict(loop_instr=7, inner_loop_instr=[6, 7], sts=0, lds=1, local=0, bar=0, smem_roundtrip=False), hot
     assert aot.hot_loop(text, "first")["loop_instr"] == 6  # (the attention kernel's pick: its first loop)
     assert aot.hot_loop(sass_text(["S2R R0, SR_TID.X", "EXIT", "BRA 0x20"])) == {}
+
+
+def test_every_loop_named_and_counted_per_step(aot):
+    """Each innermost loop takes its source loop's name and items per iteration; a step's count is the
+    loop bodies x their iterations plus the straight-line code once per program (tools/kernel_cost.py)."""
+    from tools import kernel_cost as kc
+    body = ["LDC R1, c[0x0][0x28]", "IMAD R2, R0, 0x4, RZ",                   # 0x00, 0x10
+            "LDG.E.128 R4, desc[UR4][R2.64]", "STS.128 [R3], R4", "@P0 BRA 0x20",  # 0x20-0x40: loop 1
+            "LDS.64 R8, [R3+0x10]", "@P1 BRA 0x50",                              # 0x50-0x60: loop 2
+            "FADD R1, R2, R3", "LDL R12, [R1+0x8]", "@P2 BRA 0x70",              # 0x70-0x90: loop 3
+            "EXIT", "BRA 0xb0"]
+    text = sass_text(body)
+    every = aot.inner_loops(text)
+    assert every == [dict(instr=3, sts=1, lds=0, local=0), dict(instr=2, sts=0, lds=1, local=0),
+                     dict(instr=3, sts=0, lds=0, local=1)]
+    row = dict(kernel="_attn_split_kernel", num_warps=2,
+               constexprs={"GROUP_K": "64", "BLOCK_F": "32", "HAS_FETCH": "True"})
+    loops = kc.loops_of(row, [x["instr"] for x in every])
+    assert [(lp["name"], lp["per_item"]) for lp in loops] == [("quantized", 3 * 2 / 64), ("fetched", 2 * 2 / 32),
+                                                             ("residual", 3 * 2 / 32)]
+    step = kc.per_step(row, 12, loops)  # 12 instructions in all: 4 outside the loops
+    s = kc.STEP
+    programs = s["Hkv"] * (min(s["n_quant"] // 64, 4 * s["sms"] // s["Hkv"]) + 1)
+    want = 4 * 2 * programs + (3 * s["n_quant"] // 64 + 2 * s["k"] // 32 + 3 * s["res_len"] // 32) * 2 * s["Hkv"]
+    assert step["step_instr"] == want and step["programs"] == programs
+    assert step["step_items"] == (s["n_quant"] + s["k"] + s["res_len"]) * s["Hkv"]
+    row["loops"], row["step"] = loops, step
+    assert kc.budget_check(row) == dict(budget=24.0, item="KV token", worst=3 * 2 / 32, met=True)
+    # without fetched rows the second loop is the residual one; a loop too many leaves them unnamed
+    row["constexprs"]["HAS_FETCH"] = "False"
+    assert [lp["name"] for lp in kc.loops_of(row, [3, 2])] == ["quantized", "residual"]
+    assert [lp["per_item"] for lp in kc.loops_of(row, [3, 2, 3])] == [None, None, None]

@@ -69,6 +69,30 @@ def test_attention_kernel_matches_the_reference(case, planes):
                                rtol=1e-5 if c.q.dtype == torch.float32 else 2e-2)
 
 
+# The Gluon kernel of the plane path's quantized slots (attn_gluon.py): compiled 16-bit launches with
+# planes=True take it wherever attn_gluon.fits; it cannot run under the interpreter, hence GPU only.
+GLUON_CASES = {
+    "1bit-bf16-fetch": dict(G=4, T=2, bits=1, gk=64, gv=64, D=128, fetch=8, n_quant=192, dtype=torch.bfloat16),
+    "2bit-fp16-fetch-zip": dict(G=4, T=2, bits=2, gk=64, gv=64, D=128, fetch=8, zip=True, n_quant=192, dtype=torch.float16),
+    "4bit-bf16-gv32": dict(G=4, T=1, bits=4, gk=64, gv=32, D=128, n_quant=128, dtype=torch.bfloat16),
+    "1bit-fp16-D64-gk32": dict(G=3, T=2, bits=1, gk=32, gv=64, D=64, fetch=8, n_quant=224, S=256, dtype=torch.float16),
+    "2bit-bf16-G8-T2": dict(G=8, T=2, bits=2, gk=64, gv=64, D=128, fetch=4, n_quant=192, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("case", GLUON_CASES)
+def test_gluon_plane_kernel_matches_the_reference(case):
+    import attn_gluon
+    c = make_case(**GLUON_CASES[case])
+    M = c.q.shape[1] // c.store.k_codes.shape[1] * c.q.shape[2]
+    assert attn_gluon.fits(c.store, c.q.shape[-1], M, c.q.dtype)
+    want = kernels.attention_lowbit_ref(*c.args())
+    got = kernels.attention_lowbit_triton(*on(c).args(), planes=True)
+    torch.testing.assert_close(got[0].cpu(), want[0], **tol(want[0].dtype, 1e-5))
+    torch.testing.assert_close(got[1].cpu(), want[1], atol=2e-2, rtol=2e-2)
+
+
 def llama_case(bits, S):
     """Llama-3.1-8B attention shapes: 8 kv heads of 4 query heads, head_dim 128, bf16, 64 fetched rows."""
     return make_case(B=1, Hkv=8, G=4, T=2, D=128, S=S, n_quant=S - 128, R=66, res_len=40, bits=bits, gk=64, gv=64,
@@ -87,15 +111,19 @@ def test_attention_kernel_at_llama8b_shapes(bits, planes):
     torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("planes", [None, True])
 @pytest.mark.parametrize("bits,S,dtype", [(2, 256, torch.float32), (1, 256, torch.float32), (1, None, torch.bfloat16)])
-def test_topk_kernel_matches_the_reference(bits, S, dtype):
+def test_topk_kernel_matches_the_reference(bits, S, dtype, planes):
     S = S or (32768 if ON_GPU else 1024)
     c = make_case(B=1, Hkv=8 if S > 256 else 2, G=4, T=1, D=128, S=S, n_quant=S - 64, R=66, res_len=40, bits=bits,
                   gk=64, gv=64, fetch=64, dtype=dtype)
     dc = on(c)
     _, lse = kernels.attention_lowbit_ref(*dc.args())
-    got = (topk.topk_lowbit if ON_GPU else topk.topk_lowbit_triton)(dc.q[:, :, 0], lse[:, :, 0], dc.store, 64,
-                                                                         dc.sm_scale, dc.fetched)
+    args = (dc.q[:, :, 0], lse[:, :, 0], dc.store, 64, dc.sm_scale, dc.fetched)
+    if planes:  # the bit-plane score tiles (compiled PTX unpacking: not yet the GPU default)
+        got = topk.topk_lowbit_triton(*args, planes=True)
+    else:
+        got = (topk.topk_lowbit if ON_GPU else topk.topk_lowbit_triton)(*args)
     # the reference in fp32 over the same (16-bit) values: a bf16 reference rounds the dequantized keys
     # and the logits to 8 bits, and at 32k positions near-ties around the k-th then swap (seen on an H100)
     c32 = on(c, float_dtype=torch.float32)

@@ -434,6 +434,14 @@ def test_triton_topk_matches_reference(G, n_quant, hier, k):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("planes", [False, True])
+def test_triton_topk_word_and_plane_paths_match_reference(planes):
+    t = topk_inputs(G=3, n_quant=96, k=16)
+    f = fetched_rows(t)
+    assert_same_topk(topk.topk_lowbit_triton(*t, f, planes=planes), topk.topk_lowbit_ref(*t, f))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("S,n_quant", [(1024, 960), (800, 640)])
 def test_triton_topk_over_many_chunks(S, n_quant):
     """32 and 25 chunks of 32 positions (33 of 1,024 at 32k), a partial last one included: every

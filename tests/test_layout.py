@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-METHOD = {"cache", "config", "convert_hf", "generate", "hf", "kernels", "model", "prefetch", "quant", "quantspec",
+METHOD = {"attn_gluon", "cache", "config", "convert_hf", "generate", "hf", "kernels", "model", "prefetch", "quant", "quantspec",
           "tiles", "tokenizer", "topk", "tp", "transfer"}
 
 

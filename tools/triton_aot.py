@@ -46,7 +46,10 @@ import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402 (Gluon kernels: attn_gluon.py)
 from triton.runtime import driver  # noqa: E402
+
+from tools import kernel_cost  # noqa: E402
 
 ARCHS = (80, 90)
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -127,7 +130,8 @@ def _compile_one(job):
     spec = _SPECS[i]
     t0 = time.perf_counter()
     try:
-        src = ASTSource(spec["jit"], spec["signature"], spec["constants"], spec["attrs"])
+        src = (GluonASTSource if isinstance(spec["jit"], GluonJITFunction) else ASTSource)(
+            spec["jit"], spec["signature"], spec["constants"], spec["attrs"])
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                            options=dict(num_warps=spec["num_warps"], num_stages=spec["num_stages"]))
         out = dict(ok=True, ptx=k.asm["ptx"], cubin=k.asm["cubin"], shared=k.metadata.shared)
@@ -215,7 +219,7 @@ def loop_loads(sass_text: str) -> dict:
 
 
 # What one iteration of a kernel's hot loop processes, in KV tokens: the constexpr that sets it.
-TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_topk_score_kernel": "GROUP_K"}
+TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_topk_score_kernel": "GROUP_K", "_attn_planes_gluon": ("GROUP_K", "NW")}
 # Which innermost loop is the hot one (default: the longest). The attention kernel's loop over the
 # quantized slots is its first (the then-branch of `split < n_splits`; the fetched and residual fp-row
 # loops follow it), and need not be its longest.
@@ -239,13 +243,55 @@ def hot_loop(sass_text: str, pick: str = "longest") -> dict:
                 local=n("LDL", "STL"), bar=n("BAR"), smem_roundtrip=n("STS", "STSM") > 0 and n("LDS", "LDSM") > 0)
 
 
+def inner_loops(sass_text: str) -> list[dict]:
+    """Every innermost loop in address order: its instructions per warp and iteration (NOPs aside) and
+    its shared-memory stores/loads and local-memory traffic (kernel_cost.loops_of names them)."""
+    ins = instructions(sass_text)
+    out = []
+    for lo, hi in innermost(loops(sass_text)):
+        ops = [op for a, op, _ in ins if lo <= a <= hi and op != "NOP"]
+        n = lambda *names: sum(op in names for op in ops)  # noqa: E731
+        out.append(dict(instr=len(ops), sts=n("STS", "STSM"), lds=n("LDS", "LDSM"), local=n("LDL", "STL")))
+    return out
+
+
 def per_token(row) -> Optional[float]:
     """Warp-instructions the SM issues per KV token in the hot loop: the loop's instructions (per warp
     and iteration) x num_warps / the tokens of one iteration. None for kernels without a token loop."""
     name = TOKENS_PER_ITERATION.get(row["kernel"])
-    if not row.get("loop_instr") or name not in row["constexprs"]:
+    names = name if isinstance(name, tuple) else (name,)
+    if not row.get("loop_instr") or any(n not in row["constexprs"] for n in names):
         return None
-    return row["loop_instr"] * row["num_warps"] / int(row["constexprs"][name])
+    tokens = 1
+    for n in names:
+        tokens *= int(row["constexprs"][n])
+    return row["loop_instr"] * row["num_warps"] / tokens
+
+
+def print_loops_and_budgets(rows):
+    """Two more tables: every innermost loop per item, and each variant's step count against its budget."""
+    print(f"\n## Every innermost loop (per warp and iteration; per item = x num_warps / items per iteration)\n")
+    print("| kernel | case | variant | arch | loop | instr | items/iter | instr per item | STS/LDS | LDL+STL |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        case = row["case"].split("; ")[0]
+        for lp in row.get("loops", []):
+            per = "-" if lp["per_item"] is None else f"{lp['per_item']:.1f} / {lp['item']}"
+            print(f"| {row['kernel']} | {case} | {row['variant']} | {row['arch']} | {lp['name']} | {lp['instr']} | "
+                  f"{lp.get('per_iteration', '-')} | {per} | {lp['sts']}/{lp['lds']} | {lp['local']} |")
+    st = kernel_cost.STEP
+    print(f"\n## One decode step at {st['n_quant'] // 1024}k (Llama-3.1-8B layer: {st['Hkv']} kv heads, k {st['k']}, "
+          f"{st['res_len']} residual rows, {st['candidates']} candidates; tools/kernel_cost.py has the trip-count rule)\n")
+    print("| kernel | case | variant | arch | programs | warp-instr per step | per item | budget | met |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        step, b = row.get("step"), row.get("budget")
+        if not step:
+            continue
+        bud = f"{b['budget']:g} (worst {b['worst']:.2f})" if b else "-"
+        met = ("yes" if b["met"] else "**no**") if b else "-"
+        print(f"| {row['kernel']} | {row['case'].split('; ')[0]} | {row['variant']} | {row['arch']} | {step['programs']} | "
+              f"{step['step_instr']:,} | {step['per_item']:.2f} / {step['item']} | {bud} | {met} |")
 
 
 # ---- the cases: the cache configurations the project supports ---------------------------------------
@@ -277,9 +323,11 @@ def cases(quick=False):
                 fetched = kernels.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
                                           torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
             both_paths(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
-            if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates)
-                topk.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), c.stored(), cfg.k * cfg.rerank,
-                                           c.sm_scale, fetched)
+            if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates; the bit-plane tiles where they fit)
+                store = c.stored()
+                for planes in (False, True) if kernels.planes_fit(store, D, 1) and not quick else (None,):
+                    topk.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), store, cfg.k * cfg.rerank,
+                                            c.sm_scale, fetched, planes=planes)
         return run
 
     def quantspec_case(dtype, D, gamma=4):
@@ -350,10 +398,16 @@ def cases(quick=False):
     return out
 
 
-def gate(archs=ARCHS, quick=False, jobs=None, kernels=None):
+def gate(archs=ARCHS, quick=False, jobs=None, kernels=None, case=None):
     """-> (specs, results). results[i] for (spec, arch); raises nothing: failures are in results.
-    kernels: compile only these kernels' variants (recording them all is cheap, compiling is not)."""
-    specs = record(cases(quick))
+    kernels: compile only these kernels' variants (recording them all is cheap, compiling is not);
+    case: only the cases whose name contains one of these strings."""
+    all_cases = cases(quick)
+    if case:
+        all_cases = [c for c in all_cases if any(x in c[0] for x in case)]
+        if not all_cases:
+            raise ValueError(f"no case matches {', '.join(case)}")
+    specs = record(all_cases)
     if kernels:
         names = sorted({s["kernel"] for s in specs})
         if unknown := [k for k in kernels if k not in names]:
@@ -369,13 +423,14 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--sass", default=None, help="print the SASS of the loops of this kernel (first variant)")
     p.add_argument("--kernel", action="append", help="compile only this kernel's variants (repeatable)")
+    p.add_argument("--case", action="append", help="only the cases whose name contains this (repeatable), e.g. 'bfloat16 D128'")
     p.add_argument("--json", type=Path, default=None, help="write the report rows here")
     p.add_argument("--no-report", action="store_true", help="only compile (the gate): no ptxas/SASS analysis")
     a = p.parse_args(argv)
     archs = tuple(a.arch or ARCHS)
     t0 = time.perf_counter()
     try:
-        specs, results = gate(archs, a.quick, a.jobs, a.kernel)
+        specs, results = gate(archs, a.quick, a.jobs, a.kernel, a.case)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -396,6 +451,11 @@ def main(argv=None):
             row.update(resource_usage(r["cubin"]), shared=r["shared"], loop_loads=loop_loads(text),
                        **hot_loop(text, HOT_LOOP.get(s["kernel"], "longest")))
             row["instr_per_token"] = per_token(row)
+            every = inner_loops(text)
+            row["loops"] = [dict(lp, sts=x["sts"], lds=x["lds"], local=x["local"])
+                            for lp, x in zip(kernel_cost.loops_of(row, [x["instr"] for x in every]), every)]
+            row["step"] = kernel_cost.per_step(row, sum(op != "NOP" for _, op, _ in instructions(text)), row["loops"])
+            row["budget"] = kernel_cost.budget_check(row)
             if a.sass and s["kernel"] == a.sass and not any(x["kernel"] == a.sass and x.get("sass_shown") for x in rows):
                 row["sass_shown"] = True
                 print(text)
@@ -423,6 +483,8 @@ def main(argv=None):
             print(f"| {row['kernel']} | {case} | {row['variant']} | {row['arch']} | {row['registers']} | "
                   f"{row['local_bytes']}/{row['stack']} | {row['shared']} | {hot} | "
                   f"{loads} | {'yes' if row['tf32'] else 'no'} |")
+    if not a.no_report:
+        print_loops_and_budgets([r for r in rows if r["ok"]])
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 1 if failed else 0
