@@ -207,27 +207,16 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
 # Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
 # =============================================================================================
 # How the low-bit tiles are read (designed from byte counts: docs/design.md, kernels as designed):
-#  - codes are loaded as 32-bit words, one row of D*bits/32 words per token (16 bytes at 1 bit, D=128:
-#    one 128-bit load), and unpacked in registers by shifts;
-#  - a block is one key group (GROUP_K tokens), so the keys' per-channel scale and zero are two
-#    [D] vectors per block, folded into the query: q.k' = (q*s_k).c + q.z_k (no per-element
-#    dequantization, and the dot runs on exact integer codes);
-#  - values' per-token scale and zero fold into the probabilities: sum_n p_n (c_n s_n + z_n) =
-#    (p*s).c + sum_n p_n z_n, per channel group;
-#  - fetched positions are dropped from the quantized part by comparing positions with the <= k
-#    fetched indices held in registers (no [S] mask in memory);
-#  - the sequence is split over enough programs to fill the GPU; the last program of each kv head
-#    takes the fetched and residual fp rows; a small kernel combines the partials (flash-decoding).
-# Head dims that are not a power of two, or whose codes are not whole 32-bit words per row, take
-# a byte-wise path (WORDS=False) with the same arithmetic.
-# The bit-plane path (PLANES; docs/kernels.md has its static cost beside the word path's) reads the
-# quantized slots of plain KIVI codes (1/2/4/8 bits, with fetched rows, sinks and ZipCache's channel
-# scale) with fewer instructions per token: the tile's channels in plane-major order, so each code
-# is shifted out of its own byte with no reshape (the word path's reshape costs shared-memory round
-# trips); 16-bit codes made by writing the code under a magic exponent (no int->float conversion);
-# one value dot for all channel groups (RG row copies); fetched positions as one 64-bit word per
-# block instead of a [64, k] comparison. QuantSpec's INT8 view and ZipCache's mixed codes keep the
-# word path.
+# codes as 32-bit words (16 bytes per row at 1 bit, D 128) unpacked by shifts; a block is one key
+# group, whose per-channel scale and zero fold into the query, q.k' = (q*s_k).c + q.z_k, and the
+# values' per-token scale and zero into the probabilities, sum_n p_n (c_n s_n + z_n) = (p*s).c +
+# sum_n p_n z_n, so the dots run on exact integer codes; fetched positions are dropped by comparing
+# with the <= k fetched indices in registers; the sequence is split over programs, the last of each
+# kv head takes the fetched and residual fp rows, and a small kernel combines the partials
+# (flash-decoding). Rows that are not whole 32-bit words take a byte-wise path (WORDS=False). The
+# bit-plane path (PLANES, plain KIVI codes) orders a tile's channels plane-major, so each code
+# shifts out of its own byte with no reshape (no shared-memory round trip), makes 16-bit codes under
+# a magic exponent, and serves every value group with one dot (docs/kernels.md has the costs).
 LOG2E = 1.4426950408889634
 
 
