@@ -49,6 +49,8 @@ def synthetic_results(root):
     for b in (1, 2):
         jsonl(root / f"policies/niah-busbytes-bits{b}", cells([f"specache-{b}bit-{PRESET}"], (1000, 2000)))
     jsonl(root / "policies/niah-busbytes-8k", [])
+    every = [m for b in (1, 2) for m in ("full", f"kivi-{b}bit", f"specache-{b}bit", f"specache-{b}bit-{PRESET}")]
+    jsonl(root / "long-context/niah", cells(every, (8000, 16000, 32700)))
     hit = lambda m, p="essay": dict(method=m, prompt=p, layer_hit=[0.5, 0.6, 0.7], layer_hit_mass=[0.6, 0.7, 0.8])  # noqa
     for b in (1, 2):
         jsonl(root / f"policies/hitmass-paper-bits{b}", [hit(f"specache-{b}bit"), hit(f"specache-{b}bit", "needle")])

@@ -167,38 +167,62 @@ NIAH_DIRS = ["policies/niah", "policies/niah-busbytes-bits1", "policies/niah-bus
              "policies/niah-busbytes-8k"]
 
 
-def niah(results: Path, out: Path):
-    """Needle-in-a-haystack heatmaps (depth x length): fp16, KIVI, SpeCache paper config, the preset."""
+def niah_cells(results: Path, dirs) -> tuple[dict, dict]:
+    """{(method, depth, length): score} and {method: run date} of the NIAH results in `dirs`."""
     cells, when = {}, {}
-    for sub in NIAH_DIRS:
+    for sub in dirs:
         folder = results / sub
         for r in read_jsonl(folder):
             cells.setdefault((r["method"], r["depth"], r["length"]), r["score"])
             when.setdefault(r["method"], run_date(folder))
+    return cells, when
+
+
+def niah_heatmaps(cells, when, dirs, avg_lengths, suptitle):
+    """Two rows (1 and 2 bits) of heatmaps (depth x length): fp16, KIVI, SpeCache paper config, the
+    preset; each titled with its mean score over the lengths avg_lengths picks."""
     rows = [[("full", "fp16 cache"), (f"kivi-{b}bit", f"KIVI {b}-bit"),
              (f"specache-{b}bit", f"SpeCache {b}-bit, paper"), (f"specache-{b}bit-{PRESET}", f"{b}-bit --preset best")]
             for b in (1, 2)]
     lengths = sorted({k[2] for k in cells})
     depths = sorted({k[1] for k in cells})
+    avg_cols, avg_name = avg_lengths(lengths)
     fig, axes = plt.subplots(2, 4, figsize=(13, 7.4), sharey=True, gridspec_kw=dict(hspace=0.45))
     for ax_row, panels in zip(axes, rows):
         for ax, (method, title) in zip(ax_row, panels):
             if method not in when:
-                raise MissingInput(f"NIAH cells of {method} in {', '.join(NIAH_DIRS)} under {results}")
+                raise MissingInput(f"NIAH cells of {method} in {', '.join(dirs)}")
             grid = np.array([[cells.get((method, d, n), np.nan) for n in lengths] for d in depths])
             im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
             for (i, j), v in np.ndenumerate(grid):
                 if not np.isnan(v):
                     ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7)
             ax.set_xticks(range(len(lengths)), [f"{n / 1000:g}k" for n in lengths], fontsize=8)
-            ax.set_title(f"{title}\n(avg 1k-4k {100 * np.nanmean(grid[:, [n <= 4000 for n in lengths]]):.1f}; "
-                         f"{when[method]})", fontsize=8)
+            ax.set_title(f"{title}\n(avg {avg_name} {100 * np.nanmean(grid[:, avg_cols]):.1f}; {when[method]})", fontsize=8)
     for ax in axes[:, 0]:
         ax.set_yticks(range(len(depths)), [f"{round(100 * d)}%" for d in depths], fontsize=8)
         ax.set_ylabel("needle depth")
     fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.02, label="score (share of the needle's key phrases)")
-    fig.suptitle(f"Needle in a haystack, {CPU}, greedy; context length on x (blank: not run)", fontsize=10)
-    return save(fig, out)
+    fig.suptitle(suptitle, fontsize=10)
+    return fig
+
+
+def niah(results: Path, out: Path):
+    """Needle-in-a-haystack heatmaps of the default model (1k-8k): fp16, KIVI, SpeCache paper config, the preset."""
+    cells, when = niah_cells(results, NIAH_DIRS)
+    return save(niah_heatmaps(cells, when, NIAH_DIRS, lambda ns: ([n <= 4000 for n in ns], "1k-4k"),
+                              f"Needle in a haystack, {CPU}, greedy; context length on x (blank: not run)"), out)
+
+
+LONG_NIAH_DIRS = ["long-context/niah"]
+
+
+def long_context_niah(results: Path, out: Path):
+    """The same heatmaps for Gemma 3 270M (base, 32k context) at 8k, 16k and 32k, completion prompts."""
+    cells, when = niah_cells(results, LONG_NIAH_DIRS)
+    return save(niah_heatmaps(cells, when, LONG_NIAH_DIRS, lambda ns: ([True] * len(ns), "8k-32k"),
+                              "Needle in a haystack, Gemma 3 270M (base), CPU (2-core AMD EPYC), fp32, greedy, completion prompts; "
+                              "context length on x"), out)
 
 
 def hitrate_per_layer(results: Path, out: Path):
@@ -232,7 +256,7 @@ def hitrate_per_layer(results: Path, out: Path):
 
 
 FIGURES = {"h100-step-time.png": step_time, "h100-kernels.png": kernels, "niah.png": niah,
-           "hitrate-per-layer.png": hitrate_per_layer}
+           "hitrate-per-layer.png": hitrate_per_layer, "long-context-niah.png": long_context_niah}
 
 
 def main(argv=None):
