@@ -23,7 +23,7 @@ for rep in 1 2; do
 done
 OMP_NUM_THREADS=2 /usr/bin/time -v $PY results/long-context/hf_prefill.py --model $M --prompt-file $OUT/prompt-30k.txt \
     --threads 2 > $OUT/transformers-30k.json 2> $OUT/transformers-30k.err
-for cache in full specache-1bit specache-1bit-best specache-2bit; do
+for cache in full kivi-1bit specache-1bit specache-1bit-best specache-2bit specache-2bit-best; do
   run $NEW new-$cache-32k $cache $OUT/prompt-32k.txt
 done
 OMP_NUM_THREADS=2 /usr/bin/time -v $PY results/long-context/hf_prefill.py --model $M --prompt-file $OUT/prompt-32k.txt \
