@@ -30,7 +30,8 @@ import triton.language as tl
 
 import attn_gluon
 import quant
-from tiles import fetched_hits, fetched_mask, integer_units, key_group, load_codes, online_softmax, plane_codes
+from tiles import (fetched_hits, fetched_mask, integer_units, key_group, load_codes, online_softmax, plane_codes,
+                   tile_channels)
 
 Tensor = torch.Tensor
 
@@ -245,11 +246,7 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = offs_r % MR  # the query row of each tile row
     offs_c = tl.arange(0, BLOCK_D)
-    if PLANES:  # the channel of each tile column
-        W: tl.constexpr = BLOCK_D * BITS // 8
-        offs_d = (offs_c % W) * (8 // BITS) + offs_c // W
-    else:
-        offs_d = offs_c
+    offs_d = tile_channels(offs_c, BLOCK_D, BITS, PLANES)
     m_ok = offs_m < M
     d_ok = offs_d < D
     qt = tl.load(q + (bh * M + offs_m[:, None]) * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)

@@ -150,3 +150,15 @@ def plane_codes(codes, rows, cols, dt: tl.constexpr, BITS: tl.constexpr, BLOCK_D
         else:
             return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
     return c.to(dt)
+
+
+@triton.jit
+def tile_channels(offs_c, BLOCK_D: tl.constexpr, BITS: tl.constexpr, PLANES: tl.constexpr):
+    """The channel each tile column holds: its own index, or in plane-major order (PLANES, plane_codes)
+    column j*W + i holds channel i*PER + j."""
+    if PLANES:
+        W: tl.constexpr = BLOCK_D * BITS // 8
+        offs_d = (offs_c % W) * (8 // BITS) + offs_c // W
+    else:
+        offs_d = offs_c
+    return offs_d

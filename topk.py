@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels import (LOG2E, Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
                      interpreter_upcast, key_logits, op_inputs, planes_for_keys)
-from tiles import key_group, load_codes, plane_codes
+from tiles import key_group, load_codes, plane_codes, tile_channels
 
 
 # =============================================================================================
@@ -126,11 +126,7 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
     chunk = tl.program_id(1)
     offs_g = tl.arange(0, BLOCK_G)
     offs_c = tl.arange(0, BLOCK_D)
-    if PLANES:  # the channel of each tile column
-        W: tl.constexpr = BLOCK_D * BITS // 8
-        offs_d = (offs_c % W) * (8 // BITS) + offs_c // W
-    else:
-        offs_d = offs_c
+    offs_d = tile_channels(offs_c, BLOCK_D, BITS, PLANES)
     g_ok = offs_g < G * R
     d_ok = offs_d < D
     dt = q.dtype.element_ty

@@ -102,15 +102,20 @@ def test_mistral_window():
         adapter(model, ids, "specache-1bit")
 
 
-def test_gemma3_local_and_global_layers():
-    """Gemma 3: sliding local layers (window 8, inside the prompt) around a global one, and a query
-    scale of its own (query_pre_attn_scalar). The global layer gets the chosen cache, the local
-    ones a windowed fp cache; the last layer is local, so forward() ends SpeCache's step."""
+def tiny_gemma3():
+    """A random 3-layer Gemma 3: local (window 8), global, local."""
     cfg = transformers.Gemma3TextConfig(**dict(SMALL, num_hidden_layers=3), head_dim=16, sliding_window=8,
                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = randomize(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    return randomize(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+
+
+def test_gemma3_local_and_global_layers():
+    """Gemma 3: sliding local layers (window 8, inside the prompt) around a global one, and a query
+    scale of its own (query_pre_attn_scalar). The global layer gets the chosen cache, the local
+    ones a windowed fp cache; the last layer is local, so forward() ends SpeCache's step."""
+    model = tiny_gemma3()
     assert model.config.query_pre_attn_scalar ** -0.5 != 16 ** -0.5
     ids = prompt()
     ref = reference(model, ids)
@@ -125,11 +130,7 @@ def test_gemma3_local_layers_keep_a_ring_of_their_window():
     times, prefilled in one chunk and in chunks of 13 (not a multiple of the window: the ring wraps
     inside a chunk and between chunks), and 12 decode steps run past the wrap, with the fp16 cache
     and with low-bit SpeCache in the global layer (every row fetched): transformers' own tokens."""
-    cfg = transformers.Gemma3TextConfig(**dict(SMALL, num_hidden_layers=3), head_dim=16, sliding_window=8,
-                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = randomize(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    model = tiny_gemma3()
     ids = prompt()
     ref = reference(model, ids)
     assert len(set(ref)) > 3
@@ -150,11 +151,7 @@ def test_prefill_replay_of_a_windowed_model():
     import functools
     from generate import Decoding, Steps, generate as loop, prefill
     from tools import eval as ev
-    cfg = transformers.Gemma3TextConfig(**dict(SMALL, num_hidden_layers=3), head_dim=16, sliding_window=8,
-                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = randomize(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32))
+    model = tiny_gemma3()
     ids = prompt()
     ref = reference(model, ids)
     view, replay = hf.HFModel(model), ev.PrefillReplay(13)
