@@ -440,10 +440,10 @@ def test_joined_steps_match_synchronous(rerank):
 
 
 @needs_interpreter
-# make test runs the case with sinks; the other two (minutes of interpreted Triton each) are CI's
-# `make test-full`.
-@pytest.mark.parametrize("rerank,sinks", [pytest.param(1, 0, marks=pytest.mark.full), (1, 4),
-                                          pytest.param(2, 4, marks=pytest.mark.full)])
+# Minutes of interpreted Triton each: CI's `make test-full` runs the three (make test stays within
+# ten minutes; test_fresh_caches_do_not_recompile_the_async_step traces the async step there, fullgraph).
+@pytest.mark.full
+@pytest.mark.parametrize("rerank,sinks", [(1, 0), (1, 4), (2, 4)])
 def test_compiled_step_on_the_async_path_with_late_fetches(rerank, sinks):
     """The CUDA-graph schedule compiled by inductor (fullgraph), with the custom ops and fetches
     that land late: the ops get the rings themselves (checked in the op), nothing is reordered

@@ -125,6 +125,7 @@ def test_decode_saliency_accumulates_eq8_and_the_flush_keeps_the_most_salient():
     assert kept.view(1, 2, 2, 16).sum(-1).eq(8).all() and kept.view(1, 2, 2, 16).gather(-1, top).all()
 
 
+@pytest.mark.full  # an inductor compile of the ZipCache step (~35 s): CI's make test-full
 def test_one_static_graph(model):
     import torch._dynamo
     from torch._dynamo.utils import counters

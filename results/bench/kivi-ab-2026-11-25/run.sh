@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The compiled CPU decode step of the full and the KIVI 1-bit cache at 8k on the default model, 2 threads:
 # the code of 2026-11-23 (b02a423, checked out at $OLD) against this tree, two alternating runs each,
-# side by side in one session; then the preset's step with its resync forwards (this tree only).
+# side by side in one run; then the preset's step with its resync forwards (this tree only).
 # From the repository root: bash results/bench/kivi-ab-2026-11-25/run.sh /tmp/kivi-old
 set -euo pipefail
 OLD=${1:?a checkout of b02a423}
@@ -12,7 +12,7 @@ CK=$NEW/checkpoints/smollm2-135m-instruct
 for rep in 1 2; do
   for side in old new; do
     if [ $side = old ]; then dir=$OLD; script=bench.py; else dir=$NEW; script=tools/bench.py; fi
-    (cd $dir && OMP_NUM_THREADS=2 TORCHINDUCTOR_CACHE_DIR=$OUT/inductor-$side $PY $script --checkpoint $CK --compile \
+    (cd $dir && OMP_NUM_THREADS=2 TORCHINDUCTOR_CACHE_DIR=${TMPDIR:-/tmp}/kivi-ab-inductor-$side $PY $script --checkpoint $CK --compile \
         --threads 2 --contexts 8192 --caches full,kivi --json $OUT/$side-$rep.json > $OUT/$side-$rep.log 2>&1)
   done
 done
