@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The compiled CPU decode step of the full and the KIVI 1-bit cache at 8k on the default model, 2 threads:
-# the code of 2026-11-23 (b02a423, checked out at $OLD) against this tree, two alternating runs each,
+# the code of 2026-11-23 (b02a423, checked out at $OLD) against this tree, two alternating runs each (40 timed steps a cache),
 # side by side in one run, with a third side: this tree with inductor's default CPU argument cap
 # (bench_uncapped.py); then the preset's step with its resync forwards (this tree only).
 # From the repository root: bash results/bench/kivi-ab-2026-11-25/run.sh /tmp/kivi-old
@@ -18,7 +18,7 @@ for rep in 1 2; do
       uncapped) dir=$NEW; script=results/bench/kivi-ab-2026-11-25/bench_uncapped.py ;;
     esac
     (cd $dir && OMP_NUM_THREADS=2 TORCHINDUCTOR_CACHE_DIR=${TMPDIR:-/tmp}/kivi-ab-inductor-$side $PY $script --checkpoint $CK --compile \
-        --threads 2 --contexts 8192 --caches full,kivi --json $OUT/$side-$rep.json > $OUT/$side-$rep.log 2>&1)
+        --threads 2 --contexts 8192 --caches full,kivi --steps 40 --json $OUT/$side-$rep.json > $OUT/$side-$rep.log 2>&1)
   done
 done
 OMP_NUM_THREADS=2 $PY tools/bench.py --checkpoint $CK --compile --threads 2 --contexts 8192 \
