@@ -16,3 +16,7 @@ $E ppl --hf $M --threads 2 --methods full,specache-1bit,specache-1bit-best,speca
 # top-k hit rates at 16k and 32k (needle prompts, completion form)
 $E hitrate --hf $M --prompt-form completion --threads 2 --methods specache-1bit,specache-1bit-best,specache-2bit-best \
    --lengths 16000,32700 --samples 1 --steps 64 --prompts needle --out $R/hitrate
+# RULER's NIAH-family tasks at 16k, one sample each (base-model template), six caches
+$E ruler --hf $M --prompt-form completion --threads 2 --lengths 16000 --samples 1 \
+   --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multiquery,niah_multivalue \
+   --methods full,kivi-1bit,specache-1bit,specache-2bit,specache-1bit-best,specache-2bit-best --out $R/ruler16k
