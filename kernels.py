@@ -406,7 +406,7 @@ def dot_precision(dtype):
 def interpreter_upcast(dtype) -> bool:
     """The interpreter computes bf16 dots wrongly (silently): there, bf16 operands go up to fp32.
     Compiled kernels always take the model's dtype (the compile gate and the GPU checks cover them)."""
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return dtype == torch.bfloat16 and _interpreted()
 
 
 def code_layout(store: LowBitKV, D: int):
@@ -447,11 +447,23 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _plane_keys_fit(store: LowBitKV, D: int) -> bool:
+    """Plain KIVI codes (no INT8 view, no mixed codes), whole 32-bit words per row, D a power of two."""
+    return store.k_codes_lo is None and store.k_ref is None and D & (D - 1) == 0 and (D * store.bits) % 32 == 0
+
+
 def planes_fit(store: LowBitKV, D: int, M: int) -> bool:
     """Whether the bit-plane path takes this layout (M query rows of head_dim D per KV head)."""
     NGV = D // min(store.group_v, D)
-    return (store.k_codes_lo is None and store.k_ref is None and D & (D - 1) == 0 and (D * store.bits) % 32 == 0
-            and NGV & (NGV - 1) == 0 and triton.next_power_of_2(M) * NGV <= 32)
+    return _plane_keys_fit(store, D) and NGV & (NGV - 1) == 0 and triton.next_power_of_2(M) * NGV <= 32
+
+
+def _take_planes(fits: bool, planes, path: str) -> bool:
+    """planes=True: the bit-plane path is required (an error where the layout does not fit); False: never
+    (the sweep's comparison); None: where it fits, under the interpreter or once PLANES_BY_DEFAULT_ON_GPU."""
+    if planes and not fits:
+        raise ValueError(f"the bit-plane {path} does not take this cache layout")
+    return fits and planes is not False and bool(planes or _interpreted() or PLANES_BY_DEFAULT_ON_GPU)
 
 
 def _planes_layout(store: LowBitKV, D: int, M: int, dtype, planes=None):
@@ -461,10 +473,7 @@ def _planes_layout(store: LowBitKV, D: int, M: int, dtype, planes=None):
     comparison); True: required."""
     NGV = D // min(store.group_v, D)
     rows = triton.next_power_of_2(M) * NGV
-    ok = planes_fit(store, D, M)
-    if planes and not ok:
-        raise ValueError("the bit-plane attention path does not take this cache layout")
-    if planes is False or not ok or (planes is None and not _interpreted() and not PLANES_BY_DEFAULT_ON_GPU):
+    if not _take_planes(planes_fit(store, D, M), planes, "attention path"):
         return None
     return (NGV, max(16, rows)) + plane_codes_mode(store, D, dtype)
 
@@ -484,12 +493,7 @@ def planes_for_keys(store: LowBitKV, D: int, dtype, planes=None) -> Optional[tup
     """(CODES, CODE_OFF) where a kernel that reads only the keys (topk.py's scores) takes the bit-plane
     tiles, else None: plain KIVI codes of whole 32-bit words per row, D a power of two; GPU launches as
     for the attention (PLANES_BY_DEFAULT_ON_GPU, planes=True asks)."""
-    ok = store.k_codes_lo is None and store.k_ref is None and D & (D - 1) == 0 and (D * store.bits) % 32 == 0
-    if planes and not ok:
-        raise ValueError("the bit-plane path does not take this cache layout")
-    if planes is False or not ok or (planes is None and not _interpreted() and not PLANES_BY_DEFAULT_ON_GPU):
-        return None
-    return plane_codes_mode(store, D, dtype)
+    return plane_codes_mode(store, D, dtype) if _take_planes(_plane_keys_fit(store, D), planes, "path") else None
 
 
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
