@@ -285,19 +285,16 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
         sv4 = gl.load(v_scale + srow + vs_off, mask=tok_ok, other=0.0)
         zv4 = gl.load(v_zero + srow + vs_off, mask=tok_ok, other=0.0)
         vbase = v_codes + (bh * S + gl.minimum(n0 + vw * N, S - N)) * W + v_off
-        if NGV == 1:
-            acc0 = _value_group(acc0, p, _grp(sv4, 0, NGV, MMA), _grp(zv4, 0, NGV, MMA), alpha_t,
-                                gl.load(vbase).to(gl.int16), V4, LA, LB, MMA, vshift, vmask, vmagic, ooff, vpow, NW, PER, WG, DG, N, dt)
-        else:
-            acc0 = _value_group(acc0, p, _grp(sv4, 0, NGV, MMA), _grp(zv4, 0, NGV, MMA), alpha_t,
-                                gl.load(vbase).to(gl.int16), V4, LA, LB, MMA, vshift, vmask, vmagic, ooff, vpow, NW, PER, WG, DG, N, dt)
+        acc0 = _value_group(acc0, p, _grp(sv4, 0, NGV, MMA), _grp(zv4, 0, NGV, MMA), alpha_t,
+                            gl.load(vbase).to(gl.int16), V4, LA, LB, MMA, vshift, vmask, vmagic, ooff, vpow, NW, PER, WG, DG, N, dt)
+        if NGV > 1:
             acc1 = _value_group(acc1, p, _grp(sv4, 1, NGV, MMA), _grp(zv4, 1, NGV, MMA), alpha_t,
                                 gl.load(vbase + WG).to(gl.int16), V4, LA, LB, MMA, vshift, vmask, vmagic, ooff, vpow, NW, PER, WG, DG, N, dt)
-            if NGV > 2:
-                acc2 = _value_group(acc2, p, _grp(sv4, 2, NGV, MMA), _grp(zv4, 2, NGV, MMA), alpha_t,
-                                    gl.load(vbase + 2 * WG).to(gl.int16), V4, LA, LB, MMA, vshift, vmask, vmagic, ooff, vpow, NW, PER, WG, DG, N, dt)
-                acc3 = _value_group(acc3, p, _grp(sv4, 3, NGV, MMA), _grp(zv4, 3, NGV, MMA), alpha_t,
-                                    gl.load(vbase + 3 * WG).to(gl.int16), V4, LA, LB, MMA, vshift, vmask, vmagic, ooff, vpow, NW, PER, WG, DG, N, dt)
+        if NGV > 2:
+            acc2 = _value_group(acc2, p, _grp(sv4, 2, NGV, MMA), _grp(zv4, 2, NGV, MMA), alpha_t,
+                                gl.load(vbase + 2 * WG).to(gl.int16), V4, LA, LB, MMA, vshift, vmask, vmagic, ooff, vpow, NW, PER, WG, DG, N, dt)
+            acc3 = _value_group(acc3, p, _grp(sv4, 3, NGV, MMA), _grp(zv4, 3, NGV, MMA), alpha_t,
+                                gl.load(vbase + 3 * WG).to(gl.int16), V4, LA, LB, MMA, vshift, vmask, vmagic, ooff, vpow, NW, PER, WG, DG, N, dt)
     # the warps' partial softmax states -> one partial (after the loop: reductions over warps)
     m_all = gl.max(m_i, 0)  # [M]
     m_safe = gl.where(m_all == -float("inf"), 0.0, m_all)
