@@ -233,25 +233,33 @@ def hot_loop(sass_text: str, pick: str = "longest") -> dict:
     the loop = data round-trips through shared memory for a layout conversion (a pipelined tile
     arrives by LDGSTS, not STS) -, local-memory traffic (LDL/STL: spills, stack arrays) and barriers.
     {} when the kernel has no loop."""
-    spans = innermost(loops(sass_text))
-    if not spans:
+    bodies = loop_bodies(sass_text)
+    if not bodies:
         return {}
-    body = {s: [op for a, op, _ in instructions(sass_text) if s[0] <= a <= s[1] and op != "NOP"] for s in spans}
-    ops = body[spans[0] if pick == "first" else max(spans, key=lambda s: len(body[s]))]
+    ops = bodies[0] if pick == "first" else max(bodies, key=len)
+    c = _op_counts(ops)
+    return dict(loop_instr=len(ops), inner_loop_instr=[len(b) for b in bodies], sts=c["sts"], lds=c["lds"],
+                local=c["local"], bar=c["bar"], smem_roundtrip=c["sts"] > 0 and c["lds"] > 0)
+
+
+def loop_bodies(sass_text: str) -> list[list[str]]:
+    """Each innermost loop's opcodes (NOPs aside), loops in address order."""
+    ins = instructions(sass_text)
+    return [[op for a, op, _ in ins if lo <= a <= hi and op != "NOP"] for lo, hi in innermost(loops(sass_text))]
+
+
+def _op_counts(ops) -> dict:
     n = lambda *names: sum(op in names for op in ops)  # noqa: E731
-    return dict(loop_instr=len(ops), inner_loop_instr=[len(body[s]) for s in spans], sts=n("STS", "STSM"), lds=n("LDS", "LDSM"),
-                local=n("LDL", "STL"), bar=n("BAR"), smem_roundtrip=n("STS", "STSM") > 0 and n("LDS", "LDSM") > 0)
+    return dict(sts=n("STS", "STSM"), lds=n("LDS", "LDSM"), local=n("LDL", "STL"), bar=n("BAR"))
 
 
 def inner_loops(sass_text: str) -> list[dict]:
     """Every innermost loop in address order: its instructions per warp and iteration (NOPs aside) and
     its shared-memory stores/loads and local-memory traffic (kernel_cost.loops_of names them)."""
-    ins = instructions(sass_text)
     out = []
-    for lo, hi in innermost(loops(sass_text)):
-        ops = [op for a, op, _ in ins if lo <= a <= hi and op != "NOP"]
-        n = lambda *names: sum(op in names for op in ops)  # noqa: E731
-        out.append(dict(instr=len(ops), sts=n("STS", "STSM"), lds=n("LDS", "LDSM"), local=n("LDL", "STL")))
+    for ops in loop_bodies(sass_text):
+        c = _op_counts(ops)
+        out.append(dict(instr=len(ops), sts=c["sts"], lds=c["lds"], local=c["local"]))
     return out
 
 
