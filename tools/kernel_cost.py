@@ -58,14 +58,14 @@ def _cx(row, name, default=None):
     return v if v is None or not isinstance(v, str) else (v == "True" if v in ("True", "False") else int(v) if v.lstrip("-").isdigit() else v)
 
 
-def _items_per_iteration(row, per):
+def items_per_iteration(row, per):
     """A number, a constexpr's value, or the product of a tuple of those."""
     if isinstance(per, int):
         return per
     if isinstance(per, tuple):
         out = 1
         for x in per:
-            out *= _items_per_iteration(row, x)
+            out *= items_per_iteration(row, x)
         return out
     return _cx(row, per)
 
@@ -86,7 +86,7 @@ def loops_of(row, bodies: list[int]) -> list[dict]:
         return [dict(name=f"loop {i}", instr=n, item=None, per_item=None) for i, n in enumerate(bodies)]
     out = []
     for (name, per, item, _), n in zip(want, bodies):
-        k = _items_per_iteration(row, per)
+        k = items_per_iteration(row, per)
         out.append(dict(name=name, instr=n, item=item, per_iteration=k,
                         per_item=n * row["num_warps"] / k if k else None))
     return out

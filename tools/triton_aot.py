@@ -270,10 +270,7 @@ def per_token(row) -> Optional[float]:
     names = name if isinstance(name, tuple) else (name,)
     if not row.get("loop_instr") or any(n not in row["constexprs"] for n in names):
         return None
-    tokens = 1
-    for n in names:
-        tokens *= int(row["constexprs"][n])
-    return row["loop_instr"] * row["num_warps"] / tokens
+    return row["loop_instr"] * row["num_warps"] / kernel_cost.items_per_iteration(row, name)
 
 
 def print_loops_and_budgets(rows):
