@@ -2,11 +2,11 @@
 `mode` (model.MODES) says what the forward is. What a cache is, and its name, is a
 config.CacheConfig; `setup_caches` gives every layer of a model its cache:
   FullCache    the 16-bit baseline; a ring of its window in a layer with a shorter sliding window
-  LowBitCache  KIVI (specache.txt §3.4, eq. 2/3) and ZipCache: packed low-bit codes and an fp residual
+  LowBitCache  KIVI (specache.txt §3.4, eq. 2/3): packed low-bit codes and an fp residual
   SpeCache     LowBitCache + the fp16 cache on the host + fetched fp16 rows that replace their
                quantized copies in attention (eq. 1), picked and moved by a fetch policy (§3.3)
-(quantspec.py holds QuantSpec's cache.) Byte accounting is exact: `device_bytes()` sums the tensors
-on the compute device, `read_bytes(T)` is what a decode step of T tokens reads (the byte floor).
+(Other quantizers subclass LowBitCache in their own files.) Byte accounting is exact: `device_bytes()`
+sums the tensors on the compute device, `read_bytes(T)` is what a decode step of T tokens reads.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import kernels
 import quant
 import topk
-from config import CacheConfig
+from config import NO_FETCH, CacheConfig, FetchPolicy
 from kernels import Fetched, LowBitKV, Residual
 from prefetch import Prefetcher
 
@@ -65,6 +65,7 @@ class FullCache(nn.Module):
     local layers, Mistral's window)."""
 
     EMPTY = 2 ** 62  # key_pos of a slot never written: after every query, so masked as causality masks the future
+    policy = NO_FETCH  # what generate.generate reads of a layer's cache: this one fetches nothing
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, sliding_window=None,
                  max_step_tokens=2, meter=None):
@@ -128,35 +129,27 @@ class FullCache(nn.Module):
 
 
 class LowBitCache(nn.Module):
-    """KIVI cache. Layout (S = capacity rounded up to `residual`, plus one scratch block that absorbs
-    the no-op flush writes of a static-shape graph):
+    """KIVI cache (specache.txt §3.4, eq. 2, and eq. 3 for 1 bit). Layout (S = capacity rounded up to
+    `residual`, plus one scratch block that absorbs the no-op flush writes of a static-shape graph):
       k_codes [B,Hkv,S+R,D*bits/8] u8, k_scale/k_zero [B,Hkv,(S+R)/group,D]   keys per channel
       v_codes [B,Hkv,S+R,D*bits/8] u8, v_scale/v_zero [B,Hkv,S+R,D/group]     values per token
       k_res/v_res [B,Hkv,R+max_step_tokens,D]: the residual window; decode writes the step's tokens here first.
-    `scheme` picks the quantizer of the siblings, all read by the same kernels:
-      "kivi"       specache.txt eq. 2, and eq. 3 for 1 bit (one_bit="improved")
-      "zipcache"   keys as KIVI; values channel-separable tokenwise (zipcache.txt eq. 6): the
-                   channel scale v_chan_scale [B,Hkv,D] is set by the first quantized block, then fixed.
-                   With `salient` > 0, mixed precision (§4.2-4.3, quant.quantize_mixed): each key
-                   group's n_ref most salient tokens keep bits_salient bits, the rest `bits`:
-                     k_ref/v_ref [B,Hkv,(S+R)/group*n_ref,D*r/8]  lower r bits of the salient rows
-                     ref_map [B,Hkv,S+R] u8                      a slot's row among its group's (255: none)
-                   Saliency is the normalized attention of eq. 8 (`saliency`): at prefill from probe
-                   queries (eq. 9: 5% recent + 5% random of the chunk), while decoding from every real
-                   token's attention to the residual rows, accumulated until they are quantized.
-      "quantspec"  hierarchical INT8 = upper INT4 (k_codes) + lower INT4 (k_codes_lo), quantspec.txt
-                   §4.2; config bits 4 or 8 picks the view attention reads (set `view_bits` to switch)
+    Another quantizer (config.scheme) is a subclass in its own file: it adds its buffers and overrides
+    `quantize` (and `stored`, what the kernels read of them); generate.setup_caches picks it.
     """
+    scheme = "kivi"  # the config.scheme this class quantizes by
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
                  max_step_tokens=2, meter=None):
         super().__init__()
         config = config.validated(head_dim)
-        self.config = config
-        self.scheme, self.group, self.one_bit, self.fit = config.scheme, config.group, config.one_bit, config.fit
+        if config.scheme != self.scheme:
+            raise ValueError(f"cache {config.name}: the {config.scheme} quantizer has its own cache class "
+                             f"(generate.setup_caches builds it), not {type(self).__name__}")
+        self.config, self.policy = config, config.policy  # (the decode loop reads the policy: generate.fetch_policy)
+        self.group, self.one_bit, self.fit = config.group, config.one_bit, config.fit
         self.residual = config.residual_len
-        self.bits = 4 if config.scheme == "quantspec" else config.bits  # bits per stored code (plane)
-        self.view_bits = config.bits
+        self.bits = self.code_bits(config)
         self.group_v = min(self.group, head_dim)
         self.sm_scale = head_dim ** -0.5
         R = self.residual
@@ -164,103 +157,65 @@ class LowBitCache(nn.Module):
         n_slots = self.capacity + R
         B, H, D = batch, n_kv_heads, head_dim
         meta = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16  # scale/zero: 16 bits, as KIVI
-        u8 = dict(dtype=torch.uint8, device=device)
-        buf = lambda name, shape, **kw: self.register_buffer(name, torch.zeros(shape, **kw), persistent=False)  # noqa: E731
-        buf("k_codes", (B, H, n_slots, D * self.bits // 8), **u8)
-        buf("k_scale", (B, H, n_slots // self.group, D), dtype=meta, device=device)
-        buf("k_zero", (B, H, n_slots // self.group, D), dtype=meta, device=device)
-        buf("v_codes", (B, H, n_slots, D * self.bits // 8), **u8)
-        buf("v_scale", (B, H, n_slots, D // self.group_v), dtype=meta, device=device)
-        buf("v_zero", (B, H, n_slots, D // self.group_v), dtype=meta, device=device)
-        if self.scheme == "quantspec":
-            buf("k_codes_lo", (B, H, n_slots, D // 2), **u8)
-            buf("v_codes_lo", (B, H, n_slots, D // 2), **u8)
-        if self.scheme == "zipcache":
-            buf("v_chan_scale", (B, H, D), dtype=meta, device=device)
-        self.mixed = config.salient > 0
-        if self.mixed:
-            self.bits_hi, self.ref_bits, self.n_ref = config.bits_salient, config.bits_salient - config.bits, config.n_ref
-            n_ref_rows = n_slots // self.group * self.n_ref
-            buf("k_ref", (B, H, n_ref_rows, D * self.ref_bits // 8), **u8)
-            buf("v_ref", (B, H, n_ref_rows, D * self.ref_bits // 8), **u8)
-            self.register_buffer("ref_map", torch.full((B, H, n_slots), 255, **u8), persistent=False)
-            # eq. 8's sums for the residual rows: attention received, and from how many query rows
-            buf("sal_acc", (B, H, R + max_step_tokens), dtype=torch.float32, device=device)
-            buf("sal_cnt", (B, H, R + max_step_tokens), dtype=torch.float32, device=device)
-        buf("k_res", (B, H, R + max_step_tokens, D), dtype=dtype, device=device)
-        buf("v_res", (B, H, R + max_step_tokens, D), dtype=dtype, device=device)
-        buf("n_quant", (), dtype=torch.int64, device=device)
-        buf("res_len", (), dtype=torch.int64, device=device)
+        self.device = torch.device(device)  # where the buffers live
+        self.zeros_buffer("k_codes", (B, H, n_slots, D * self.bits // 8), dtype=torch.uint8)
+        self.zeros_buffer("k_scale", (B, H, n_slots // self.group, D), dtype=meta)
+        self.zeros_buffer("k_zero", (B, H, n_slots // self.group, D), dtype=meta)
+        self.zeros_buffer("v_codes", (B, H, n_slots, D * self.bits // 8), dtype=torch.uint8)
+        self.zeros_buffer("v_scale", (B, H, n_slots, D // self.group_v), dtype=meta)
+        self.zeros_buffer("v_zero", (B, H, n_slots, D // self.group_v), dtype=meta)
+        self.zeros_buffer("k_res", (B, H, R + max_step_tokens, D), dtype=dtype)
+        self.zeros_buffer("v_res", (B, H, R + max_step_tokens, D), dtype=dtype)
+        self.zeros_buffer("n_quant", (), dtype=torch.int64)
+        self.zeros_buffer("res_len", (), dtype=torch.int64)
         self.meter = meter or MemoryMeter()  # counts prefill's transient fp K/V; setup_caches counts these buffers
         self.custom_ops = None  # kernels behind their custom ops: None = on CUDA; True on CPU (tests): the CUDA graph
 
+    def zeros_buffer(self, name, shape, dtype, fill=0):
+        """A non-persistent buffer of `fill`s on the cache's device."""
+        self.register_buffer(name, torch.full(shape, fill, dtype=dtype, device=self.device), persistent=False)
+
+    @staticmethod
+    def code_bits(config: CacheConfig) -> int:
+        """Bits per stored code."""
+        return config.bits
+
     # ---- what the kernels read -----------------------------------------------------------------
-    def stored(self, view_bits: Optional[int] = None) -> LowBitKV:
-        """The quantized tokens as the kernels read them (QuantSpec: the view `view_bits`, 4 or 8, picks;
-        default the configuration's)."""
-        hier8 = self.scheme == "quantspec" and (view_bits or self.view_bits) == 8
-        mixed = dict(k_ref=self.k_ref, v_ref=self.v_ref, ref_map=self.ref_map, ref_bits=self.ref_bits,
-                     n_ref=self.n_ref) if self.mixed else {}
+    def stored(self) -> LowBitKV:
+        """The quantized tokens as the kernels read them."""
         return LowBitKV(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
-                        self.n_quant, self.bits, self.group, self.group_v,
-                        k_codes_lo=self.k_codes_lo if hier8 else None, v_codes_lo=self.v_codes_lo if hier8 else None,
-                        v_chan=self.v_chan_scale if self.scheme == "zipcache" else None, **mixed)
+                        self.n_quant, self.bits, self.group, self.group_v)
 
     def residual_rows(self, step_tokens: int) -> Residual:
         """The fp window with the step's tokens (already written after the kept ones) at its end."""
         return Residual(self.k_res, self.v_res, self.res_len + step_tokens)
 
     # ---- storage -------------------------------------------------------------------------------
-    def _quantize(self, k, v, saliency=None, first_group=None):
-        """-> ({buffer: per-row tensor}, {buffer: per-key-group tensor}, {buffer: per-refinement-row
-        tensor}) for k, v [B,H,n,D]; `saliency` [B,H,n] for mixed precision; `first_group` [n/group]
-        marks the key group of positions [0, group): under the least-squares fit it keeps min/max
-        unless the sinks are held in fp16, because the fit would pull the attention sinks' outlier
-        keys off the grid and softmax leans on them (docs/policies.md, the least-squares fit)."""
-        meta = self.k_scale.dtype
-        if self.mixed:
-            return self._quantize_mixed(k, v, saliency, meta)
-        if self.scheme == "quantspec":
-            kc, kl, ks, kz = quant.quantize_hier_keys(k, self.group, meta)
-            vc, vl, vs, vz = quant.quantize_hier_values(v, self.group_v, meta)
-            return dict(k_codes=kc, k_codes_lo=kl, v_codes=vc, v_codes_lo=vl, v_scale=vs, v_zero=vz), \
-                dict(k_scale=ks, k_zero=kz), {}
+    def quantize(self, k, v, row0, first_group):
+        """-> ({buffer: per-row tensor}, {buffer: per-key-group tensor}) for k, v [B,H,n,D] bound for
+        slots [row0, row0+n); `first_group` [n/group] marks the key group of positions [0, group):
+        under the least-squares fit it keeps min/max unless the sinks are held in fp16, because the
+        fit would pull the attention sinks' outlier keys off the grid and softmax leans on them
+        (docs/policies.md, the least-squares fit)."""
         keep = first_group if self.config.sinks == 0 else None
-        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, self.one_bit, meta, self.fit, keep)
-        if self.scheme == "zipcache":  # the first quantized block sets the channel scale
-            self.v_chan_scale.copy_(torch.where(self.n_quant == 0, quant.channel_scale(v, meta), self.v_chan_scale))
-            vc, vs, vz = quant.quantize_values_zip(v, self.bits, self.group_v, self.v_chan_scale, self.one_bit, meta, self.fit)
-        else:
-            vc, vs, vz = quant.quantize_values(v, self.bits, self.group_v, self.one_bit, meta, self.fit)
-        return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz), dict(k_scale=ks, k_zero=kz), {}
+        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, self.one_bit, self.k_scale.dtype, self.fit, keep)
+        vc, vs, vz = self.quantize_values(v)
+        return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz), dict(k_scale=ks, k_zero=kz)
 
-    def _quantize_mixed(self, k, v, saliency, meta):
-        """ZipCache: quantize at bits_hi; keep every token's upper `bits` and the lower bits of each
-        key group's n_ref most salient tokens (static shapes: a fixed count per group)."""
-        n, G, r = k.shape[2], self.group, self.ref_bits
-        if saliency is None:  # a decode flush of the residual: eq. 8 from the accumulated sums
-            saliency = self.sal_acc[:, :, :n] / self.sal_cnt[:, :, :n].clamp(min=1)
-        kc, kl, ks, kz = quant.quantize_mixed(k, self.bits, self.bits_hi, G, "tokens", meta)
-        self.v_chan_scale.copy_(torch.where(self.n_quant == 0, quant.channel_scale(v, meta), self.v_chan_scale))
-        v_sep = quant.channel_separated(v, self.v_chan_scale, meta)  # eq. 6
-        vc, vl, vs, vz = quant.quantize_mixed(v_sep, self.bits, self.bits_hi, self.group_v, "channels", meta)
-        k_ref, v_ref, ref_map = quant.compact_refinement(kl, vl, saliency, G, self.n_ref, r)
-        return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz, ref_map=ref_map), dict(k_scale=ks, k_zero=kz), \
-            dict(k_ref=k_ref, v_ref=v_ref)
+    def quantize_values(self, v):
+        """Values per token (eq. 2/3) -> (codes, scale, zero)."""
+        return quant.quantize_values(v, self.bits, self.group_v, self.one_bit, self.k_scale.dtype, self.fit)
 
-    def quantize_block(self, k, v, row0, saliency=None):
-        """Quantize k, v [B,H,n,D] (n a multiple of group) into slots [row0, row0+n); row0 a tensor."""
+    def quantize_block(self, k, v, row0, **quantizer_args):
+        """Quantize k, v [B,H,n,D] (n a multiple of group) into slots [row0, row0+n); row0 a tensor.
+        quantizer_args: what a subclass's `quantize` takes besides (`prefill_args`)."""
         groups = row0 // self.group + torch.arange(k.shape[2] // self.group, device=k.device)
-        per_row, per_group, per_ref = self._quantize(k, v, saliency, first_group=groups == 0)
+        per_row, per_group = self.quantize(k, v, row0, groups == 0, **quantizer_args)
         rows = row0 + torch.arange(k.shape[2], device=k.device)
         for name, x in per_row.items():
             getattr(self, name).index_copy_(2, rows, x)
         for name, x in per_group.items():
             getattr(self, name).index_copy_(2, groups, x)
-        if per_ref:
-            ref_rows = row0 // self.group * self.n_ref + torch.arange(per_ref["k_ref"].shape[2], device=k.device)
-            for name, x in per_ref.items():
-                getattr(self, name).index_copy_(2, ref_rows, x)
 
     def dequantized(self, n: int):
         """Full-precision view of quantized tokens [0, n) (prefill only: it materializes them)."""
@@ -292,9 +247,14 @@ class LowBitCache(nn.Module):
         """Of n fp tokens (the residual and a new chunk), how many to quantize now: whole residual blocks."""
         return n // self.residual * self.residual
 
+    def prefill_args(self, q, k, input_pos, n_q: int) -> dict:
+        """What `quantize` takes from a prefill chunk besides its K/V (the chunk's queries q, its keys k,
+        the n_q fp tokens quantized now): nothing for KIVI."""
+        return {}
+
     def append_prefill(self, k, v, input_pos, q=None):
         """Add a chunk's K/V (eager): quantize what `blocks_to_quantize` says, keep the rest in fp.
-        ZipCache's mixed precision picks salient tokens with the chunk's queries `q` (eq. 9)."""
+        `q`: the chunk's queries (for a quantizer that weighs tokens by them: prefill_args)."""
         nq, nr = int(self.n_quant), int(self.res_len)
         k_all = torch.cat([self.k_res[:, :, :nr], k], 2)
         v_all = torch.cat([self.v_res[:, :, :nr], v], 2)
@@ -302,39 +262,13 @@ class LowBitCache(nn.Module):
         n_q = self.blocks_to_quantize(n)
         if nq + n_q > self.capacity:
             raise ValueError(f"sequence of {nq + n} tokens exceeds the cache capacity {self.capacity}")
-        saliency = None
-        if self.mixed:
-            if q is None:
-                raise ValueError("ZipCache mixed precision picks salient tokens with the prefill's queries: pass q")
-            acc, cnt = self.probe_saliency(q, k, input_pos)
-            acc = torch.cat([self.sal_acc[:, :, :nr], acc], 2)
-            cnt = torch.cat([self.sal_cnt[:, :, :nr], cnt], 2)
-            saliency = (acc / cnt.clamp(min=1))[:, :, :n_q]
-            self.sal_acc[:, :, :n - n_q], self.sal_cnt[:, :, :n - n_q] = acc[:, :, n_q:], cnt[:, :, n_q:]
+        args = self.prefill_args(q, k, input_pos, n_q)  # (before the residual rows move)
         if n_q:
-            self.quantize_block(k_all[:, :, :n_q], v_all[:, :, :n_q], torch.tensor(nq, device=k.device), saliency)
+            self.quantize_block(k_all[:, :, :n_q], v_all[:, :, :n_q], torch.tensor(nq, device=k.device), **args)
         self.k_res[:, :, :n - n_q] = k_all[:, :, n_q:]
         self.v_res[:, :, :n - n_q] = v_all[:, :, n_q:]
         self.n_quant.fill_(nq + n_q)
         self.res_len.fill_(n - n_q)
-
-    # ---- ZipCache saliency (zipcache.txt eq. 8-9) --------------------------------------------------
-    def probe_saliency(self, q, k, input_pos, probes=None):
-        """Eq. 9 then eq. 8 for a prefill chunk: the attention of probe queries (`probe_positions`,
-        or the chunk positions `probes`) over every position so far -> (acc, cnt) [B,Hkv,res_len + L]
-        for the residual rows and the chunk's tokens (normalized_attention)."""
-        L, p0, nr = q.shape[2], int(input_pos[0]), int(self.res_len)
-        probes = (quant.probe_positions(L, seed=p0) if probes is None else probes).to(q.device)
-        keys = torch.cat([self.earlier_kv(p0)[0], k], 2)  # positions [0, p0 + L)
-        acc, cnt = quant.normalized_attention(q[:, :, probes], keys, p0 + probes, self.sm_scale)
-        return acc[:, :, p0 - nr:], cnt[:, :, p0 - nr:]
-
-    def accumulate_saliency(self, q, lse):
-        """Eq. 8 while decoding: the real token's (q [B,H,1,D], its lse [B,H,1]) attention to the
-        residual rows it sees (its own included) joins their sums."""
-        acc, cnt = quant.residual_attention(q, lse, self.k_res, self.res_len, self.sm_scale)
-        self.sal_acc.add_(acc)
-        self.sal_cnt.add_(cnt)
 
     # ---- decoding -------------------------------------------------------------------------------
     def write_step(self, k, v):
@@ -342,18 +276,12 @@ class LowBitCache(nn.Module):
         rows = self.res_len + torch.arange(k.shape[2], device=k.device)
         self.k_res.index_copy_(2, rows, k)
         self.v_res.index_copy_(2, rows, v)
-        if self.mixed:  # rows (re)written: their saliency sums start again
-            for buf in (self.sal_acc, self.sal_cnt):
-                buf.index_fill_(2, rows, 0.0)
 
     def attend(self, q, fetched: Optional[Fetched] = None):
         """Attention of the step's T query tokens (already appended to the residual) over
         quantized + residual (+ fetched fp rows replacing their quantized copies)."""
-        out, lse = kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale,
-                                            use_op=self.custom_ops)
-        if self.mixed:  # the real token is a saliency probe (a policy attending twice counts it twice: same ratio)
-            self.accumulate_saliency(q[:, :, :1], lse[:, :, :1])
-        return out, lse
+        return kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale,
+                                        use_op=self.custom_ops)
 
     def commit_step(self, keep: int = 1):
         """Static-shape end of a decode step: the first `keep` step tokens stay; a full residual is
@@ -382,10 +310,10 @@ class LowBitCache(nn.Module):
     def host_bytes(self) -> int:
         return 0
 
-    def read_bytes(self, step_tokens: int = 1, view_bits: Optional[int] = None) -> int:
-        """Bytes a decode step's attention reads: codes and scales of the quantized tokens (both
-        planes for QuantSpec's 8-bit view, ZipCache's channel scale) and the fp residual rows."""
-        return kernels.lowbit_read_bytes(self.stored(view_bits), int(self.n_quant)) + \
+    def read_bytes(self, step_tokens: int = 1, stored: Optional[LowBitKV] = None) -> int:
+        """Bytes a decode step's attention reads: codes and scales of the quantized tokens (`stored`,
+        default self.stored()) and the fp residual rows."""
+        return kernels.lowbit_read_bytes(stored or self.stored(), int(self.n_quant)) + \
             self.k_res[:, :, :1].nbytes * 2 * (int(self.res_len) + step_tokens)
 
 
@@ -406,7 +334,7 @@ class SpeCache(LowBitCache):
     def __init__(self, layer_idx, prefetcher, batch, n_kv_heads, max_seq_len, head_dim, dtype, device,
                  config: CacheConfig, **kw):
         super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, **kw)
-        self.layer_idx, self.prefetcher, self.policy = layer_idx, prefetcher, config.policy
+        self.layer_idx, self.prefetcher = layer_idx, prefetcher
         self.n_fetch, self.sinks, self.rerank = prefetcher.k, config.sinks, config.rerank
         B, H, dev, n = batch, n_kv_heads, self.k_codes.device, self.sinks + prefetcher.k
         # The fp rows of this layer: module buffers, so a compiled step keeps their addresses.
@@ -435,8 +363,8 @@ class SpeCache(LowBitCache):
         super().append_prefill(k, v, input_pos, q)
         self.prefetcher.offload(self.layer_idx, k, v, input_pos)
 
-    def quantize_block(self, k, v, row0, saliency=None):
-        super().quantize_block(k, v, row0, saliency)
+    def quantize_block(self, k, v, row0, **quantizer_args):
+        super().quantize_block(k, v, row0, **quantizer_args)
         if self.sinks:  # the first block quantized: its first tokens stay in fp16 on the device
             self.prefetcher.keep_sinks([self.ring_k, self.ring_v, self.fetch_valid], k, v, row0 == 0, self.sinks)
 
@@ -510,14 +438,12 @@ class SpeCache(LowBitCache):
     def host_bytes(self) -> int:
         return self.prefetcher.host_bytes_per_layer()
 
-    def read_bytes(self, step_tokens: int = 1, view_bits: Optional[int] = None) -> int:
+    def read_bytes(self, step_tokens: int = 1) -> int:
         """LowBitCache's, plus the fp rows (sinks and fetched), plus the top-k pass of the selecting
         token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them).
         Re-ranking's candidate keys cross the bus into registers (transfer.rerank_rows): bus bytes,
         not device reads."""
-        s = self.stored()
-        keys_again = kernels.lowbit_read_bytes(s._replace(v_codes=None, v_scale=None, v_zero=None, v_codes_lo=None,
-                                                          v_chan=None), int(self.n_quant))
+        keys_again = kernels.lowbit_read_bytes(self.stored(), int(self.n_quant), values=False)
         return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again
 
 
@@ -545,21 +471,33 @@ class KVCaches(list):
         return self.prefetcher.bytes_per_step() if self.prefetcher is not None else 0
 
 
+def fetch_policy(model) -> FetchPolicy:
+    """The fetch policy of the caches on `model`'s layers, which generate.generate runs: their
+    configuration's (a layer that fetches nothing: NO_FETCH)."""
+    fetching = {layer.attention.kv_cache.policy for layer in model.layers} - {NO_FETCH}
+    if len(fetching) > 1:
+        raise ValueError(f"the layers' caches fetch by different policies: {sorted(p.name for p in fetching)}")
+    return fetching.pop() if fetching else NO_FETCH
+
+
 def kv_fp16_bytes(args, batch: int, seq_len: int) -> int:
     """What a 16-bit cache of every layer would hold: the reference the low-bit caches are compared with."""
     return 2 * args.n_layers * batch * args.n_kv_heads * seq_len * args.head_dim * 2
 
 
 def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len: Optional[int] = None,
-                 lowbit_cache=None, max_step_tokens: int = 2) -> KVCaches:
+                 store: type = LowBitCache, max_step_tokens: int = 2, **store_kw) -> KVCaches:
     """Give every layer of `model` (model.Transformer, or hf.HFModel) its cache, on the model's device
     and dtype, for sequences of max_seq_len positions (default the model's). `config`: a CacheConfig or
     its name. A layer whose sliding window (model.args.window) is shorter keeps the window-masked
     FullCache; the others the configured cache, and SpeCache's host store holds only them.
-    `lowbit_cache(dims, meter)` builds another kind's layer cache (quantspec.setup_caches: QuantSpec's,
-    whose verify steps feed max_step_tokens = gamma + 1).
+    `store`: the LowBitCache class of the configuration's quantizer (`store_kw` to its constructor;
+    generate.setup_caches picks it), under SpeCache for the specache kind; max_step_tokens: the
+    most tokens a step feeds (QuantSpec's verify steps: gamma + 1).
     Raises ValueError on what the model or the kernels cannot run."""
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
+    if config.kind != "full" and config.scheme != store.scheme:
+        raise ValueError(f"cache {config.name}: the {config.scheme} quantizer's caches come from generate.setup_caches")
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     args = model.args
@@ -581,18 +519,16 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
                                 device, impl=config.fetch_impl, key_rows=min(config.rerank * n_fetch, max_seq_len),
                                 select_rows=(args.n_heads, 2 if config.policy.selects == "both" else 1)
                                 if config.rerank > 1 else None)
-
-    if config.kind == "quantspec" and lowbit_cache is None:
-        raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with quantspec.setup_caches")
+    # SpeCache over another quantizer's store: the same fetch, that store's codes (Python's MRO
+    # runs SpeCache's methods, then the store's, then LowBitCache's)
+    fetching_cache = SpeCache if store is LowBitCache else type(f"SpeCache_{store.__name__}", (SpeCache, store), {})
 
     def make(i):
         if config.kind == "full" or local[i]:
             return FullCache(*dims, sliding_window=windows[i], max_step_tokens=max_step_tokens, meter=meter)
-        if lowbit_cache is not None:
-            return lowbit_cache(dims, meter)
-        if config.kind == "kivi":
-            return LowBitCache(*dims, config, meter=meter)
-        return SpeCache(fetching.index(i), prefetcher, *dims, config, meter=meter)
+        if config.kind == "specache":
+            return fetching_cache(fetching.index(i), prefetcher, *dims, config, meter=meter)
+        return store(*dims, config, meter=meter, **store_kw)
 
     caches = KVCaches(config, model.setup_caches(make), prefetcher, meter)
     meter.alloc(caches.device_bytes())

@@ -1,23 +1,22 @@
-"""Generation with a full, KIVI or SpeCache KV cache (and QuantSpec's self-speculative decoding).
+"""Generation with a full, KIVI or SpeCache KV cache.
 
     python generate.py --checkpoint checkpoints/smollm2-135m-instruct --bits 1 --k 64 --prompt "..."
     python generate.py --cache full --prompt-file essay.txt --max-new-tokens 64 --compile
     python generate.py --cache specache-2bit-oracle ...                           # any config.CacheConfig name
 
 Read it next to the paper's appendix A:
-  prefill()     Algorithm 1: layer by layer, exact attention, quantize + offload each layer's KV.
+  prefill()     Algorithm 1 (decoding.py, shared with QuantSpec's loop): layer by layer, exact
+                attention, quantize + offload each layer's KV.
   pre_decode()  Algorithm 2: one step with the first output token T1; its attention picks the rows
                 the first decoding step needs and starts their fetch; it outputs speculative T'2.
   decode_step() Algorithm 3: feeds [T_t, T'_{t+1}] (shape [B, 2]) through one static-shape graph;
                 outputs the real T_{t+1} and the next speculative T'_{t+2}.
-  generate()    the loop around them; the fetch policy (config.FetchPolicy) says how many tokens a
-                step feeds and whether pre-decoding runs (again, after a wrong guess: `resync`).
-KIVI, the full cache and SpeCache's sequential/oracle fetch decode one token per step.
-generate_quantspec() is QuantSpec's draft-and-verify loop (quantspec.py has its draft and rule), and
-hf_generate() runs generate() inside a transformers model (hf.py).
+  generate()    the loop around them; the caches' fetch policy (config.FetchPolicy) says how many
+                tokens a step feeds and whether pre-decoding runs (again, after a wrong guess: `resync`).
+KIVI, the full cache and SpeCache's sequential/oracle fetch decode one token per step. hf_generate()
+runs generate() inside a transformers model (hf.py); --method quantspec runs quantspec.py's loop.
 """
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -25,62 +24,33 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
+import cache
 import config as cache_config
 import quantspec
 import tp
-from cache import kv_fp16_bytes, setup_caches
-from config import CacheConfig, FetchPolicy
+import zipcache
+from cache import fetch_policy, kv_fp16_bytes
+from config import CacheConfig
+from decoding import Decoding, compiled_step, prefill, sample  # noqa: F401 (generate.Decoding, generate.prefill)
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
 
-
-# ---- sampling --------------------------------------------------------------------------------------
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
-    """logits [..., V] -> ids [...]. temperature 0 is greedy. No host sync (exponential race)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = torch.where(logits < kth, float("-inf"), logits)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
+# config.scheme -> the cache class of its quantizer: KIVI's, ZipCache's, QuantSpec's hierarchical store
+STORES = {"kivi": cache.LowBitCache, "zipcache": zipcache.ZipCache, "quantspec": quantspec.HierCache}
 
 
-@dataclass(frozen=True)
-class Decoding:
-    """What to generate: how many tokens, how each is drawn, and when a row ends."""
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_k: Optional[int] = None  # sampling from the k most likely tokens
-    eos_ids: frozenset = frozenset()
-    # The loop reads on the host whether every row has ended once per this many steps (a sync, which
-    # a CUDA step would otherwise wait on every step); it runs at most this many - 1 steps past the
-    # end and drops them. 1 when something reads each token anyway (streaming).
-    eos_check_every: int = 8
-
-    def sample(self, logits):
-        return sample(logits, self.temperature, self.top_k)
-
-
-# ---- Algorithms 1-3 --------------------------------------------------------------------------------------
-@torch.no_grad()
-def prefill(model, prompt: torch.Tensor, chunk: int = 2048, progress=None) -> torch.Tensor:
-    """Algorithm 1. prompt [B, P] -> logits of the last position [B, V]. Chunks attend exactly to
-    everything before them (SpeCache reads the earlier chunks back from the host store)."""
-    P = prompt.shape[1]
-    for start in range(0, P, chunk):
-        end = min(P, start + chunk)
-        pos = torch.arange(start, end, device=prompt.device)
-        logits = model(prompt[:, start:end], pos, mode="prefill")
-        if progress:
-            progress(end, P)
-    return logits[:, -1]
+def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len=None) -> cache.KVCaches:
+    """cache.setup_caches with the store of the configuration's quantizer (STORES; QuantSpec's own
+    draft-and-verify cache: quantspec.setup_caches)."""
+    config = CacheConfig.from_name(config) if isinstance(config, str) else config
+    if config.kind == "quantspec":
+        raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with quantspec.setup_caches")
+    return cache.setup_caches(model, config, batch, max_seq_len, store=STORES[config.scheme])
 
 
 def pre_decode(model, t1: torch.Tensor, pos) -> torch.Tensor:
@@ -100,99 +70,33 @@ def decode_step(model, tokens: torch.Tensor, input_pos: torch.Tensor, temperatur
     return sample(logits, temperature, top_k), logits
 
 
-# ---- QuantSpec's steps (quantspec.txt Algorithm 1) ----------------------------------------------------
-def draft_step(draft, token, input_pos, temperature: float = 0.0):
-    """One draft token: token [B] at input_pos [1] -> (next token [B], its distribution [B, V])."""
-    logits = draft(token[:, None], input_pos, mode="draft")[:, 0]
-    probs = torch.softmax(logits / max(temperature, 1e-6), -1) if temperature > 0 else logits
-    return sample(logits, temperature, None), probs
-
-
-def verify_step(model, tokens, input_pos):
-    """The target over [x, d_1..d_g]: logits [B, g+1, V]."""
-    return model(tokens, input_pos, mode="verify")
-
-
-def commit(caches, n):
-    """Every layer's QuantSpecCache keeps the round's first n tokens (a layer of another kind keeps its own)."""
-    for c in caches:
-        if isinstance(c, quantspec.QuantSpecCache):
-            c.accept(n)
-
-
 @dataclass(frozen=True)
 class Steps:
-    """What runs each forward of the loops: the eager functions above (the default), their compiled
+    """What runs each forward of the loop: the eager functions above (the default), their compiled
     graphs (`compiled`), or a stand-in (tools/eval.py replays a recorded prefill)."""
     prefill: Callable = prefill  # (model, prompt) -> last logits [B, V]
     pre_decode: Callable = pre_decode
     decode: Callable = decode_step
-    draft: Callable = draft_step
-    verify: Callable = verify_step
-    commit: Callable = commit
 
     def compiled(self, device, pre_decode=False) -> "Steps":
         """The decode-time forwards as fullgraph graphs (CUDA graphs on CUDA); pre-decoding too when it
         runs more than once (the resync policy). Prefill stays as it is."""
-        draft, verify = compile_step(device, self.draft), compile_step(device, self.verify)
-        if device.type == "cuda":
-            # A CUDA graph's outputs live in its pool and the next replay of the same graph overwrites
-            # them: gamma draft steps replay one graph, and each token feeds the next and the verify step.
-            # The outputs (a token, a distribution, the logits) are small: copy them out.
-            draft = functools.partial(_cloned, draft)
-            verify = functools.partial(_cloned, verify)
-        return replace(self, pre_decode=compile_step(device, self.pre_decode) if pre_decode else self.pre_decode,
-                       decode=compile_step(device, self.decode), draft=draft, verify=verify,
-                       commit=compile_step(device, self.commit))
-
-
-def _cloned(fn, *args):
-    out = fn(*args)
-    return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
+        return replace(self, pre_decode=compiled_step(device, self.pre_decode) if pre_decode else self.pre_decode,
+                       decode=compiled_step(device, self.decode))
 
 
 def compile_step(device, fn=decode_step):
-    """`fn` as one fullgraph graph; a CUDA graph on CUDA. Inductor by default drops a 16-bit round trip
-    inside a fused kernel (x.to(float16).float() stays fp32); the quantizer picks its codes against the
-    16-bit zero and scale it stores (quant.py's least-squares fit), so without emulate_precision_casts
-    the compiled least-squares fit stores other zeros than eager's."""
-    options = {"emulate_precision_casts": True}
-    if device.type == "cuda":
-        options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (mode and options exclude each other)
-    compiled = torch.compile(fn, fullgraph=True, options=options)
-    if device.type != "cpu":
-        return compiled
-
-    @functools.wraps(fn)
-    def step(*args, **kw):  # (it compiles inside its first call)
-        with cpp_kernel_args_capped(128):
-            return compiled(*args, **kw)
-    return step
-
-
-@contextlib.contextmanager
-def cpp_kernel_args_capped(n: int):
-    """Inductor's CPU backend writes consecutive loops into one C++ function until it takes 500
-    arguments: the preset's 8k step filled one with 15 layers' cache writes (1.2 MB of C++) and gcc 12
-    crashed compiling it (results/bench/ice-8k). While our steps compile, functions take at most n;
-    whatever else the process compiles keeps inductor's default."""
-    from torch._inductor.codegen.cpp import CppScheduling
-    before = CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM
-    CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = min(before, n)
-    try:
-        yield
-    finally:
-        CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = before
+    """decoding.compiled_step, Algorithm 3's step by default."""
+    return compiled_step(device, fn)
 
 
 # ---- the generation loop ----------------------------------------------------------------------------
 @torch.no_grad()
-def generate(model, prompt: torch.Tensor, policy: FetchPolicy, decoding: Decoding, steps: Steps = Steps(),
-             on_step=None):
-    """prompt [B, P] -> (generated ids [B, N], stats), over the caches set up on `model`: Algorithm 1,
-    Algorithm 2 when the policy pre-decodes, then decode steps of policy.step_tokens tokens until
-    decoding.max_new_tokens or every row has produced an eos token (the ids stop after the last row's).
-    With the resync policy, whenever the speculative token turns out wrong, pre-decoding runs again
+def generate(model, prompt: torch.Tensor, decoding: Decoding, steps: Steps = Steps(), on_step=None):
+    """prompt [B, P] -> (generated ids [B, N], stats), over the caches set up on `model`, by their
+    fetch policy (`fetch_policy`): Algorithm 1, Algorithm 2 when the policy pre-decodes, then decode
+    steps of policy.step_tokens tokens until decoding.max_new_tokens or every row has produced an eos
+    token (the ids stop after the last row's). With the resync policy, whenever the speculative token turns out wrong, pre-decoding runs again
     with the real token, so the next speculative token and the next fetch come from it, not from the
     wrong guess (one extra one-token forward per miss, and one host sync per step to know).
 
@@ -204,6 +108,7 @@ def generate(model, prompt: torch.Tensor, policy: FetchPolicy, decoding: Decodin
     B, P = prompt.shape
     device = prompt.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    policy = fetch_policy(model)
     two = policy.step_tokens == 2
     stats = {"spec_steps": 0, "resyncs": 0}
     spec_hits = torch.zeros((), dtype=torch.int64, device=device)  # on the device: no sync per step
@@ -255,64 +160,6 @@ def generate(model, prompt: torch.Tensor, policy: FetchPolicy, decoding: Decodin
     return ids, stats
 
 
-# ---- QuantSpec's loop ----------------------------------------------------------------------------------
-@torch.no_grad()
-def generate_quantspec(model, draft, prompt: torch.Tensor, gamma: int, decoding: Decoding, steps: Steps = Steps(),
-                       on_token=None):
-    """prompt [1, P] -> (ids [1, N], stats), over quantspec.setup_caches' caches shared with `draft`
-    (quantspec.make_draft, share_caches). gamma = 0 is autoregressive decoding by the target over the
-    same cache (INT8 view, same buffer policy): the baseline QuantSpec must equal when greedy."""
-    B, P = prompt.shape
-    if B != 1:
-        raise ValueError("QuantSpec decodes one sequence at a time (acceptance differs per row)")
-    caches = [layer.attention.kv_cache for layer in model.layers]
-    boundary = next(c for c in caches if isinstance(c, quantspec.QuantSpecCache))
-    device, temperature, eos_ids = prompt.device, decoding.temperature, decoding.eos_ids
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    x = decoding.sample(steps.prefill(model, prompt))
-    sync()
-    stats = dict(prefill_s=time.perf_counter() - t0, drafted=0, accepted=0, rounds=0, gamma=gamma)
-    out = [int(x)]
-    if on_token:
-        on_token(x)
-    t1 = time.perf_counter()
-    pos = torch.tensor([P], device=device)
-    while len(out) < decoding.max_new_tokens and not (eos_ids and out[-1] in eos_ids):
-        tokens, probs, t = [x], [], x
-        for i in range(gamma):
-            t, q = steps.draft(draft, t, pos + i, temperature)
-            tokens.append(t)
-            probs.append(q)
-        fed = torch.stack(tokens, 1)  # [1, gamma + 1]
-        logits = steps.verify(model, fed, pos + torch.arange(gamma + 1, device=device))
-        if gamma:
-            q = torch.stack(probs, 1) if temperature > 0 else torch.zeros(1, gamma, 1, device=device)
-            a, nxt = quantspec.accept(logits, fed[:, 1:], q, temperature, cap=quantspec.boundary_cap(boundary))
-        else:
-            a, nxt = torch.zeros(1, dtype=torch.long, device=device), sample(logits[:, 0], temperature, None)
-        steps.commit(caches, a[0] + 1)  # x, d_1..d_a stay
-        n = int(a[0])  # the one sync of the round: the tokens leave the device
-        new = fed[0, 1:1 + n].tolist() + [int(nxt[0])]
-        stats["drafted"] += gamma
-        stats["accepted"] += n
-        stats["rounds"] += 1
-        for tok in new:
-            if len(out) >= decoding.max_new_tokens or (eos_ids and out[-1] in eos_ids):
-                break
-            out.append(tok)
-            if on_token:
-                on_token(torch.tensor([tok]))
-        pos = pos + n + 1
-        x = nxt
-    sync()
-    n_new = len(out) - 1
-    stats["decode_s"] = time.perf_counter() - t1
-    stats["decode_tok_s"] = n_new / stats["decode_s"] if n_new else 0.0
-    stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
-    return torch.tensor([out], device=device), stats
-
-
 # ---- transformers models: model.generate(ids, custom_generate=generate.hf_generate, ...) -------------------
 WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
 
@@ -357,7 +204,7 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
                         eos_check_every=1 if streamer is not None else Decoding.eos_check_every)
     try:
         warped = generation_config.do_sample and len(logits_processor or [])
-        out, _ = generate(hf.Warped(view, logits_processor) if warped else view, input_ids, config.policy, decoding,
+        out, _ = generate(hf.Warped(view, logits_processor) if warped else view, input_ids, decoding,
                           Steps(prefill=functools.partial(prefill, chunk=prefill_chunk)), on_step)
     finally:
         model.set_attn_implementation(prev)
@@ -435,12 +282,7 @@ def check_args(a):
     if a.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
     if a.method == "quantspec":
-        if a.gamma < 0:
-            raise ValueError(f"--gamma must be >= 0, got {a.gamma}")
-        if a.batch_size != 1:
-            raise ValueError("--method quantspec decodes one sequence (--batch-size 1)")
-        if a.draft_group not in (32, 64, 128, 256):
-            raise ValueError(f"--draft-group must be 32, 64, 128 or 256, got {a.draft_group}")
+        quantspec.check_args(a.gamma, a.batch_size, a.draft_group)
     if a.sample_top_k is not None and a.temperature == 0:
         raise ValueError("--sample-top-k needs --temperature > 0 (greedy decoding ignores it)")
     if a.hf and a.checkpoint:
@@ -493,10 +335,7 @@ def run(a):
     if seq_len > model.args.max_seq_len:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's max_seq_len "
              f"{model.args.max_seq_len}")
-    if a.method == "quantspec":
-        caches = quantspec.setup_caches(model, config, a.batch_size, seq_len, gamma=max(a.gamma, 1))
-    else:
-        caches = setup_caches(model, config, a.batch_size, seq_len)
+    caches = None if a.method == "quantspec" else setup_caches(model, config, a.batch_size, seq_len)
     prompt = torch.tensor([ids] * a.batch_size, device=device)
     quiet = a.quiet or tp.rank() > 0  # one rank prints
     streamed, ended = [], []
@@ -515,18 +354,18 @@ def run(a):
             print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     prefill_model = torch.compile(model, dynamic=True) if a.compile_prefill else model
-    steps = Steps(prefill=lambda m, p: prefill(prefill_model, p, a.prefill_chunk, progress))
-    steps = steps.compiled(device, pre_decode=config.policy.resync) if a.compile else steps
+    fill = lambda m, p: prefill(prefill_model, p, a.prefill_chunk, progress)  # noqa: E731
     decoding = Decoding(a.max_new_tokens, a.temperature, a.sample_top_k, frozenset(tok.eos_ids),
                         eos_check_every=Decoding.eos_check_every if quiet else 1)
-    if a.method == "quantspec":
-        draft = quantspec.make_draft(model, a.draft_group)
-        quantspec.share_caches(draft, model)
-        out, stats = generate_quantspec(model, draft, prompt, a.gamma, decoding, steps, on_token=None if quiet else stream)
+    if a.method == "quantspec":  # QuantSpec's own caches, draft and loop (quantspec.py)
+        caches, out, stats = quantspec.run(model, config, prompt, seq_len, a.gamma, a.draft_group, decoding, fill,
+                                           a.compile, on_token=None if quiet else stream)
         stats.update(spec_exact_hit_rate=None, resyncs=0)
     else:
+        steps = Steps(prefill=fill)
+        steps = steps.compiled(device, pre_decode=config.policy.resync) if a.compile else steps
         on_step = None if quiet else (lambda step, logits, token, fed: stream(token))
-        out, stats = generate(model, prompt, config.policy, decoding, steps, on_step)
+        out, stats = generate(model, prompt, decoding, steps, on_step)
         stats.update(acceptance_rate=None)
     rows = [[int(x) for x in row] for row in out]
     for row in rows:  # cut at the first eos
@@ -535,21 +374,14 @@ def run(a):
                 del row[i:]
                 break
     result = {
-        "text": tok.decode(rows[0]),
-        "tokens": rows[0] if a.batch_size == 1 else rows,
-        "prompt_tokens": len(ids),
-        "prefill_s": round(stats["prefill_s"], 4),
-        "decode_tok_s": round(stats["decode_tok_s"], 3),
-        "kv_device_bytes": caches.device_bytes(),
-        "kv_host_bytes": caches.host_bytes(),
+        "text": tok.decode(rows[0]), "tokens": rows[0] if a.batch_size == 1 else rows, "prompt_tokens": len(ids),
+        "prefill_s": round(stats["prefill_s"], 4), "decode_tok_s": round(stats["decode_tok_s"], 3),
+        "kv_device_bytes": caches.device_bytes(), "kv_host_bytes": caches.host_bytes(),
         "kv_fp16_bytes": kv_fp16_bytes(model.args, a.batch_size, seq_len),
-        "kv_peak_prefill_device_bytes": caches.meter.peak,
-        "cache": config.name, "config": config.as_dict(),
-        "spec_exact_hit_rate": stats["spec_exact_hit_rate"], "resyncs": stats["resyncs"],
-        "method": a.method, "acceptance_rate": stats["acceptance_rate"],
-        "gamma": a.gamma if a.method == "quantspec" else None,
-        "bytes_fetched_per_step": caches.fetch_bytes_per_step(),
-    }
+        "kv_peak_prefill_device_bytes": caches.meter.peak, "cache": config.name, "config": config.as_dict(),
+        "spec_exact_hit_rate": stats["spec_exact_hit_rate"], "resyncs": stats["resyncs"], "method": a.method,
+        "acceptance_rate": stats["acceptance_rate"], "gamma": a.gamma if a.method == "quantspec" else None,
+        "bytes_fetched_per_step": caches.fetch_bytes_per_step()}
     if tp.rank() > 0:
         return result
     if not a.quiet:

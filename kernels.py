@@ -587,8 +587,11 @@ def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[F
     return attention_lowbit_ref(q, store, residual, fetched, sm_scale)
 
 
-def lowbit_read_bytes(store: LowBitKV, n_quant: int) -> int:
-    """Bytes of the stored codes and scales of tokens [0, n_quant) (absent tensors count 0)."""
+def lowbit_read_bytes(store: LowBitKV, n_quant: int, values: bool = True) -> int:
+    """Bytes of the stored codes and scales of tokens [0, n_quant) (absent tensors count 0); values=False:
+    the keys' only (what the top-k pass reads)."""
+    if not values:
+        store = store._replace(v_codes=None, v_scale=None, v_zero=None, v_codes_lo=None, v_chan=None)
     per_row = [store.k_codes, store.v_codes, store.v_scale, store.v_zero, store.k_codes_lo, store.v_codes_lo]
     per_group = [store.k_scale, store.k_zero]
     total = sum(t[:, :, :n_quant].nbytes for t in per_row if t is not None)

@@ -9,7 +9,7 @@ attention reads only the upper INT4 planes of the hierarchical KV cache. The tar
 with its own weights reading both planes (the INT8 view). Both write to one QuantSpecCache per
 layer (`setup_caches`, then `share_caches`): no second KV cache exists.
 
-One round (generate.generate_quantspec, the decode loop; this file holds the draft and the rule):
+One round (`generate_quantspec`, the decode loop; `python generate.py --method quantspec` runs it):
   draft    gamma one-token steps ("draft" mode) propose d_1..d_gamma from the last token x;
   verify   one step over [x, d_1..d_gamma] ("verify" mode) gives the target's distributions;
   accept   the longest agreeing prefix (greedy: d_i == argmax p_{i-1}; sampled: the standard
@@ -20,6 +20,11 @@ One round (generate.generate_quantspec, the decode loop; this file holds the dra
 The draft step, the verify step and the commit are each one static-shape graph; the number of
 accepted tokens is a tensor until the loop reads it once per round to emit the tokens.
 """
+import functools
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -29,7 +34,8 @@ import kernels
 import quant
 from cache import LowBitCache
 from config import CacheConfig
-from kernels import Residual
+from decoding import Decoding, cloned, compiled_step, prefill, sample
+from kernels import LowBitKV, Residual
 
 
 # ---- the draft's weights ---------------------------------------------------------------------------
@@ -113,7 +119,41 @@ def share_caches(draft, model):
 
 
 # ---- the cache ----------------------------------------------------------------------------------------
-class QuantSpecCache(LowBitCache):
+class HierCache(LowBitCache):
+    """LowBitCache with QuantSpec's hierarchical quantizer (quantspec.txt §4.2): INT8 codes stored as
+    their upper INT4 planes (k_codes, v_codes) and lower INT4 planes (k_codes_lo, v_codes_lo, the same
+    shape). Attention reads one of two views: the upper planes alone (INT4) or both (INT8: 16*U + L - 8);
+    config bits 4 or 8 picks the default (`view_bits`). Cache names: quantspec[-gN] (QuantSpecCache),
+    kivi-/specache-...-quantspec (this store under KIVI's or SpeCache's decoding)."""
+    scheme = "quantspec"
+
+    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
+                 max_step_tokens=2, meter=None):
+        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens, meter)
+        self.view_bits = config.bits
+        self.zeros_buffer("k_codes_lo", self.k_codes.shape, dtype=torch.uint8)
+        self.zeros_buffer("v_codes_lo", self.v_codes.shape, dtype=torch.uint8)
+
+    @staticmethod
+    def code_bits(config: CacheConfig) -> int:
+        return 4  # each plane
+
+    def stored(self, view_bits=None) -> LowBitKV:
+        """The view `view_bits` (4 or 8; default the configuration's) as the kernels read it."""
+        s = super().stored()
+        return s._replace(k_codes_lo=self.k_codes_lo, v_codes_lo=self.v_codes_lo) if (view_bits or self.view_bits) == 8 else s
+
+    def quantize(self, k, v, row0, first_group):
+        kc, kl, ks, kz = quant.quantize_hier_keys(k, self.group, self.k_scale.dtype)
+        vc, vl, vs, vz = quant.quantize_hier_values(v, self.group_v, self.k_scale.dtype)
+        return dict(k_codes=kc, k_codes_lo=kl, v_codes=vc, v_codes_lo=vl, v_scale=vs, v_zero=vz), dict(k_scale=ks, k_zero=kz)
+
+    def read_bytes(self, step_tokens: int = 1, view_bits=None) -> int:
+        """Bytes a step's attention reads in the view `view_bits` (both planes for the INT8 view)."""
+        return super().read_bytes(step_tokens, self.stored(view_bits))
+
+
+class QuantSpecCache(HierCache):
     """QuantSpec's cache (quantspec.txt §4.2-4.3): one hierarchical store read two ways, the draft's
     INT4 view (upper planes) and the target's INT8 view (both planes), and a double full-precision
     buffer of two groups for the newest tokens: F1 (the older group, always full after prefill) and
@@ -173,8 +213,8 @@ def setup_caches(model, config: CacheConfig | str = "quantspec", batch: int = 1,
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind != "quantspec":
         raise ValueError(f"QuantSpec runs on the quantspec cache (quantspec[-gN]), not {config.name}")
-    return cache.setup_caches(model, config, batch, max_seq_len, max_step_tokens=gamma + 1,
-                              lowbit_cache=lambda dims, meter: QuantSpecCache(*dims, config, gamma=gamma, meter=meter))
+    return cache.setup_caches(model, config, batch, max_seq_len, store=QuantSpecCache, max_step_tokens=gamma + 1,
+                              gamma=gamma)
 
 
 # ---- acceptance ----------------------------------------------------------------------------------------
@@ -218,3 +258,121 @@ def accept(target_logits, drafts, draft_probs, temperature: float, cap=None):
     if capped is not None:
         nxt = torch.where(capped, drafts.gather(1, a[:, None].clamp(max=g - 1))[:, 0], nxt)
     return a, nxt
+
+
+# ---- the steps of a round and the loop (quantspec.txt Algorithm 1) ---------------------------------------
+def draft_step(draft, token, input_pos, temperature: float = 0.0):
+    """One draft token: token [B] at input_pos [1] -> (next token [B], its distribution [B, V])."""
+    logits = draft(token[:, None], input_pos, mode="draft")[:, 0]
+    probs = torch.softmax(logits / max(temperature, 1e-6), -1) if temperature > 0 else logits
+    return sample(logits, temperature, None), probs
+
+
+def verify_step(model, tokens, input_pos):
+    """The target over [x, d_1..d_g]: logits [B, g+1, V]."""
+    return model(tokens, input_pos, mode="verify")
+
+
+def commit(caches, n):
+    """Every layer's QuantSpecCache keeps the round's first n tokens (a layer of another kind keeps its own)."""
+    for c in caches:
+        if isinstance(c, QuantSpecCache):
+            c.accept(n)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What runs each forward of a round: the eager functions above (the default) or their compiled
+    graphs (`compiled`); prefill is Algorithm 1's, as generate.py's loop runs it."""
+    prefill: Callable = prefill  # (model, prompt) -> last logits [B, V]
+    draft: Callable = draft_step
+    verify: Callable = verify_step
+    commit: Callable = commit
+
+    def compiled(self, device) -> "Steps":
+        """The draft, verify and commit steps as fullgraph graphs (CUDA graphs on CUDA). Prefill stays."""
+        draft, verify = compiled_step(device, self.draft), compiled_step(device, self.verify)
+        if device.type == "cuda":
+            # A CUDA graph's outputs live in its pool and the next replay of the same graph overwrites
+            # them: gamma draft steps replay one graph, and each token feeds the next and the verify step.
+            # The outputs (a token, a distribution, the logits) are small: copy them out.
+            draft, verify = functools.partial(cloned, draft), functools.partial(cloned, verify)
+        return replace(self, draft=draft, verify=verify, commit=compiled_step(device, self.commit))
+
+
+def check_args(gamma: int, batch_size: int, draft_group: int):
+    """generate.py --method quantspec's flags (ValueError: one `error:` line)."""
+    if gamma < 0:
+        raise ValueError(f"--gamma must be >= 0, got {gamma}")
+    if batch_size != 1:
+        raise ValueError("--method quantspec decodes one sequence (--batch-size 1)")
+    if draft_group not in (32, 64, 128, 256):
+        raise ValueError(f"--draft-group must be 32, 64, 128 or 256, got {draft_group}")
+
+
+def run(model, config, prompt, max_seq_len: int, gamma: int, draft_group: int, decoding: Decoding, prefill_fn,
+        compile: bool = False, on_token=None):
+    """generate.py --method quantspec: the caches, the draft and the loop -> (caches, ids, stats)."""
+    caches = setup_caches(model, config, 1, max_seq_len, gamma=max(gamma, 1))
+    draft = make_draft(model, draft_group)
+    share_caches(draft, model)
+    steps = Steps(prefill=prefill_fn)
+    steps = steps.compiled(prompt.device) if compile else steps
+    return (caches, *generate_quantspec(model, draft, prompt, gamma, decoding, steps, on_token))
+
+
+@torch.no_grad()
+def generate_quantspec(model, draft, prompt: torch.Tensor, gamma: int, decoding: Decoding, steps: Steps = Steps(),
+                       on_token=None):
+    """prompt [1, P] -> (ids [1, N], stats), over setup_caches' caches shared with `draft`
+    (make_draft, share_caches). gamma = 0 is autoregressive decoding by the target over the
+    same cache (INT8 view, same buffer policy): the baseline QuantSpec must equal when greedy."""
+    B, P = prompt.shape
+    if B != 1:
+        raise ValueError("QuantSpec decodes one sequence at a time (acceptance differs per row)")
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    boundary = next(c for c in caches if isinstance(c, QuantSpecCache))
+    device, temperature, eos_ids = prompt.device, decoding.temperature, decoding.eos_ids
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    x = decoding.sample(steps.prefill(model, prompt))
+    sync()
+    stats = dict(prefill_s=time.perf_counter() - t0, drafted=0, accepted=0, rounds=0, gamma=gamma)
+    out = [int(x)]
+    if on_token:
+        on_token(x)
+    t1 = time.perf_counter()
+    pos = torch.tensor([P], device=device)
+    while len(out) < decoding.max_new_tokens and not (eos_ids and out[-1] in eos_ids):
+        tokens, probs, t = [x], [], x
+        for i in range(gamma):
+            t, q = steps.draft(draft, t, pos + i, temperature)
+            tokens.append(t)
+            probs.append(q)
+        fed = torch.stack(tokens, 1)  # [1, gamma + 1]
+        logits = steps.verify(model, fed, pos + torch.arange(gamma + 1, device=device))
+        if gamma:
+            q = torch.stack(probs, 1) if temperature > 0 else torch.zeros(1, gamma, 1, device=device)
+            a, nxt = accept(logits, fed[:, 1:], q, temperature, cap=boundary_cap(boundary))
+        else:
+            a, nxt = torch.zeros(1, dtype=torch.long, device=device), sample(logits[:, 0], temperature, None)
+        steps.commit(caches, a[0] + 1)  # x, d_1..d_a stay
+        n = int(a[0])  # the one sync of the round: the tokens leave the device
+        new = fed[0, 1:1 + n].tolist() + [int(nxt[0])]
+        stats["drafted"] += gamma
+        stats["accepted"] += n
+        stats["rounds"] += 1
+        for tok in new:
+            if len(out) >= decoding.max_new_tokens or (eos_ids and out[-1] in eos_ids):
+                break
+            out.append(tok)
+            if on_token:
+                on_token(torch.tensor([tok]))
+        pos = pos + n + 1
+        x = nxt
+    sync()
+    n_new = len(out) - 1
+    stats["decode_s"] = time.perf_counter() - t1
+    stats["decode_tok_s"] = n_new / stats["decode_s"] if n_new else 0.0
+    stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
+    return torch.tensor([out], device=device), stats

@@ -31,18 +31,20 @@ def require_default_checkpoint():
 
 
 def setup(model, kind, batch=1, max_seq_len=None, **fields):
-    """cache.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
-    from cache import setup_caches
+    """generate.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
+    from generate import setup_caches
     from config import CacheConfig
     return setup_caches(model, CacheConfig(kind=kind, **fields).validated(), batch, max_seq_len)
 
 
 def run_generate(model, prompt, new, config, step_fn=None, on_step=None, pre_decode_fn=None, **decoding):
-    """generate.generate over the caches set up on `model` for `config` (a CacheConfig or its name),
-    greedy unless `decoding` says otherwise; step_fn / pre_decode_fn replace the eager steps."""
+    """generate.generate over the caches set up on `model` for `config` (a CacheConfig or its name,
+    checked against the caches' fetch policy), greedy unless `decoding` says otherwise; step_fn /
+    pre_decode_fn replace the eager steps."""
     from dataclasses import replace
 
     from config import CacheConfig
+    from cache import fetch_policy
     from generate import Decoding, Steps, generate
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     steps = Steps()
@@ -50,4 +52,5 @@ def run_generate(model, prompt, new, config, step_fn=None, on_step=None, pre_dec
         steps = replace(steps, decode=step_fn)
     if pre_decode_fn is not None:
         steps = replace(steps, pre_decode=pre_decode_fn)
-    return generate(model, prompt, config.policy, Decoding(new, **decoding), steps, on_step)
+    assert fetch_policy(model) == config.policy, (fetch_policy(model), config.policy)
+    return generate(model, prompt, Decoding(new, **decoding), steps, on_step)

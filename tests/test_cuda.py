@@ -26,8 +26,7 @@ import kernels  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
 from config import CacheConfig  # noqa: E402
-from cache import setup_caches  # noqa: E402
-from generate import Decoding, Steps, compile_step, decode_step, generate_quantspec  # noqa: E402
+from generate import Decoding, Steps, compile_step, decode_step, setup_caches  # noqa: E402
 from tests.helpers import DEFAULT_CKPT, run_generate, tiny_model  # noqa: E402
 from tests.test_kernels import CASES, assert_same_topk, make_case, tol  # noqa: E402
 
@@ -312,11 +311,11 @@ def test_quantspec_compiled_rounds_equal_target_decoding():
     prompt = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(5)).to(DEV)
     draft = quantspec.make_draft(model, 32)
 
-    def run(gamma, steps=Steps()):
+    def run(gamma, steps=quantspec.Steps()):
         quantspec.setup_caches(model, CacheConfig.from_name("quantspec-g16"), 1, 260, gamma=max(gamma, 1))
         quantspec.share_caches(draft, model)
-        return generate_quantspec(model, draft, prompt, gamma, Decoding(90), steps)[0].cpu()
+        return quantspec.generate_quantspec(model, draft, prompt, gamma, Decoding(90), steps)[0].cpu()
 
     eager = run(0)
     torch._dynamo.reset()
-    assert torch.equal(run(3, Steps().compiled(DEV)), eager)
+    assert torch.equal(run(3, quantspec.Steps().compiled(DEV)), eager)

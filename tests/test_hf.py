@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers", reason="hf.py's tests need tr
 
 import generate  # noqa: E402
 import hf  # noqa: E402
-from cache import setup_caches  # noqa: E402
+from generate import setup_caches  # noqa: E402
 from config import POLICIES, CacheConfig  # noqa: E402
 from tests.helpers import run_generate  # noqa: E402
 
@@ -159,7 +159,7 @@ def test_prefill_replay_of_a_windowed_model():
         config = CacheConfig.from_name(name)
         for fill in (replay, functools.partial(prefill, chunk=13)):
             setup_caches(view, config, 1, ids.shape[1] + NEW + 1)
-            out, _ = loop(view, ids, config.policy, Decoding(NEW), Steps(prefill=fill))
+            out, _ = loop(view, ids, Decoding(NEW), Steps(prefill=fill))
             assert out[0].tolist() == ref, (name, fill)
 
 
@@ -279,7 +279,7 @@ def test_quantspec_draft_and_verify(both):
         for gamma in (0, 3):
             quantspec.setup_caches(m, "quantspec-g32", 1, ids.shape[1] + 24, gamma=max(gamma, 1))
             quantspec.share_caches(draft, m)
-            out, st = generate.generate_quantspec(m, draft, ids, gamma, generate.Decoding(16))
+            out, st = quantspec.generate_quantspec(m, draft, ids, gamma, generate.Decoding(16))
             runs[name, gamma] = out[0].tolist()
     assert runs["hf", 3] == runs["hf", 0] == runs["native", 0] == runs["native", 3]
 

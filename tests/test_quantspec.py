@@ -24,8 +24,8 @@ def run(model, gamma, temperature=0.0, steps=None, seed=5, new=NEW):
     caches = qs.setup_caches(model, CacheConfig.from_name("quantspec-g16"), 1, PROMPT + new + 8, gamma=max(gamma, 1))
     draft = qs.make_draft(model, group=32)
     qs.share_caches(draft, model)
-    out, stats = gen.generate_quantspec(model, draft, prompt, gamma, gen.Decoding(new, temperature=temperature),
-                                        steps or gen.Steps())
+    out, stats = qs.generate_quantspec(model, draft, prompt, gamma, gen.Decoding(new, temperature=temperature),
+                                       steps or qs.Steps())
     return out[0].tolist(), stats, caches
 
 
@@ -62,7 +62,7 @@ def test_the_steps_compile_to_one_graph_each(model, autoregressive):
     torch._dynamo.reset()
     counters.clear()
     c = lambda f: torch.compile(f, fullgraph=True, backend="eager")  # noqa: E731
-    out, _, _ = run(model, 3, steps=gen.Steps(draft=c(gen.draft_step), verify=c(gen.verify_step), commit=c(gen.commit)))
+    out, _, _ = run(model, 3, steps=qs.Steps(draft=c(qs.draft_step), verify=c(qs.verify_step), commit=c(qs.commit)))
     assert out == autoregressive[0]
     assert counters["stats"]["unique_graphs"] == 3
 

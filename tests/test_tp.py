@@ -61,14 +61,14 @@ def greedy(model, name, prompt):
     import generate as gen
     import quantspec as qs
     from config import CacheConfig
-    from cache import setup_caches
+    from generate import setup_caches
     from tests.helpers import run_generate
     cfg = CacheConfig.from_name(name.split("+")[0], salient=0.5 if name.endswith("+salient") else None)
     if cfg.kind == "quantspec":
         qs.setup_caches(model, cfg, 1, PROMPT + NEW + 8, gamma=3)
         draft = qs.make_draft(model, group=32)
         qs.share_caches(draft, model)
-        return gen.generate_quantspec(model, draft, prompt, 3, gen.Decoding(NEW))[0]
+        return qs.generate_quantspec(model, draft, prompt, 3, gen.Decoding(NEW))[0]
     setup_caches(model, cfg, 1, PROMPT + NEW + 4)
     return run_generate(model, prompt, NEW, cfg)[0]
 

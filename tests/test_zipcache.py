@@ -1,4 +1,4 @@
-"""ZipCache mixed precision (cache.LowBitCache with salient > 0) on a tiny random Llama: exactness
+"""ZipCache mixed precision (zipcache.ZipCache with salient > 0) on a tiny random Llama: exactness
 against the uniform caches it must reduce to, the saliency of eq. 8-9 against a dense computation,
 one static graph, byte accounting, clear errors."""
 import math
@@ -6,11 +6,10 @@ import math
 import pytest
 import torch
 
-from cache import LowBitCache
 from config import CacheConfig
 from quant import probe_positions
-from cache import setup_caches
-from generate import decode_step
+from generate import decode_step, setup_caches
+from zipcache import ZipCache
 from tests.helpers import run_generate, tiny_model
 
 PROMPT_LEN, NEW = 100, 40
@@ -86,7 +85,7 @@ def dense_normalized_attention(q, k, q_pos, G):
 
 
 def mixed_cache(max_step_tokens=1, name="kivi-2bit-zipcache-s50-hi4-g16-r32"):
-    return LowBitCache(1, 2, 128, 32, torch.float32, torch.device("cpu"), CacheConfig.from_name(name),
+    return ZipCache(1, 2, 128, 32, torch.float32, torch.device("cpu"), CacheConfig.from_name(name),
                        max_step_tokens=max_step_tokens)
 
 

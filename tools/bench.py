@@ -45,7 +45,8 @@ import generate  # noqa: E402
 from tools import measure  # noqa: E402
 from tools.bench_report import md_table, mb, report  # noqa: E402
 import quant  # noqa: E402
-from cache import kv_fp16_bytes, setup_caches  # noqa: E402
+from cache import kv_fp16_bytes  # noqa: E402
+from generate import setup_caches  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from tools.measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402
 import tp  # noqa: E402
@@ -141,7 +142,10 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
         caches = setup_caches(model, cfg, batch, cache_len(context, a))
         cpu0, wall0 = time.process_time(), time.perf_counter()
         n_new = timed + (a.profile_steps if device.type == "cuda" else 0) + 1
-        out, stats = generate.generate(model, prompt, policy, generate.Decoding(n_new), steps, on_step)
+        if policy != cfg.policy:  # NAME+2tok: the loop feeds two tokens to caches configured for one
+            for c in caches:
+                c.policy = policy
+        out, stats = generate.generate(model, prompt, generate.Decoding(n_new), steps, on_step)
         wall = time.perf_counter() - wall0
         cpu_share = (time.process_time() - cpu0) / (wall * torch.get_num_threads())
     if "p" in profile:
@@ -219,11 +223,11 @@ def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
     for g in a.gammas:
         if a.compile:
             torch._dynamo.reset()
-        steps = generate.Steps().compiled(device) if a.compile else generate.Steps()
+        steps = quantspec.Steps().compiled(device) if a.compile else quantspec.Steps()
         for n in (a.warmup + 1, n_new):  # a warm-up run (compiles), then the measured one on fresh caches
             caches = quantspec.setup_caches(model, "quantspec", 1, context + n_new + g + 2, gamma=max(g, 1))
             quantspec.share_caches(draft, model)
-            out, st = generate.generate_quantspec(model, draft, prompt, g, generate.Decoding(n), steps)
+            out, st = quantspec.generate_quantspec(model, draft, prompt, g, generate.Decoding(n), steps)
         per_round = (st["accepted"] + st["rounds"]) / max(1, st["rounds"])
         c = caches[0]
         draft_read = draft_weight_bytes(draft) + sum(x.read_bytes(1, view_bits=4) for x in caches)

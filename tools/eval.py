@@ -173,7 +173,7 @@ class Runner:
 
     def setup(self, m: CacheConfig, seq_len: int):
         """Fresh caches for one prompt (kept in self.caches)."""
-        from cache import setup_caches
+        from generate import setup_caches
         self.caches = setup_caches(self.model, m, 1, self.fixed_len or seq_len)
 
     def prefill_step(self):
@@ -192,7 +192,7 @@ class Runner:
             before(self.caches)
         prompt = self.torch.tensor([ids], device=self.device)
         decoding = self.gen.Decoding(max_new, eos_ids=frozenset(self.tok.eos_ids) if eos else frozenset())
-        out, stats = self.gen.generate(self.model, prompt, m.policy, decoding,
+        out, stats = self.gen.generate(self.model, prompt, decoding,
                                        replace(self.steps, prefill=self.prefill_step()), on_step)
         row = [int(t) for t in out[0]]
         ends = [i for i, t in enumerate(row) if t in self.tok.eos_ids]
@@ -363,6 +363,7 @@ def cmd_quantspec(a, runner, methods, results):
     if bad:
         raise SystemExit(f"error: quantspec runs the quantspec cache (quantspec[-gN]), not {', '.join(bad)}")
     draft = quantspec.make_draft(runner.model, a.draft_group)
+    steps = quantspec.Steps().compiled(runner.device) if a.compile else quantspec.Steps()
     cells = [(dict(base_fields("quantspec", a, m), length=L, sample=i, gamma=g, max_new=a.max_new_tokens,
                    draft_group=a.draft_group), m)
              for L in a.lengths for i in range(a.samples) for m in methods for g in a.gammas]
@@ -373,9 +374,9 @@ def cmd_quantspec(a, runner, methods, results):
         seq_len = runner.fixed_len or len(ids) + f["max_new"] + g + 2
         quantspec.setup_caches(runner.model, m, 1, seq_len, gamma=max(g, 1))
         quantspec.share_caches(draft, runner.model)
-        out, st = runner.gen.generate_quantspec(runner.model, draft, runner.torch.tensor([ids], device=runner.device), g,
+        out, st = quantspec.generate_quantspec(runner.model, draft, runner.torch.tensor([ids], device=runner.device), g,
                                                 runner.gen.Decoding(f["max_new"], eos_ids=frozenset(runner.tok.eos_ids)),
-                                                replace(runner.steps, prefill=runner.prefill_step()))
+                                                replace(steps, prefill=runner.prefill_step()))
         return dict(label=label(m), tokens=[int(t) for t in out[0]], prompt_tokens=len(ids),
                     acceptance=st["acceptance_rate"], rounds=st["rounds"], accepted=st["accepted"],
                     drafted=st["drafted"], decode_tok_s=round(st["decode_tok_s"], 2))

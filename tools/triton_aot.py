@@ -307,8 +307,8 @@ def cases(quick=False):
     import kernels
     import topk
     import transfer
-    from cache import LowBitCache
     from config import CacheConfig
+    from generate import STORES
 
     def both_paths(q, store, *args):  # the word path, and the bit-plane path where it fits the layout
         fits = kernels.planes_fit(store, q.shape[-1], q.shape[1] // store.k_codes.shape[1] * q.shape[2])
@@ -318,7 +318,7 @@ def cases(quick=False):
     def step_case(name, dtype, D, G=4, T=2, S=1024):
         def run():  # (S > 8192: the top-k merges its chunks' candidates in two rounds)
             cfg = CacheConfig.from_name(name)
-            c = LowBitCache(1, 2, S, D, dtype, torch.device("cpu"), cfg)
+            c = STORES[cfg.scheme](1, 2, S, D, dtype, torch.device("cpu"), cfg)
             c.n_quant.fill_(S // 2)
             c.res_len.fill_(3)
             q = torch.zeros(1, 2 * G, T, D, dtype=dtype)

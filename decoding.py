@@ -1,0 +1,94 @@
+"""What every decode loop shares (generate.py's and quantspec.py's): how a token is drawn
+(`sample`, `Decoding`), Algorithm 1's chunked prefill, and how a step becomes one compiled graph
+(`compiled_step`)."""
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+# ---- sampling --------------------------------------------------------------------------------------
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """logits [..., V] -> ids [...]. temperature 0 is greedy. No host sync (exponential race)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = torch.where(logits < kth, float("-inf"), logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What to generate: how many tokens, how each is drawn, and when a row ends."""
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: Optional[int] = None  # sampling from the k most likely tokens
+    eos_ids: frozenset = frozenset()
+    # The loop reads on the host whether every row has ended once per this many steps (a sync, which
+    # a CUDA step would otherwise wait on every step); it runs at most this many - 1 steps past the
+    # end and drops them. 1 when something reads each token anyway (streaming).
+    eos_check_every: int = 8
+
+    def sample(self, logits):
+        return sample(logits, self.temperature, self.top_k)
+
+
+# ---- Algorithm 1 ----------------------------------------------------------------------------------
+@torch.no_grad()
+def prefill(model, prompt: torch.Tensor, chunk: int = 2048, progress=None) -> torch.Tensor:
+    """Algorithm 1. prompt [B, P] -> logits of the last position [B, V]. Chunks attend exactly to
+    everything before them (SpeCache reads the earlier chunks back from the host store)."""
+    P = prompt.shape[1]
+    for start in range(0, P, chunk):
+        end = min(P, start + chunk)
+        pos = torch.arange(start, end, device=prompt.device)
+        logits = model(prompt[:, start:end], pos, mode="prefill")
+        if progress:
+            progress(end, P)
+    return logits[:, -1]
+
+
+# ---- compiled steps --------------------------------------------------------------------------------
+def cloned(fn, *args):
+    """fn(*args) with its outputs copied: a CUDA graph's outputs are overwritten by its next replay."""
+    out = fn(*args)
+    return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
+
+
+def compiled_step(device, fn):
+    """`fn` as one fullgraph graph; a CUDA graph on CUDA. Inductor by default drops a 16-bit round trip
+    inside a fused kernel (x.to(float16).float() stays fp32); the quantizer picks its codes against the
+    16-bit zero and scale it stores (quant.py's least-squares fit), so without emulate_precision_casts
+    the compiled least-squares fit stores other zeros than eager's."""
+    options = {"emulate_precision_casts": True}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (mode and options exclude each other)
+    compiled = torch.compile(fn, fullgraph=True, options=options)
+    if device.type != "cpu":
+        return compiled
+
+    @functools.wraps(fn)
+    def step(*args, **kw):  # (it compiles inside its first call)
+        with cpp_kernel_args_capped(128):
+            return compiled(*args, **kw)
+    return step
+
+
+@contextlib.contextmanager
+def cpp_kernel_args_capped(n: int):
+    """Inductor's CPU backend writes consecutive loops into one C++ function until it takes 500
+    arguments: the preset's 8k step filled one with 15 layers' cache writes (1.2 MB of C++) and gcc 12
+    crashed compiling it (results/bench/ice-8k). While our steps compile, functions take at most n;
+    whatever else the process compiles keeps inductor's default."""
+    from torch._inductor.codegen.cpp import CppScheduling
+    before = CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM
+    CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = min(before, n)
+    try:
+        yield
+    finally:
+        CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = before
