@@ -30,8 +30,8 @@ import triton.language as tl
 
 import attn_gluon
 import quant
-from tiles import (fetched_hits, fetched_mask, integer_units, key_group, load_codes, online_softmax, plane_codes,
-                   tile_channels)
+from tiles import (LOG2E, fetched_hits, fetched_mask, integer_units, key_scores, load_codes, online_softmax,
+                   plane_codes, plane_key_scores, tile_channels)
 
 Tensor = torch.Tensor
 
@@ -218,7 +218,6 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
 # bit-plane path (PLANES, plain KIVI codes) orders a tile's channels plane-major, so each code
 # shifts out of its own byte with no reshape (no shared-memory round trip), makes 16-bit codes under
 # a magic exponent, and serves every value group with one dot (docs/kernels.md has the costs).
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -272,12 +271,8 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                 n_ok = offs_n < hi
                 rows = bh * S + offs_n
                 grp = bh * (S // GROUP_K) + n0 // GROUP_K
-                # keys: q.k' = (q*s_k).c + q.z_k; codes read as CODE_OFF + c, whose extra CODE_OFF * sum(q*s_k)
-                # is taken off with the zero term (from the same rounded q*s_k the dot saw)
-                qs = (qt * tl.load(k_scale + grp * D + offs_d).to(tl.float32)[None, :]).to(dt)
-                zk = tl.load(k_zero + grp * D + offs_d).to(tl.float32)
-                ck = plane_codes(k_codes, rows[None, :], offs_c[:, None], dt, BITS, BLOCK_D, CODES)
-                s = tl.dot(qs, ck, input_precision=DOT) + tl.sum(qt * zk[None, :] - CODE_OFF * qs.to(tl.float32), 1)[:, None]
+                s = plane_key_scores(qt, k_codes, k_scale, k_zero, rows, grp, offs_c, offs_d, D, dt, BITS, BLOCK_D, CODES,
+                                     CODE_OFF, DOT)
                 keep = n_ok
                 if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
                     keep = keep & ~fetched_mask(n0, fidx, GROUP_K)
@@ -300,12 +295,9 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                 n_ok = offs_n < hi
                 rows = bh * S + offs_n
                 # keys: this block is one key group; its scale/zero fold into the query
-                sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + n0 // GROUP_K,
-                                                      offs_d, d_ok, D, N_REF, HIER, RB)
-                ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
-                                 GROUP_K, BLOCK_D)
-                s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
-                s = s + tl.sum(qt * zk[None, :], 1)[:, None]
+                s, ref_rows, ref_ok = key_scores(qt, k_codes, k_lo, k_scale, k_zero, k_ref, ref_map, rows, n_ok,
+                                                 bh * (S // GROUP_K) + n0 // GROUP_K, offs_d, d_ok, D, N_REF, dt, BITS,
+                                                 HIER, RB, WORDS, GROUP_K, BLOCK_D, DOT)
                 keep = n_ok
                 if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
                     keep = keep & (fetched_hits(offs_n, fidx) == 0)
@@ -523,7 +515,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     K = f.k.shape[2] if f is not None else 0
     out_part = torch.empty(BH, NS, M, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(BH, NS, M, dtype=torch.float32, device=q.device)
-    qk_scale = float(sm_scale) * LOG2E
+    qk_scale = float(sm_scale) * LOG2E.value
     if gluon:
         attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, qk_scale, n_splits, split_len, NS)
     _attn_split_kernel[(BH, 1 if gluon else NS)](

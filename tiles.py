@@ -6,6 +6,9 @@ references; the kernels that use them are checked against those (tests/test_kern
 import triton
 import triton.language as tl
 
+# log2(e): the kernels' scores are in log2 units (exp2); launchers scale by LOG2E.value
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def refinement_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
@@ -79,6 +82,32 @@ def load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl
             low = (tl.load(ref + byte_r, mask=ok_r, other=0).to(tl.int32) >> ((offs_d % PB_R) * RB)[None, :]) & RMASK
         c = (c << (RB + 1)) + tl.where(ref_ok[:, None], 2 * low, RMASK)
     return c
+
+
+@triton.jit
+def key_scores(qt, k_codes, k_lo, k_scale, k_zero, k_ref, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF,
+               dt: tl.constexpr, BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+    """q.k' of the query tile qt [BLOCK_M, BLOCK_D] (fp32, scaled) against key group `grp`'s rows `rows`
+    (BLOCK_N of them, from word or byte codes): the group's per-channel scale and zero fold into the
+    query, q.k' = (q*s_k).c + q.z_k, so the dot runs on exact integer codes. -> (scores [BLOCK_M,
+    BLOCK_N], the rows' refinement rows and whether they have one: the values' load_codes reads them)."""
+    sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER, RB)
+    ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS, BLOCK_N, BLOCK_D)
+    s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
+    return s + tl.sum(qt * zk[None, :], 1)[:, None], ref_rows, ref_ok
+
+
+@triton.jit
+def plane_key_scores(qt, k_codes, k_scale, k_zero, rows, grp, offs_c, offs_d, D, dt: tl.constexpr, BITS: tl.constexpr,
+                     BLOCK_D: tl.constexpr, CODES: tl.constexpr, CODE_OFF: tl.constexpr, DOT: tl.constexpr):
+    """key_scores on the bit-plane tiles (plane_codes; plain KIVI codes): codes read as CODE_OFF + c,
+    whose extra CODE_OFF * sum(q*s_k) is taken off with the zero term (from the same rounded q*s_k
+    the dot saw). -> scores [BLOCK_M, len(rows)]."""
+    qs = (qt * tl.load(k_scale + grp * D + offs_d).to(tl.float32)[None, :]).to(dt)
+    zk = tl.load(k_zero + grp * D + offs_d).to(tl.float32)
+    ck = plane_codes(k_codes, rows[None, :], offs_c[:, None], dt, BITS, BLOCK_D, CODES)
+    return tl.dot(qs, ck, input_precision=DOT) + tl.sum(qt * zk[None, :] - CODE_OFF * qs.to(tl.float32), 1)[:, None]
 
 
 @triton.jit

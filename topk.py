@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import (LOG2E, Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
+from kernels import (Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
                      interpreter_upcast, key_logits, op_inputs, planes_for_keys)
-from tiles import key_group, load_codes, plane_codes, tile_channels
+from tiles import LOG2E, key_scores, plane_key_scores, tile_channels
 
 
 # =============================================================================================
@@ -135,7 +135,7 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
     qt = tl.load(q + (bh * G * R + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                  other=0.0)
     qt = qt.to(tl.float32) * qk_scale
-    lse_g = tl.load(lse + bh * G * R + offs_g, mask=g_ok, other=float("inf")).to(tl.float32) * 1.4426950408889634
+    lse_g = tl.load(lse + bh * G * R + offs_g, mask=g_ok, other=float("inf")).to(tl.float32) * LOG2E
     offs_f = tl.arange(0, BLOCK_F)
     if HAS_FETCH:  # exact probabilities of the fetched rows (Algorithm 3's A)
         f_ok = offs_f < K
@@ -153,10 +153,8 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
             offs_n = lo + n0 + tl.arange(0, GROUP_K)
             n_ok = (offs_n < hi) & (offs_n >= FIRST)
             grp = bh * (S // GROUP_K) + tl.minimum((lo + n0) // GROUP_K, last)  # (past S: any group, no key)
-            qs = (qt * tl.load(k_scale + grp * D + offs_d).to(tl.float32)[None, :]).to(dt)
-            zk = tl.load(k_zero + grp * D + offs_d).to(tl.float32)
-            ck = plane_codes(k_codes, bh * S + tl.minimum(offs_n, S - 1)[None, :], offs_c[:, None], dt, BITS, BLOCK_D, CODES)
-            s = tl.dot(qs, ck, input_precision=DOT) + tl.sum(qt * zk[None, :] - CODE_OFF * qs.to(tl.float32), 1)[:, None]
+            s = plane_key_scores(qt, k_codes, k_scale, k_zero, bh * S + tl.minimum(offs_n, S - 1), grp, offs_c, offs_d, D,
+                                 dt, BITS, BLOCK_D, CODES, CODE_OFF, DOT)
             tl.store(keys + bh * S_PAD + offs_n, _radix_key(best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R), n_ok))
         if HAS_FETCH:  # the fetched positions of this chunk: their fp rows' exact scores replace the low-bit ones
             tl.debug_barrier()
@@ -168,12 +166,9 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
             n_ok = (offs_n < hi) & (offs_n >= FIRST)
             rows = bh * S + offs_n
             grp_ok = offs_d < tl.where(lo + n0 < hi, D, 0)  # (block & scalar-bool masks break the interpreter)
-            sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K,
-                                                  offs_d, grp_ok, D, N_REF, HIER, RB)
-            ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
-                             GROUP_K, BLOCK_D)
-            s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
-            s = s + tl.sum(qt * zk[None, :], 1)[:, None]
+            s, _, _ = key_scores(qt, k_codes, k_lo, k_scale, k_zero, k_ref, ref_map, rows, n_ok,
+                                 bh * (S // GROUP_K) + (lo + n0) // GROUP_K, offs_d, grp_ok, D, N_REF, dt, BITS, HIER, RB,
+                                 WORDS, GROUP_K, BLOCK_D, DOT)
             prob = best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R)
             if HAS_FETCH:
                 hit = offs_n[:, None] == fidx[None, :]
@@ -330,7 +325,7 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
     _topk_score_kernel[(BH, n_chunks)](
         q_rows.contiguous(), lse_rows.contiguous(), k_codes, c(k_lo), c(store.k_scale), c(store.k_zero),
         c(store.n_quant), c(f.idx) if f else q_row, f.valid.contiguous().view(torch.uint8) if f else q_row,
-        c(f.k) if f else q_row, keys, hist, c(k_ref), c(store.ref_map), float(sm_scale) * LOG2E, S,
+        c(f.k) if f else q_row, keys, hist, c(k_ref), c(store.ref_map), float(sm_scale) * LOG2E.value, S,
         n_chunks * chunk, K, D, G, first, store.n_ref, R,
         BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
         WORDS=words, GROUP_K=store.group_k, HAS_FETCH=f is not None,
