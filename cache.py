@@ -17,10 +17,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+import lowbit
 import quant
 import topk
 from config import NO_FETCH, CacheConfig, FetchPolicy
-from kernels import Fetched, LowBitKV, Residual
+from lowbit import Fetched, LowBitKV, Residual
 from prefetch import Prefetcher
 
 def exact_attention(q, k, v, input_pos, key_pos, window=None):
@@ -219,8 +220,8 @@ class LowBitCache(nn.Module):
 
     def dequantized(self, n: int):
         """Full-precision view of quantized tokens [0, n) (prefill only: it materializes them)."""
-        part = kernels.first_tokens(self.stored(), n)
-        return kernels.dequant_keys(part).to(self.k_res.dtype), kernels.dequant_values(part).to(self.v_res.dtype)
+        part = lowbit.first_tokens(self.stored(), n)
+        return lowbit.dequant_keys(part).to(self.k_res.dtype), lowbit.dequant_values(part).to(self.v_res.dtype)
 
     # ---- Algorithm 1: prefill, one layer and one chunk of the prompt ----------------------------
     def prefill(self, q, k, v, input_pos):
@@ -313,7 +314,7 @@ class LowBitCache(nn.Module):
     def read_bytes(self, step_tokens: int = 1, stored: Optional[LowBitKV] = None) -> int:
         """Bytes a decode step's attention reads: codes and scales of the quantized tokens (`stored`,
         default self.stored()) and the fp residual rows."""
-        return kernels.lowbit_read_bytes(stored or self.stored(), int(self.n_quant)) + \
+        return lowbit.lowbit_read_bytes(stored or self.stored(), int(self.n_quant)) + \
             self.k_res[:, :, :1].nbytes * 2 * (int(self.res_len) + step_tokens)
 
 
@@ -443,7 +444,7 @@ class SpeCache(LowBitCache):
         token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them).
         Re-ranking's candidate keys cross the bus into registers (transfer.rerank_rows): bus bytes,
         not device reads."""
-        keys_again = kernels.lowbit_read_bytes(self.stored(), int(self.n_quant), values=False)
+        keys_again = lowbit.lowbit_read_bytes(self.stored(), int(self.n_quant), values=False)
         return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again
 
 

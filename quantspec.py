@@ -35,7 +35,7 @@ import quant
 from cache import LowBitCache
 from config import CacheConfig
 from decoding import Decoding, cloned, compiled_step, prefill, sample
-from kernels import LowBitKV, Residual
+from lowbit import LowBitKV, Residual
 
 
 # ---- the draft's weights ---------------------------------------------------------------------------

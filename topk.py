@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import (Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
-                     interpreter_upcast, key_logits, op_inputs, planes_for_keys)
+from lowbit import (Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
+                    interpreter_upcast, key_logits, op_inputs, planes_for_keys)
 from tiles import LOG2E, key_scores, plane_key_scores, tile_channels
 
 

@@ -18,7 +18,7 @@ import torch
 import quant
 from cache import LowBitCache
 from config import CacheConfig
-from kernels import Fetched, LowBitKV
+from lowbit import Fetched, LowBitKV
 
 
 class ZipCache(LowBitCache):

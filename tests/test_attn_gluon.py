@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attn_gluon
-import kernels
+import lowbit
 from tests.test_kernels import make_case
 
 
@@ -86,16 +86,16 @@ def test_the_kernels_arithmetic_matches_the_references(D, bits, gv, dtype):
     M = 6
     qg = c.q[0, :3].float().reshape(M, D)  # kv head 0's query rows
     # the same products rounded once to the model's dtype, everything else exact: what the kernel computes
-    codes = kernels._codes(c.store, "k")[0, 0].double()  # [S, D] natural order
+    codes = lowbit._codes(c.store, "k")[0, 0].double()  # [S, D] natural order
     gk = c.store.group_k
     rounded = torch.cat([(qg * c.store.k_scale[0, 0, g].float()).to(dtype).double() @ codes[g * gk:(g + 1) * gk].T
                          + (qg.double() @ c.store.k_zero[0, 0, g].double())[:, None] for g in range(128 // gk)], 1)
     got = model_logits(qg, c.store, dtype)
     torch.testing.assert_close(got, rounded, atol=1e-6, rtol=1e-6)
-    want = kernels.key_logits(qg[None, None], c.store)[0, 0]  # and the fp32 reference, within the dtype's rounding
+    want = lowbit.key_logits(qg[None, None], c.store)[0, 0]  # and the fp32 reference, within the dtype's rounding
     torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item(), rtol=0)
     p = torch.softmax(want, -1)
-    vcodes = kernels._codes(c.store, "v")[0, 0].double()
+    vcodes = lowbit._codes(c.store, "v")[0, 0].double()
     ngv, dg = D // min(gv, D), min(gv, D)
     rounded_v = torch.cat([(p * c.store.v_scale[0, 0, :, g].float()).to(dtype).double() @ vcodes[:, g * dg:(g + 1) * dg]
                            + (p.double() @ c.store.v_zero[0, 0, :, g].double())[:, None] for g in range(ngv)], 1)

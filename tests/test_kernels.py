@@ -18,11 +18,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
+import lowbit  # noqa: E402
 import tiles  # noqa: E402
 import quant  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
-from kernels import Fetched, LowBitKV, Residual  # noqa: E402
+from lowbit import Fetched, LowBitKV, Residual  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRETED = type(kernels._attn_split_kernel).__name__ == "InterpretedFunction"
@@ -112,9 +113,9 @@ def dense_attention(c: Case):
     """Loop-per-(batch, head, token) fp32 attention over everything that is valid."""
     B, H, T, D = c.q.shape
     Hkv, S = c.store.k_codes.shape[1], c.store.k_codes.shape[2]
-    keys, vals = kernels.dequant_keys(c.store), kernels.dequant_values(c.store)
+    keys, vals = lowbit.dequant_keys(c.store), lowbit.dequant_values(c.store)
     keep = torch.arange(S) < c.store.n_quant
-    replaced = kernels.replaced_mask(c.fetched, S) if c.fetched is not None else None
+    replaced = lowbit.replaced_mask(c.fetched, S) if c.fetched is not None else None
     out, lse = torch.zeros(B, H, T, D), torch.zeros(B, H, T)
     for b in range(B):
         for h in range(H):
@@ -205,7 +206,7 @@ def topk_inputs(G=3, n_quant=160, S=256, hier=False, k=16, seed=1, **kw) -> Topk
 def dense_topk_scores(t: TopkCase):
     B, H, D = t.q_row.shape
     Hkv, S = t.store.k_codes.shape[1], t.store.k_codes.shape[2]
-    keys = kernels.dequant_keys(t.store)
+    keys = lowbit.dequant_keys(t.store)
     score = torch.full((B, Hkv, S), -1.0)
     for b in range(B):
         for j in range(Hkv):
@@ -258,7 +259,7 @@ def test_mixed_precision_store_reads_as_the_quantizer_wrote():
                          torch.tensor(64), bits, 16, 32, k_ref=k_ref, v_ref=k_ref, ref_map=ref_map, ref_bits=hi - bits,
                          n_ref=n_ref)
         want = quant.dequantize_mixed(up, low, has, sc, zr, bits, hi, 16, "tokens")
-        torch.testing.assert_close(kernels.dequant_keys(store), want, atol=0, rtol=0)
+        torch.testing.assert_close(lowbit.dequant_keys(store), want, atol=0, rtol=0)
         s_hi = sc.float().repeat_interleave(16, 2)
         err = (want - x).abs()
         assert (err[has] <= s_hi[has] / 2 + 1e-5).all()  # salient: round to nearest at bits_hi
@@ -321,7 +322,7 @@ def test_topk_of_two_tokens_is_the_best_of_each_and_first_is_excluded():
 def test_topk_exact_is_the_reference_on_full_precision_keys():
     """The oracle's exact top-k equals topk_lowbit_ref over an 8-bit-free 'store' of the same keys."""
     t = topk_inputs(G=3, n_quant=96, S=128, k=16)
-    keys = kernels.dequant_keys(t.store)
+    keys = lowbit.dequant_keys(t.store)
     score, idx = topk.topk_exact(t.q_row, keys, t.store.n_quant, 16, t.sm_scale)
     logits = torch.einsum("bhgd,bhsd->bhgs", t.q_row.view(1, 2, 3, -1), keys) * t.sm_scale
     logits[..., 96:] = float("-inf")
@@ -489,14 +490,14 @@ def test_triton_topk_ties_fill_exactly_k():
 def test_triton_custom_ops_opcheck():
     """Schema, fake (meta) kernels and the real launch agree (run on CPU through the interpreter)."""
     c = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
-    tensors, ints, optional = kernels.op_inputs(c.store, c.residual, c.fetched)
+    tensors, ints, optional = lowbit.op_inputs(c.store, c.residual, c.fetched)
     got = kernels._attention_lowbit_op(c.q, list(tensors), list(ints), list(optional), c.sm_scale)
     torch.testing.assert_close(got, kernels.attention_lowbit_ref(*c.args()), atol=1e-4, rtol=1e-4)
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(kernels._attention_lowbit_op, (c.q, list(tensors), list(ints), list(optional), c.sm_scale),
                           test_utils=tests)
     t = topk_inputs(G=3, n_quant=64, S=128)
-    tensors, ints, optional = kernels.op_inputs(t.store, Residual(None, None, None), None)
+    tensors, ints, optional = lowbit.op_inputs(t.store, Residual(None, None, None), None)
     torch.library.opcheck(topk._topk_lowbit_op, (t.q_row, t.lse_row, list(tensors[:7]), list(ints), list(optional),
                                                     t.k, t.sm_scale), test_utils=tests)
 
@@ -510,7 +511,7 @@ def test_triton_attention_op_fake_has_the_real_strides():
     c = make_case(G=3, T=2, S=128, n_quant=64)
     q = c.q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B,T,H,D] memory
     assert not q.is_contiguous()
-    tensors, ints, optional = kernels.op_inputs(c.store, c.residual, c.fetched)
+    tensors, ints, optional = lowbit.op_inputs(c.store, c.residual, c.fetched)
     real = kernels._attention_lowbit_op(q, list(tensors), list(ints), list(optional), c.sm_scale)
     with FakeTensorMode() as mode:
         fake_in = [mode.from_tensor(x) for x in tensors]

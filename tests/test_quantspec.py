@@ -40,7 +40,7 @@ def test_greedy_quantspec_equals_target_decoding_and_cache_state(model, autoregr
     same cache afterwards (up to float noise: verifying several tokens in one matmul rounds
     differently, which can move a lower-plane code by one step), so no rejected token was ever
     quantized."""
-    from kernels import dequant_keys, dequant_values
+    from lowbit import dequant_keys, dequant_values
     ref, _, ref_caches = autoregressive
     out, stats, caches = run(model, gamma)
     assert out == ref

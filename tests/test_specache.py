@@ -4,7 +4,7 @@ import torch
 
 import quant
 from cache import setup_caches
-from kernels import Fetched
+from lowbit import Fetched
 from generate import decode_step
 from tests.helpers import run_generate, setup, tiny_model
 
@@ -129,7 +129,7 @@ def test_sinks_stay_in_fp16_and_are_never_fetched(model):
     """sinkN: the first N positions are attended in fp16 from the device once quantized; top-k
     never spends a fetched row on them."""
     from config import CacheConfig
-    from kernels import dequant_keys
+    from lowbit import dequant_keys
     cfg = CacheConfig("specache", bits=1, group=16, residual=32, k=8, sinks=4)
     caches = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
     prefetcher = caches.prefetcher

@@ -19,7 +19,7 @@ def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=6
     """A SpeCache layer's cache filled with random codes and scales to `context` tokens, k fetched
     rows and two query tokens: the inputs of the attention and top-k kernels at a model's shapes.
     -> (cache, its LowBitKV, Fetched, q [1, Hkv*G, 2, D])."""
-    import kernels
+    import lowbit
     from cache import LowBitCache
     c = LowBitCache(1, Hkv, context + 128, D, dtype, device, CacheConfig("specache", bits=bits, group=group, k=k))
     for name in ("k_codes", "v_codes"):
@@ -29,9 +29,9 @@ def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=6
     c.n_quant.fill_(context // c.residual * c.residual)
     c.res_len.fill_(c.residual // 2)
     idx = torch.randperm(int(c.n_quant), generator=g, device=device)[:k].expand(1, Hkv, k).contiguous()
-    fetched = kernels.Fetched(torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype),
-                              torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype), idx,
-                              torch.ones(1, Hkv, k, dtype=torch.bool, device=device))
+    fetched = lowbit.Fetched(torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype),
+                             torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype), idx,
+                             torch.ones(1, Hkv, k, dtype=torch.bool, device=device))
     q2 = torch.randn(1, Hkv * G, 2, D, generator=g, device=device).to(dtype)
     return c, c.stored(), fetched, q2
 
@@ -41,6 +41,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     """Each decode-step kernel alone at the model's shapes, batch 1, `context` tokens: time, bytes it
     must move, achieved GB/s, and its byte floor here and on an H100."""
     import kernels
+    import lowbit
     import topk
     import transfer
     import torch.nn.functional as F
@@ -83,7 +84,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
         victim = victim or (f"{bits}-bit attention", attn, c.read_bytes(2) + fbytes)
         lse = torch.zeros(1, Hkv * G, device=device)
         select = wrap(lambda: topk.topk_lowbit(q2[:, :, 1], lse, store, K, c.sm_scale, fetched))
-        key_bytes = kernels.lowbit_read_bytes(store._replace(v_codes=None, v_scale=None, v_zero=None), int(c.n_quant))
+        key_bytes = lowbit.lowbit_read_bytes(store._replace(v_codes=None, v_scale=None, v_zero=None), int(c.n_quant))
         add(f"{bits}-bit speculative top-k (score + select)", select, key_bytes + fetched.k.nbytes + idx.nbytes)
     # the transfer: k rows of K and V per kv head from the host store
     K = a.k or 64

@@ -31,7 +31,7 @@ import torch
 import kernels
 import topk
 from cache import SpeCache
-from kernels import Fetched, Residual
+from lowbit import Fetched, Residual
 
 KEYS = ("hit", "hit_mass", "hit_own", "mass", "mass_topk", "mass_best", "err", "err_topk", "err_own", "err_none",
         "reuse")

@@ -305,13 +305,14 @@ def cases(quick=False):
     calls the Triton launchers the way the decode step does, so the launchers choose blocks, bits and
     flags themselves."""
     import kernels
+    import lowbit
     import topk
     import transfer
     from config import CacheConfig
     from generate import STORES
 
     def both_paths(q, store, *args):  # the word path, and the bit-plane path where it fits the layout
-        fits = kernels.planes_fit(store, q.shape[-1], q.shape[1] // store.k_codes.shape[1] * q.shape[2])
+        fits = lowbit.planes_fit(store, q.shape[-1], q.shape[1] // store.k_codes.shape[1] * q.shape[2])
         for planes in (False, True) if fits and not quick else (False,):  # (--quick: the GPU default only)
             kernels.attention_lowbit_triton(q, store, *args, planes=planes)
 
@@ -325,12 +326,12 @@ def cases(quick=False):
             fetched = None
             if cfg.kind == "specache":
                 K = cfg.k
-                fetched = kernels.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
-                                          torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
+                fetched = lowbit.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
+                                         torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
             both_paths(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
             if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates; the bit-plane tiles where they fit)
                 store = c.stored()
-                for planes in (False, True) if kernels.planes_fit(store, D, 1) and not quick else (None,):
+                for planes in (False, True) if lowbit.planes_fit(store, D, 1) and not quick else (None,):
                     topk.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), store, cfg.k * cfg.rerank,
                                             c.sm_scale, fetched, planes=planes)
         return run
