@@ -159,8 +159,8 @@ def sweep_kernels() -> dict:
     kernel's two quantized-slot paths (docs/kernels.md), the word-unpacking one and the bit-plane one."""
     import functools
     import kernels
-    return {"words": functools.partial(kernels.attention_lowbit_triton, planes=False),
-            "planes": functools.partial(kernels.attention_lowbit_triton, planes=True)}
+    return {"words": functools.partial(kernels.attention_lowbit_triton, attn_path="words"),
+            "planes": functools.partial(kernels.attention_lowbit_triton, attn_path="gluon")}
 
 
 def sweep_configs(n_splits_default: int) -> list[dict]:
