@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 import config as cache_config
+import kernels
 import quantspec
 import tp
 from cache import kv_fp16_bytes, setup_caches
@@ -545,6 +546,9 @@ def run(a):
         "kv_fp16_bytes": kv_fp16_bytes(model.args, a.batch_size, seq_len),
         "kv_peak_prefill_device_bytes": caches.meter.peak,
         "cache": config.name, "config": config.as_dict(),
+        # the low-bit attention's kernel path (Triton on CUDA; the CPU runs the torch reference)
+        "attn_path": None if config.kind == "full" else "torch" if device.type != "cuda" else
+        config.attn_path or kernels.DEFAULT_ATTN_PATH,
         "spec_exact_hit_rate": stats["spec_exact_hit_rate"], "resyncs": stats["resyncs"],
         "method": a.method, "acceptance_rate": stats["acceptance_rate"],
         "gamma": a.gamma if a.method == "quantspec" else None,
@@ -555,7 +559,8 @@ def run(a):
     if not a.quiet:
         print()
     mib = 2 ** 20
-    print(f"[{config.name}] prefill {len(ids)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
+    attn = f", attention {result['attn_path']}" if result["attn_path"] else ""
+    print(f"[{config.name}{attn}] prefill {len(ids)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
           f"KV device {result['kv_device_bytes'] / mib:.2f} MiB, host {result['kv_host_bytes'] / mib:.2f} MiB, "
           f"fp16 equiv {result['kv_fp16_bytes'] / mib:.2f} MiB", file=sys.stderr if a.json else sys.stdout)
     if a.json:
