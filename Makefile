@@ -72,6 +72,16 @@ venv-triton36: .venv-triton36/.installed
 	.venv-triton36/bin/pip install -q triton==3.6.0
 	touch $@
 
+# A venv for the eviction baselines (kvpress 0.5.5 needs transformers <5.3; hf.py needs >=5.23): tools/baselines.py
+# runs in it (docs/baselines.md). The CPU build of torch first, so that pip keeps it; then the pins.
+.PHONY: venv-kvpress
+venv-kvpress: .venv-kvpress/.installed
+.venv-kvpress/.installed: requirements-kvpress.txt
+	$(PYTHON) -m venv .venv-kvpress
+	.venv-kvpress/bin/pip install -q torch==2.13.0
+	.venv-kvpress/bin/pip install -q -r requirements-kvpress.txt
+	touch $@
+
 # The PNGs in docs/ from the raw results under results/ (no model, no GPU).
 .PHONY: figures
 figures: $(STAMP)

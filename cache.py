@@ -282,7 +282,7 @@ class LowBitCache(nn.Module):
         """Attention of the step's T query tokens (already appended to the residual) over
         quantized + residual (+ fetched fp rows replacing their quantized copies)."""
         return kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale,
-                                        use_op=self.custom_ops)
+                                        use_op=self.custom_ops, attn_path=self.config.attn_path)
 
     def commit_step(self, keep: int = 1):
         """Static-shape end of a decode step: the first `keep` step tokens stay; a full residual is
@@ -382,11 +382,11 @@ class SpeCache(LowBitCache):
             # Re-ranking: the low-bit top-(N*k) are candidates; their fp keys decide the k where the
             # keys land (prefetch.Prefetcher.start_rerank: on the side stream on a GPU).
             score, cand = topk.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_cand, self.sm_scale, fetched,
-                                           first=self.sinks, use_op=self.custom_ops)
+                                           first=self.sinks, use_op=self.custom_ops, attn_path=self.config.attn_path)
             return cand, score >= 0, topk.as_rows(q_rows, lse_rows)
         else:
             score, idx = topk.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_fetch, self.sm_scale, fetched,
-                                          first=self.sinks, use_op=self.custom_ops)
+                                          first=self.sinks, use_op=self.custom_ops, attn_path=self.config.attn_path)
         return idx, score >= 0, None
 
     def start_fetch(self, idx, valid, rerank_by=None, real=(None, None, None)):

@@ -20,6 +20,7 @@ import quant
 KINDS = ("full", "kivi", "specache", "quantspec")
 SCHEMES = ("kivi", "zipcache", "quantspec")
 FETCH_IMPLS = ("uva", "staged")
+ATTN_PATHS = ("words", "planes", "gluon")  # the low-bit kernels' reads of the codes (lowbit.DEFAULT_ATTN_PATH)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class CacheConfig:
     one_bit: str = "improved"  # 1-bit zero/scale: eq. 3 ("improved") or eq. 2 ("kivi", Table 5)
     fit: str = "range"       # zero/scale from min/max (eq. 2/3), or "lsq": least-squares refit (quant.py)
     fetch_impl: str = "uva"  # CUDA transfer: Triton gather over UVA, or "staged" (eager only)
+    attn_path: Optional[str] = None  # low-bit attention/top-k kernels: ATTN_PATHS (None: lowbit.DEFAULT_ATTN_PATH)
     sinks: int = 0           # SpeCache: the first tokens (attention sinks) kept in fp16 on the device
     rerank: int = 1          # SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys (select)
     salient: float = 0.0     # ZipCache mixed precision: share of each key group's tokens kept at bits_salient
@@ -218,6 +220,8 @@ class CacheConfig:
             bad("the quantspec cache is the hierarchical INT4/INT8 store (scheme quantspec, 8 bits)")
         if self.kind == "quantspec" and self.residual_len != 2 * self.group:
             bad(f"the quantspec cache's full-precision buffer is two groups ({2 * self.group}), not {self.residual_len}")
+        if self.attn_path is not None and self.attn_path not in ATTN_PATHS:
+            bad(f"unknown attention path {self.attn_path!r} ({', '.join(ATTN_PATHS)})")
         if self.kind == "specache":
             if self.k < 1:
                 bad(f"--k must be >= 1, got {self.k}")
@@ -295,6 +299,9 @@ def add_cache_flags(p):
     p.add_argument("--quant", default=None, choices=list(SCHEMES),
                    help="low-bit scheme: KIVI, ZipCache channel-separable values, QuantSpec INT4/INT8 planes (--bits 4|8)")
     p.add_argument("--fetch-impl", default=None, choices=list(FETCH_IMPLS), help="CUDA host-to-device transfer")
+    p.add_argument("--attn-path", default=None, choices=list(ATTN_PATHS),
+                   help="low-bit attention kernel on a GPU: words, bit planes, or planes in the Gluon kernel "
+                        "(default: lowbit.DEFAULT_ATTN_PATH)")
     p.add_argument("--salient-ratio", type=float, default=None,
                    help="ZipCache mixed precision (--quant zipcache): share of tokens kept at --bits-salient (e.g. 0.4)")
     p.add_argument("--bits-salient", type=int, default=None, help="ZipCache: bits of the salient tokens (default --bits + 2)")
@@ -304,4 +311,5 @@ def from_flags(a) -> CacheConfig:
     """The CacheConfig of add_cache_flags' options. Raises ValueError."""
     return CacheConfig.from_name(a.cache, preset=a.preset, bits=a.bits, group=a.group, residual=a.residual, k=a.k,
                                  fetch=a.fetch, one_bit=a.one_bit, fit=a.fit, scheme=a.quant, fetch_impl=a.fetch_impl,
+                                 attn_path=a.attn_path,
                                  sinks=a.sinks, rerank=a.rerank, salient=a.salient_ratio, bits_salient=a.bits_salient)

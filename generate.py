@@ -11,10 +11,10 @@ Read it next to the paper's appendix A:
                 the first decoding step needs and starts their fetch; it outputs speculative T'2.
   decode_step() Algorithm 3: feeds [T_t, T'_{t+1}] (shape [B, 2]) through one static-shape graph;
                 outputs the real T_{t+1} and the next speculative T'_{t+2}.
-  generate()    the loop around them; the caches' fetch policy (config.FetchPolicy) says how many
-                tokens a step feeds and whether pre-decoding runs (again, after a wrong guess: `resync`).
-KIVI, the full cache and SpeCache's sequential/oracle fetch decode one token per step. hf_generate()
-runs generate() inside a transformers model (hf.py); --method quantspec runs quantspec.py's loop.
+  generate()    the loop around them; the caches' fetch policy (config.FetchPolicy) says how many tokens a
+                step feeds (KIVI, the full cache and SpeCache's sequential/oracle fetch: one) and whether
+                pre-decoding runs (again, after a wrong guess: `resync`).
+hf_generate() runs generate() inside a transformers model (hf.py); --method quantspec: quantspec.py's loop.
 """
 import argparse
 import functools
@@ -36,6 +36,7 @@ import zipcache
 from cache import fetch_policy, kv_fp16_bytes
 from config import CacheConfig
 from decoding import Decoding, compiled_step, prefill, sample  # noqa: F401 (generate.Decoding, generate.prefill)
+from lowbit import DEFAULT_ATTN_PATH
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
@@ -45,8 +46,7 @@ STORES = {"kivi": cache.LowBitCache, "zipcache": zipcache.ZipCache, "quantspec":
 
 
 def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len=None) -> cache.KVCaches:
-    """cache.setup_caches with the store of the configuration's quantizer (STORES; QuantSpec's own
-    draft-and-verify cache: quantspec.setup_caches)."""
+    """cache.setup_caches with the configuration's quantizer's store (QuantSpec's cache: quantspec.setup_caches)."""
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind == "quantspec":
         raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with quantspec.setup_caches")
@@ -93,12 +93,12 @@ def compile_step(device, fn=decode_step):
 # ---- the generation loop ----------------------------------------------------------------------------
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, decoding: Decoding, steps: Steps = Steps(), on_step=None):
-    """prompt [B, P] -> (generated ids [B, N], stats), over the caches set up on `model`, by their
-    fetch policy (`fetch_policy`): Algorithm 1, Algorithm 2 when the policy pre-decodes, then decode
-    steps of policy.step_tokens tokens until decoding.max_new_tokens or every row has produced an eos
-    token (the ids stop after the last row's). With the resync policy, whenever the speculative token turns out wrong, pre-decoding runs again
-    with the real token, so the next speculative token and the next fetch come from it, not from the
-    wrong guess (one extra one-token forward per miss, and one host sync per step to know).
+    """prompt [B, P] -> (generated ids [B, N], stats), over the caches set up on `model`, by their fetch
+    policy (cache.fetch_policy): Algorithm 1, Algorithm 2 when the policy pre-decodes, then decode steps
+    of policy.step_tokens tokens until decoding.max_new_tokens or every row has produced an eos token
+    (the ids stop after the last row's). With the resync policy, whenever the speculative token turns
+    out wrong, pre-decoding runs again with the real token, so the next speculative token and the next
+    fetch come from it, not from the wrong guess (one more one-token forward per miss, one sync a step).
 
     on_step(step, logits, token, fed) is called after prefill (step 0, logits of the last prompt
     position, fed None) and after each decode step (logits [B, V] of the real token's row, fed
@@ -167,15 +167,13 @@ WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "M
 def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                 synced_gpus=False, streamer=None, cache_config="specache", prefill_chunk=2048, stream=None,
                 **model_kwargs):
-    """The decode loop for `model.generate(input_ids, custom_generate=generate.hf_generate,
-    cache_config=NAME, ...)`: generate() (prefill, pre-decoding, two-token steps) over fresh caches of
-    `cache_config` (a config.CacheConfig or its name, e.g. "specache-1bit-best", "kivi-2bit", "full")
-    inside the transformers model (hf.HFModel). Honours max_new_tokens/max_length, eos_token_id,
-    greedy decoding and sampling's temperature/top-k/top-p/min-p; other logits processors and
-    stopping criteria raise hf.HFError. The streamer: transformers 5.23 hands a custom_generate
-    callable only the keyword arguments that its own sampling loop does not take, so `streamer=`
-    never arrives here; pass it as `stream=`. QuantSpec runs through generate.py's --method quantspec.
-    Returns [B, P + N] ids."""
+    """The decode loop for `model.generate(input_ids, custom_generate=generate.hf_generate, cache_config=NAME,
+    ...)`: generate() over fresh caches of `cache_config` (a config.CacheConfig or its name, e.g.
+    "specache-1bit-best", "kivi-2bit", "full") inside the transformers model (hf.HFModel). Honours
+    max_new_tokens/max_length, eos_token_id, greedy decoding and sampling's temperature/top-k/top-p/min-p;
+    other logits processors and stopping criteria raise hf.HFError. transformers 5.23 hands a custom_generate
+    callable only the keyword arguments its own loop does not take: pass the streamer as `stream=`.
+    QuantSpec runs through generate.py's --method quantspec. Returns [B, P + N] ids."""
     import hf
 
     config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
@@ -244,8 +242,7 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks: run under torchrun --nproc-per-node N "
                    "(the default is torchrun's world size; the flag checks it). docs/tp.md")
     p.add_argument("--compile", action="store_true", help="compile the decode step (fullgraph; CUDA graph on CUDA)")
-    p.add_argument("--compile-prefill", action="store_true",
-                   help="also compile prefill (dynamic shapes; the low-bit caches' bookkeeping stays eager)")
+    p.add_argument("--compile-prefill", action="store_true", help="also compile prefill (dynamic shapes; caches stay eager)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.add_argument("--quiet", action="store_true", help="no streaming text")
     return p.parse_args(argv)
@@ -379,6 +376,8 @@ def run(a):
         "kv_device_bytes": caches.device_bytes(), "kv_host_bytes": caches.host_bytes(),
         "kv_fp16_bytes": kv_fp16_bytes(model.args, a.batch_size, seq_len),
         "kv_peak_prefill_device_bytes": caches.meter.peak, "cache": config.name, "config": config.as_dict(),
+        "attn_path": None if config.kind == "full" else "torch" if device.type != "cuda" else  # (Triton on CUDA)
+        config.attn_path or DEFAULT_ATTN_PATH,
         "spec_exact_hit_rate": stats["spec_exact_hit_rate"], "resyncs": stats["resyncs"], "method": a.method,
         "acceptance_rate": stats["acceptance_rate"], "gamma": a.gamma if a.method == "quantspec" else None,
         "bytes_fetched_per_step": caches.fetch_bytes_per_step()}
@@ -387,7 +386,8 @@ def run(a):
     if not a.quiet:
         print()
     mib = 2 ** 20
-    print(f"[{config.name}] prefill {len(ids)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
+    attn = f", attention {result['attn_path']}" if result["attn_path"] else ""
+    print(f"[{config.name}{attn}] prefill {len(ids)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
           f"KV device {result['kv_device_bytes'] / mib:.2f} MiB, host {result['kv_host_bytes'] / mib:.2f} MiB, "
           f"fp16 equiv {result['kv_fp16_bytes'] / mib:.2f} MiB", file=sys.stderr if a.json else sys.stdout)
     if a.json:

@@ -28,10 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-import attn_gluon
-from lowbit import (Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs, interpreted,
-                    interpreter_upcast, key_logits, op_inputs, plane_codes_mode, planes_fit, replaced_mask,
-                    take_planes, value_sum)
+from lowbit import (DEFAULT_ATTN_PATH, Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision,
+                    from_op_inputs, interpreted, interpreter_upcast, key_logits, op_inputs, plane_codes_mode, planes_fit,
+                    replaced_mask, take_planes, value_sum)
 from tiles import (LOG2E, fetched_hits, fetched_mask, integer_units, key_scores, load_codes, online_softmax,
                    plane_codes, plane_key_scores, tile_channels)
 
@@ -272,35 +271,38 @@ DECODE_LAUNCH = dict(num_warps=2, num_stages=1)
 FP_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)  # the fp-row program alone: <= 128 registers (not timed)
 
 
-def _planes_layout(store: LowBitKV, D: int, M: int, dtype, planes=None):
-    """(RG, BLOCK_M, CODES, CODE_OFF) of the bit-plane path, or None where it does not apply: QuantSpec's
-    INT8 view and ZipCache's mixed codes, rows not whole 32-bit words, D or the value groups not powers
-    of two, or more than 32 tile rows (RG copies of the query rows). planes=False: never (the sweep's
-    comparison); True: required."""
+def _planes_layout(store: LowBitKV, D: int, M: int, dtype, attn_path=None):
+    """(RG, BLOCK_M, CODES, CODE_OFF) of the bit-plane path, or None (words; QuantSpec's INT8 view, ZipCache's
+    mixed codes, rows not whole 32-bit words, D or value groups not powers of two, or > 32 tile rows)."""
     NGV = D // min(store.group_v, D)
     rows = triton.next_power_of_2(M) * NGV
-    if not take_planes(planes_fit(store, D, M), planes, "attention path"):
+    if not take_planes(planes_fit(store, D, M), attn_path, "attention path"):
         return None
     return (NGV, max(16, rows)) + plane_codes_mode(store, D, dtype)
 
 
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
-                            n_splits=None, planes=None, **launch):
+                            n_splits=None, attn_path=None, **launch):
     B, H, T, D = q.shape
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
     group_v = min(store.group_v, D)
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
     words, BLOCK_D, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref = code_layout(store, D)
-    plane = _planes_layout(store, D, M, q.dtype, planes)
+    plane = _planes_layout(store, D, M, q.dtype, attn_path)
     if plane is not None:  # bytes, not words
         k_codes, v_codes = store.k_codes.contiguous(), store.v_codes.contiguous()
     RG, BLOCK_M, CODES, CODE_OFF = plane or (1, max(16, triton.next_power_of_2(M)), 0, 0.0)
     n_blocks = triton.cdiv(S, store.group_k)
     if n_splits is None:
         n_splits = min(n_blocks, max(1, programs_target(q.device) // BH))
-    # compiled 16-bit plane path: attn_gluon's kernel runs the quantized programs (a split: whole warps' key groups)
-    gluon = plane is not None and not interpreted() and attn_gluon.fits(store, D, M, q.dtype)
+    # Gluon: attn_gluon runs the quantized programs (a split: whole warps' key groups); imported here: only Gluon needs it
+    gluon = plane is not None and (attn_path or DEFAULT_ATTN_PATH) == "gluon"
+    if gluon:
+        import attn_gluon
+        gluon = not interpreted() and attn_gluon.fits(store, D, M, q.dtype)
+        if attn_path and not gluon:
+            raise ValueError("the Gluon path takes compiled 16-bit launches that attn_gluon.fits")
     per_split = attn_gluon.WARPS if gluon else 1
     split_len = triton.cdiv(triton.cdiv(n_blocks, max(1, n_splits)), per_split) * per_split * store.group_k
     n_splits = max(1, triton.cdiv(S, split_len))
@@ -336,25 +338,24 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
 # =============================================================================================
 # custom ops (CUDA path, opaque to torch.compile) and the public dispatchers
 # =============================================================================================
-
-
+# The ops take the tuples' tensors flat (custom ops take tensors, not tuples): lowbit.op_inputs / from_op_inputs.
 @torch.library.custom_op("specache::attention_lowbit", mutates_args=())
 def _attention_lowbit_op(q: Tensor, tensors: list[Tensor], ints: list[int], optional: list[Optional[Tensor]],
-                         sm_scale: float) -> tuple[Tensor, Tensor]:
-    return attention_lowbit_triton(q, *from_op_inputs(tensors, ints, optional), sm_scale)
+                         sm_scale: float, attn_path: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    return attention_lowbit_triton(q, *from_op_inputs(tensors, ints, optional), sm_scale, attn_path=attn_path)
 
 
 @_attention_lowbit_op.register_fake
-def _(q, tensors, ints, optional, sm_scale):
+def _(q, tensors, ints, optional, sm_scale, attn_path=None):
     # contiguous, like the real op (which makes q contiguous first), whatever q's strides
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None):
+def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None, attn_path=None):
     """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores).
     use_op: run the Triton kernel behind its custom op (default: on CUDA); True on CPU tensors gives a
-    compiled CPU step the CUDA step's graph, the kernel interpreted (TRITON_INTERPRET=1, tests)."""
+    compiled CPU step the CUDA step's graph, the kernel interpreted (TRITON_INTERPRET=1, tests). attn_path: ATTN_PATHS."""
     if q.is_cuda if use_op is None else use_op:
         tensors, ints, optional = op_inputs(store, residual, fetched)
-        return _attention_lowbit_op(q, list(tensors), list(ints), list(optional), float(sm_scale))
+        return _attention_lowbit_op(q, list(tensors), list(ints), list(optional), float(sm_scale), attn_path)
     return attention_lowbit_ref(q, store, residual, fetched, sm_scale)

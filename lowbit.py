@@ -11,7 +11,7 @@ references of the stored codes, and the rules that pick a tile layout.
 The references dequantize or score every slot with static shapes (garbage past n_quant is masked
 by the callers); the Triton kernels fold the same scales and zeros into the query and the
 probabilities (docs/design.md). Layout rules: 32-bit words or bytes (`code_layout`), and the
-bit-plane tiles (`planes_fit`, `take_planes`, `plane_codes_mode`).
+bit-plane tiles (`planes_fit`, `take_planes`: DEFAULT_ATTN_PATH, `plane_codes_mode`).
 """
 import os
 from typing import NamedTuple, Optional
@@ -20,6 +20,7 @@ import torch
 import triton
 
 import quant
+from config import ATTN_PATHS
 
 Tensor = torch.Tensor
 
@@ -187,10 +188,10 @@ def code_layout(store: LowBitKV, D: int):
             view(store.v_codes_lo), view(store.k_ref), view(store.v_ref))
 
 
-# The bit-plane path is what the interpreter tests run; its compiled forms (the PTX unpacking, attn_gluon's
-# kernel where attn_gluon.fits) have not run on a GPU: GPU launches take it only when asked (planes=True)
-# until tests/test_cuda.py's planes and Gluon cases pass on one (`make gpu-check`); then flip this.
-PLANES_BY_DEFAULT_ON_GPU = False
+# Attention paths over the quantized slots: "words" (32-bit words unpacked by shifts), "planes" (bit-plane tiles),
+# "gluon" (plane tiles in attn_gluon's kernel, compiled 16-bit launches). One default for the interpreter and a GPU
+# (tests check what ships): words, until planes/Gluon pass tests/test_cuda.py and win a GPU run (`make gpu-check`).
+DEFAULT_ATTN_PATH = "words"  # (config.ATTN_PATHS names them)
 
 
 def interpreted() -> bool:
@@ -209,12 +210,14 @@ def planes_fit(store: LowBitKV, D: int, M: int) -> bool:
     return _plane_keys_fit(store, D) and NGV & (NGV - 1) == 0 and triton.next_power_of_2(M) * NGV <= 32
 
 
-def take_planes(fits: bool, planes, path: str) -> bool:
-    """planes=True: the bit-plane path is required (an error where the layout does not fit); False: never
-    (the sweep's comparison); None: where it fits, under the interpreter or once PLANES_BY_DEFAULT_ON_GPU."""
-    if planes and not fits:
-        raise ValueError(f"the bit-plane {path} does not take this cache layout")
-    return fits and planes is not False and bool(planes or interpreted() or PLANES_BY_DEFAULT_ON_GPU)
+def take_planes(fits: bool, attn_path: Optional[str], what: str) -> bool:
+    """Whether a launch reads bit-plane tiles (planes and Gluon paths); a path named must fit the layout."""
+    path = attn_path or DEFAULT_ATTN_PATH
+    if path not in ATTN_PATHS:
+        raise ValueError(f"unknown attention path {path!r} ({', '.join(ATTN_PATHS)})")
+    if attn_path not in (None, "words") and not fits:
+        raise ValueError(f"the bit-plane {what} does not take this cache layout")
+    return fits and path != "words"
 
 
 def plane_codes_mode(store: LowBitKV, D: int, dtype) -> tuple[int, float]:
@@ -228,11 +231,11 @@ def plane_codes_mode(store: LowBitKV, D: int, dtype) -> tuple[int, float]:
     return codes, (128.0 if dtype == torch.bfloat16 else 1024.0) if codes else 0.0
 
 
-def planes_for_keys(store: LowBitKV, D: int, dtype, planes=None) -> Optional[tuple[int, float]]:
+def planes_for_keys(store: LowBitKV, D: int, dtype, attn_path=None) -> Optional[tuple[int, float]]:
     """(CODES, CODE_OFF) where a kernel that reads only the keys (topk.py's scores) takes the bit-plane
-    tiles, else None: plain KIVI codes of whole 32-bit words per row, D a power of two; GPU launches as
-    for the attention (PLANES_BY_DEFAULT_ON_GPU, planes=True asks)."""
-    return plane_codes_mode(store, D, dtype) if take_planes(_plane_keys_fit(store, D), planes, "path") else None
+    tiles, else None: plain KIVI codes of whole 32-bit words per row, D a power of two, on the planes and
+    Gluon paths (the scores have no Gluon kernel: both read the plane tiles)."""
+    return plane_codes_mode(store, D, dtype) if take_planes(_plane_keys_fit(store, D), attn_path, "path") else None
 
 
 # =============================================================================================

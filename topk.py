@@ -304,14 +304,14 @@ def radix_select_triton(keys, k: int, chunk: int, hist=None):
 
 
 def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
-                       first: int = 0, chunk: int = 1024, planes=None, **launch):
+                       first: int = 0, chunk: int = 1024, attn_path=None, **launch):
     q_rows, lse_rows = as_rows(q_row, lse_row)
     B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
     words, BLOCK_D, k_codes, _, k_lo, _, k_ref, _ = code_layout(store, D)
-    plane = planes_for_keys(store, D, q_row.dtype, planes)  # (CODES, CODE_OFF) of the bit-plane tiles, or None
+    plane = planes_for_keys(store, D, q_row.dtype, attn_path)  # (CODES, CODE_OFF) of the bit-plane tiles, or None
     if plane is not None:  # bytes, not words
         k_codes = store.k_codes.contiguous()
     chunk = max(min(chunk, triton.next_power_of_2(S)), store.group_k)
@@ -343,23 +343,25 @@ def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetche
 # =============================================================================================
 @torch.library.custom_op("specache::topk_lowbit", mutates_args=())
 def _topk_lowbit_op(q_row: Tensor, lse_row: Tensor, tensors: list[Tensor], ints: list[int],
-                    optional: list[Optional[Tensor]], k: int, sm_scale: float, first: int = 0) -> tuple[Tensor, Tensor]:
+                    optional: list[Optional[Tensor]], k: int, sm_scale: float, first: int = 0,
+                    attn_path: Optional[str] = None) -> tuple[Tensor, Tensor]:
     store, _, fetched = from_op_inputs(tensors, ints, optional)
-    return topk_lowbit_triton(q_row, lse_row, store, k, sm_scale, fetched, first)
+    return topk_lowbit_triton(q_row, lse_row, store, k, sm_scale, fetched, first, attn_path=attn_path)
 
 
 @_topk_lowbit_op.register_fake
-def _(q_row, lse_row, tensors, ints, optional, k, sm_scale, first=0):
+def _(q_row, lse_row, tensors, ints, optional, k, sm_scale, first=0, attn_path=None):
     shape = (q_row.shape[0], tensors[0].shape[1], k)
     return q_row.new_empty(shape, dtype=torch.float32), q_row.new_empty(shape, dtype=torch.int64)
 
 
 def topk_lowbit(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None, first: int = 0,
-                use_op=None):
+                use_op=None, attn_path=None):
     """-> (score [B,Hkv,k] fp32, idx [B,Hkv,k] int64), sorted by score; see topk_lowbit_ref for the
     GQA reduction, several selecting tokens and `first`. Slots with score < 0 are invalid (fewer
-    than k candidate positions). use_op: as kernels.attention_lowbit's."""
+    than k candidate positions). use_op, attn_path: as kernels.attention_lowbit's."""
     if q_row.is_cuda if use_op is None else use_op:
         tensors, ints, optional = op_inputs(store, Residual(None, None, None), fetched)
-        return _topk_lowbit_op(q_row, lse_row, list(tensors[:7]), list(ints), list(optional), k, float(sm_scale), first)
+        return _topk_lowbit_op(q_row, lse_row, list(tensors[:7]), list(ints), list(optional), k, float(sm_scale), first,
+                               attn_path)
     return topk_lowbit_ref(q_row, lse_row, store, k, sm_scale, fetched, first)

@@ -30,6 +30,14 @@ def require_default_checkpoint():
     return DEFAULT_CKPT
 
 
+def planes_where_they_fit(store, D, M=None):
+    """attn_path "planes" where the bit-plane tiles take the layout (M query rows per kv head; None: the
+    top-k's keys alone), else None (lowbit.DEFAULT_ATTN_PATH): the tests that cover the plane path name it."""
+    import lowbit
+    fits = lowbit._plane_keys_fit(store, D) if M is None else lowbit.planes_fit(store, D, M)
+    return "planes" if fits else None
+
+
 def setup(model, kind, batch=1, max_seq_len=None, **fields):
     """generate.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
     from generate import setup_caches

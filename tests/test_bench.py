@@ -16,7 +16,7 @@ CACHES = ["full", "kivi", "kivi+2tok", "specache", "specache-sequential"]
 
 def opts(**kw):
     a = dict(bits=1, group=16, residual=32, k=8, one_bit=None, fit=None, quant=None, warmup=1, steps=2, profile_steps=0,
-             prefill_chunk=64, compile=False, max_run_batch=None, host_budget_gb=64.0)
+             prefill_chunk=64, compile=False, max_run_batch=None, host_budget_gb=64.0, attn_path=None)
     a.update(kw)
     return Namespace(**a)
 
@@ -283,11 +283,49 @@ def test_every_sweep_configuration_is_one_the_launchers_take():
     ref, ref_lse = kernels.attention_lowbit_ref(q2, store, c.residual_rows(2), fetched, c.sm_scale)
     configs = bench_kernels.sweep_configs(4)
     assert len(configs) == 1 + 9 + 2 and {cfg.get("n_splits") for cfg in configs} == {None, 2, 8}
+    # the Gluon kernel's warps are its own: its rows take the launcher's choice and the split counts
+    assert bench_kernels.sweep_configs(4, "gluon") == [{}, {"n_splits": 2}, {"n_splits": 8}]
+    assert bench_kernels.sweep_configs(4, "planes", every=False) == [{}]
     for name, launcher in bench_kernels.sweep_kernels().items():
-        for cfg in configs:
+        for cfg in bench_kernels.sweep_configs(4, name):
+            if name == "gluon":  # (GPU only: the interpreter refuses it by name)
+                with pytest.raises(ValueError, match="Gluon path"):
+                    launcher(q2, store, c.residual_rows(2), fetched, c.sm_scale, **cfg)
+                continue
             out, lse = launcher(q2, store, c.residual_rows(2), fetched, c.sm_scale, **cfg)
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=f"{name} {cfg}")
             torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_layers_and_attention_path_are_run_and_recorded(tmp_path):
+    """--layers builds the first N decoder layers of a known shape; each row says its depth, ms per layer
+    and the attention path (the torch reference on CPU; the path asked for is in its config)."""
+    out = tmp_path / "b.json"
+    bench.main(["--model", "SmolLM2-135M", "--random-weights", "--layers", "2", "--contexts", "64", "--caches",
+                "full,specache", "--warmup", "1", "--steps", "2", "--bandwidth-mb", "8", "--attn-path", "planes",
+                "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["model"] == "SmolLM2-135M (random weights, 2 of 30 layers)"
+    rows = {r["cache"]: r for r in data["grid"]}
+    assert rows["full"]["n_layers"] == 2 and rows["full"]["attn_path"] is None
+    assert rows["specache"]["attn_path"] == "torch" and rows["specache"]["config"]["attn_path"] == "planes"
+    assert rows["specache"]["step_ms_per_layer"] == pytest.approx(rows["specache"]["step_ms_median"] / 2)
+    assert "| 64 | 1 | specache-1bit | torch | 2 |" in out.with_suffix(".md").read_text()
+    for bad in (["--layers", "2"], ["--model", "SmolLM2-135M", "--random-weights", "--layers", "31"],
+                ["--model", "SmolLM2-135M", "--random-weights", "--layers", "0"], ["--attn-path", "tiles"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_table3_run_cap_and_host_budget_defaults(model):
+    """Without --max-run-batch a CPU run caps at 4 and CUDA at what its free memory holds; the pinned
+    host budget defaults to half the memory available now, not all of RAM."""
+    import os
+    a = bench.parse_args([])
+    assert a.max_run_batch == 4 and bench.run_batch_cap(model, 0, 1, a) == 4
+    assert bench.run_batch_cap(model, 0, 1, opts(max_run_batch=None)) is None  # (CPU, no cap asked)
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 1e9
+    assert 0 < a.host_budget_gb <= 0.5 * available * 1.1
 
 
 # ---- tools/gpu_check.py (make gpu-check) --------------------------------------------------------------------

@@ -23,6 +23,7 @@ if ON_GPU and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
                 allow_module_level=True)
 
 import kernels  # noqa: E402
+import lowbit  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
 from config import CacheConfig  # noqa: E402
@@ -47,29 +48,29 @@ def on(x, device=DEV, float_dtype=None):
 
 
 # ---- kernels -------------------------------------------------------------------------------------
-# planes=None: the launcher's choice; True: the bit-plane path wherever the layout allows it (its PTX
-# unpacking has not yet run on a GPU, so CUDA launches default to the word path until this passes).
-@pytest.mark.parametrize("planes", [None, True])
+# attn_path None: the launcher's default (lowbit.DEFAULT_ATTN_PATH, the custom op as the decode step calls
+# it on a GPU); "planes": the Triton bit-plane path wherever the layout allows it (its PTX unpacking has
+# not yet run on a GPU, so launches default to the word path until this passes).
+@pytest.mark.parametrize("attn_path", [None, "planes"])
 @pytest.mark.parametrize("case", CASES)
-def test_attention_kernel_matches_the_reference(case, planes):
+def test_attention_kernel_matches_the_reference(case, attn_path):
     c = make_case(**CASES[case])
-    if planes and kernels._planes_layout(c.store, c.q.shape[-1], c.q.shape[1] // c.store.k_codes.shape[1] * c.q.shape[2],
-                                         c.q.dtype) is None:
+    if attn_path and not lowbit.planes_fit(c.store, c.q.shape[-1], c.q.shape[1] // c.store.k_codes.shape[1] * c.q.shape[2]):
         pytest.skip("the bit-plane path does not take this layout")
     want = kernels.attention_lowbit_ref(*c.args())  # on CPU: the reference path
     if not ON_GPU:
-        got = kernels.attention_lowbit_triton(*c.args(), planes=planes)
-    elif planes is None:  # the custom op, as the decode step calls it
+        got = kernels.attention_lowbit_triton(*c.args(), attn_path=attn_path)
+    elif attn_path is None:  # the custom op, as the decode step calls it
         got = kernels.attention_lowbit(on(c.q), on(c.store), on(c.residual), on(c.fetched), c.sm_scale)
     else:
-        got = kernels.attention_lowbit_triton(*on(c).args(), planes=planes)
+        got = kernels.attention_lowbit_triton(*on(c).args(), attn_path=attn_path)
     torch.testing.assert_close(got[0].cpu(), want[0], **tol(want[0].dtype, 1e-5))
     torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-5 if c.q.dtype == torch.float32 else 2e-2,
                                rtol=1e-5 if c.q.dtype == torch.float32 else 2e-2)
 
 
 # The Gluon kernel of the plane path's quantized slots (attn_gluon.py): compiled 16-bit launches with
-# planes=True take it wherever attn_gluon.fits; it cannot run under the interpreter, hence GPU only.
+# attn_path="gluon" take it wherever attn_gluon.fits; it cannot run under the interpreter, hence GPU only.
 GLUON_CASES = {
     "1bit-bf16-fetch": dict(G=4, T=2, bits=1, gk=64, gv=64, D=128, fetch=8, n_quant=192, dtype=torch.bfloat16),
     "2bit-fp16-fetch-zip": dict(G=4, T=2, bits=2, gk=64, gv=64, D=128, fetch=8, zip=True, n_quant=192, dtype=torch.float16),
@@ -87,7 +88,7 @@ def test_gluon_plane_kernel_matches_the_reference(case):
     M = c.q.shape[1] // c.store.k_codes.shape[1] * c.q.shape[2]
     assert attn_gluon.fits(c.store, c.q.shape[-1], M, c.q.dtype)
     want = kernels.attention_lowbit_ref(*c.args())
-    got = kernels.attention_lowbit_triton(*on(c).args(), planes=True)
+    got = kernels.attention_lowbit_triton(*on(c).args(), attn_path="gluon")
     torch.testing.assert_close(got[0].cpu(), want[0], **tol(want[0].dtype, 1e-5))
     torch.testing.assert_close(got[1].cpu(), want[1], atol=2e-2, rtol=2e-2)
 
@@ -98,29 +99,31 @@ def llama_case(bits, S):
                      fetch=64, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("planes", [False, True])
+@pytest.mark.parametrize("attn_path", ["words", "planes", "gluon"])
 @pytest.mark.parametrize("bits", [1, 2])
-def test_attention_kernel_at_llama8b_shapes(bits, planes):
+def test_attention_kernel_at_llama8b_shapes(bits, attn_path):
+    if attn_path == "gluon" and not ON_GPU:
+        pytest.skip("Gluon kernels run on a GPU only")
     S = 32768 if ON_GPU else 1024
     c = llama_case(bits, S)
     dc = on(c)
     want = kernels.attention_lowbit_ref(*dc.args())  # the reference, on the same device
-    got = kernels.attention_lowbit_triton(*dc.args(), planes=planes)
+    got = kernels.attention_lowbit_triton(*dc.args(), attn_path=attn_path)
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("planes", [None, True])
+@pytest.mark.parametrize("attn_path", [None, "planes"])
 @pytest.mark.parametrize("bits,S,dtype", [(2, 256, torch.float32), (1, 256, torch.float32), (1, None, torch.bfloat16)])
-def test_topk_kernel_matches_the_reference(bits, S, dtype, planes):
+def test_topk_kernel_matches_the_reference(bits, S, dtype, attn_path):
     S = S or (32768 if ON_GPU else 1024)
     c = make_case(B=1, Hkv=8 if S > 256 else 2, G=4, T=1, D=128, S=S, n_quant=S - 64, R=66, res_len=40, bits=bits,
                   gk=64, gv=64, fetch=64, dtype=dtype)
     dc = on(c)
     _, lse = kernels.attention_lowbit_ref(*dc.args())
     args = (dc.q[:, :, 0], lse[:, :, 0], dc.store, 64, dc.sm_scale, dc.fetched)
-    if planes:  # the bit-plane score tiles (compiled PTX unpacking: not yet the GPU default)
-        got = topk.topk_lowbit_triton(*args, planes=True)
+    if attn_path:  # the bit-plane score tiles (compiled PTX unpacking: not yet the GPU default)
+        got = topk.topk_lowbit_triton(*args, attn_path=attn_path)
     else:
         got = (topk.topk_lowbit if ON_GPU else topk.topk_lowbit_triton)(*args)
     # the reference in fp32 over the same (16-bit) values: a bf16 reference rounds the dequantized keys

@@ -24,6 +24,7 @@ import quant  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
 from lowbit import Fetched, LowBitKV, Residual  # noqa: E402
+from tests.helpers import planes_where_they_fit  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRETED = type(kernels._attn_split_kernel).__name__ == "InterpretedFunction"
@@ -41,6 +42,11 @@ class Case(NamedTuple):
 
     def args(self):
         return self.q, self.store, self.residual, self.fetched, self.sm_scale
+
+
+def rows(c: Case) -> int:
+    """Query rows per kv head (G*T)."""
+    return c.q.shape[1] // c.store.k_codes.shape[1] * c.q.shape[2]
 
 
 # ---- a small cache with garbage past every valid length -----------------------------------------
@@ -352,7 +358,7 @@ def assert_same_topk(got, want, rtol=1e-5):
 def test_triton_attention_matches_reference(case):
     c = make_case(**CASES[case])
     want = kernels.attention_lowbit_ref(*c.args())
-    got = kernels.attention_lowbit_triton(*c.args())
+    got = kernels.attention_lowbit_triton(*c.args(), attn_path=planes_where_they_fit(c.store, c.q.shape[-1], rows(c)))
     assert got[0].dtype == want[0].dtype and got[1].dtype == torch.float32
     torch.testing.assert_close(got[0], want[0], **tol(want[0].dtype, 1e-4))
     # 16-bit inputs: the dots take 16-bit operands (tensor cores), so lse is ~1e-3 relative off
@@ -363,13 +369,12 @@ def test_triton_attention_matches_reference(case):
 @needs_interpreter
 @pytest.mark.parametrize("case", ["G3-T2-fetch", "G1-T2-gk64-gv32", "G3-T2-fp16", "G4-T1-1bit-fetch-zip"])
 def test_triton_attention_word_path_matches_reference(case):
-    """The word-unpacking path (what caches the bit-plane path does not take still use) on the cases
-    the launcher now sends down the bit-plane path."""
+    """The word-unpacking path (the default, and what caches the bit-plane path does not take use) on
+    cases the bit-plane path also takes."""
     c = make_case(**CASES[case])
-    assert kernels._planes_layout(c.store, c.q.shape[-1], c.q.shape[1] // c.store.k_codes.shape[1] * c.q.shape[2],
-                                  c.q.dtype) is not None
+    assert kernels._planes_layout(c.store, c.q.shape[-1], rows(c), c.q.dtype, attn_path="planes") is not None
     want = kernels.attention_lowbit_ref(*c.args())
-    got = kernels.attention_lowbit_triton(*c.args(), planes=False)
+    got = kernels.attention_lowbit_triton(*c.args(), attn_path="words")
     torch.testing.assert_close(got[0], want[0], **tol(want[0].dtype, 1e-4))
 
 
@@ -378,11 +383,36 @@ def test_bit_plane_path_takes_plain_codes_only():
     for c in (hier, mixed, d48):
         assert kernels._planes_layout(c.store, c.q.shape[-1], 8, c.q.dtype) is None
         with pytest.raises(ValueError, match="bit-plane"):
-            kernels._planes_layout(c.store, c.q.shape[-1], 8, c.q.dtype, planes=True)
+            kernels._planes_layout(c.store, c.q.shape[-1], 8, c.q.dtype, attn_path="planes")
     plain = make_case(**CASES["G1-T2-gk64-gv32"])  # two value groups: two row copies of 2 query rows
-    assert kernels._planes_layout(plain.store, 64, 2, torch.float32) == (2, 16, 0, 0.0)
-    assert kernels._planes_layout(plain.store, 64, 2, torch.float16)[2:] == (1, 1024.0)  # (interpreted)
+    assert kernels._planes_layout(plain.store, 64, 2, torch.float32, attn_path="planes") == (2, 16, 0, 0.0)
+    assert kernels._planes_layout(plain.store, 64, 2, torch.float16, attn_path="planes")[2:] == (1, 1024.0)  # (interpreted)
     assert kernels._planes_layout(plain.store, 64, 32, torch.float32) is None  # 64 tile rows
+
+
+def test_attention_path_is_one_rule_for_the_interpreter_and_a_gpu():
+    """The default (what a GPU launch takes) is the interpreter's too, so the tests check what ships;
+    the plane and Gluon paths are taken by name, unknown names and Gluon under the interpreter stop."""
+    plain = make_case(**CASES["G1-T2-gk64-gv32"])
+    assert lowbit.DEFAULT_ATTN_PATH == "words"
+    assert kernels._planes_layout(plain.store, 64, 2, torch.float32) is None
+    assert lowbit.planes_for_keys(plain.store, 64, torch.float32) is None
+    assert lowbit.planes_for_keys(plain.store, 64, torch.float32, attn_path="gluon") == (0, 0.0)
+    with pytest.raises(ValueError, match="unknown attention path 'tiles'"):
+        kernels._planes_layout(plain.store, 64, 2, torch.float32, attn_path="tiles")
+    with pytest.raises(ValueError, match="Gluon path"):
+        kernels.attention_lowbit_triton(*plain.args(), attn_path="gluon")
+    from config import ATTN_PATHS, CacheConfig
+    assert ATTN_PATHS == ("words", "planes", "gluon") and CacheConfig.from_name("specache").attn_path is None
+    with pytest.raises(ValueError, match="unknown attention path 'tiles'"):
+        CacheConfig.from_name("specache", attn_path="tiles")
+
+
+def test_kernels_import_without_gluon():
+    """attn_gluon is imported where the Gluon path runs: a Triton lacking Gluon's names breaks that path only."""
+    code = ("import sys, kernels, topk, cache; assert 'attn_gluon' not in sys.modules; "
+            "assert 'triton.experimental.gluon' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
 
 
 @triton.jit
@@ -418,7 +448,7 @@ def test_triton_attention_split_counts(n_splits):
     """Flash-decoding splits (some empty past n_quant) combine to the same result."""
     c = make_case(G=3, T=2, fetch=8, n_quant=96)
     want = kernels.attention_lowbit_ref(*c.args())
-    got = kernels.attention_lowbit_triton(*c.args(), n_splits=n_splits)
+    got = kernels.attention_lowbit_triton(*c.args(), n_splits=n_splits, attn_path=planes_where_they_fit(c.store, 64, 6))
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
 
@@ -429,17 +459,17 @@ def test_triton_attention_split_counts(n_splits):
 def test_triton_topk_matches_reference(G, n_quant, hier, k):
     t = topk_inputs(G=G, n_quant=n_quant, hier=hier, k=k)
     want = topk.topk_lowbit_ref(*t)
-    got = topk.topk_lowbit_triton(*t)
+    got = topk.topk_lowbit_triton(*t, attn_path=planes_where_they_fit(t.store, 64))
     assert got[0].shape == want[0].shape and got[1].dtype == torch.int64
     assert_same_topk(got, want)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("planes", [False, True])
-def test_triton_topk_word_and_plane_paths_match_reference(planes):
+@pytest.mark.parametrize("attn_path", ["words", "planes"])
+def test_triton_topk_word_and_plane_paths_match_reference(attn_path):
     t = topk_inputs(G=3, n_quant=96, k=16)
     f = fetched_rows(t)
-    assert_same_topk(topk.topk_lowbit_triton(*t, f, planes=planes), topk.topk_lowbit_ref(*t, f))
+    assert_same_topk(topk.topk_lowbit_triton(*t, f, attn_path=attn_path), topk.topk_lowbit_ref(*t, f))
 
 
 @needs_interpreter
@@ -449,7 +479,8 @@ def test_triton_topk_over_many_chunks(S, n_quant):
     chunk adds to the radix rounds' histograms and claims its selected slots."""
     t = topk_inputs(G=3, n_quant=n_quant, S=S, k=16)
     f = fetched_rows(t)
-    assert_same_topk(topk.topk_lowbit_triton(*t, f, chunk=32), topk.topk_lowbit_ref(*t, f))
+    assert_same_topk(topk.topk_lowbit_triton(*t, f, chunk=32, attn_path=planes_where_they_fit(t.store, 64)),
+                     topk.topk_lowbit_ref(*t, f))
 
 
 @needs_interpreter
@@ -457,14 +488,14 @@ def test_triton_topk_over_many_chunks(S, n_quant):
 def test_triton_topk_mixed_precision_matches_reference(bits, mixed):
     t = topk_inputs(G=3, n_quant=96, k=16, bits=bits, mixed=mixed)
     f = fetched_rows(t)
-    assert_same_topk(topk.topk_lowbit_triton(*t, f), topk.topk_lowbit_ref(*t, f))
+    assert_same_topk(topk.topk_lowbit_triton(*t, f, attn_path=planes_where_they_fit(t.store, 64)), topk.topk_lowbit_ref(*t, f))
 
 
 @needs_interpreter
 def test_triton_topk_with_fetched_rows_matches_reference():
     t = topk_inputs(G=3, n_quant=96, k=16)
     f = fetched_rows(t)
-    assert_same_topk(topk.topk_lowbit_triton(*t, f), topk.topk_lowbit_ref(*t, f))
+    assert_same_topk(topk.topk_lowbit_triton(*t, f, attn_path=planes_where_they_fit(t.store, 64)), topk.topk_lowbit_ref(*t, f))
 
 
 @needs_interpreter
@@ -472,7 +503,7 @@ def test_triton_topk_of_two_tokens_with_first_matches_reference():
     c, lse = two_row_inputs()
     f = fetched_rows(TopkCase(c.q[:, :, 0], lse[:, :, 0], c.store, 16, c.sm_scale))
     args = (c.q, lse, c.store, 16, c.sm_scale, f, 32)
-    assert_same_topk(topk.topk_lowbit_triton(*args), topk.topk_lowbit_ref(*args))
+    assert_same_topk(topk.topk_lowbit_triton(*args, attn_path=planes_where_they_fit(c.store, 64)), topk.topk_lowbit_ref(*args))
 
 
 @needs_interpreter
@@ -480,7 +511,7 @@ def test_triton_topk_ties_fill_exactly_k():
     """All-equal scores: the threshold ties must fill exactly k distinct slots."""
     t = topk_inputs(G=1, n_quant=64, k=16)
     t = t._replace(q_row=torch.zeros_like(t.q_row))  # every logit 0: every position ties
-    score, idx = topk.topk_lowbit_triton(*t)
+    score, idx = topk.topk_lowbit_triton(*t, attn_path=planes_where_they_fit(t.store, 64))
     want, _ = topk.topk_lowbit_ref(*t)
     torch.testing.assert_close(score, want)
     assert all(len(set(row.tolist())) == 16 for row in idx.flatten(0, 1))

@@ -59,7 +59,7 @@ def test_every_selecting_policy_gets_the_reference_set(monkeypatch, fetch, reran
     the last step's calls of each layer: the same set as the reference."""
     calls = []
 
-    def record(*args, use_op=None, **kw):
+    def record(*args, use_op=None, attn_path=None, **kw):
         calls.append((args, kw))
         return topk.topk_lowbit_ref(*args, **kw)
 

@@ -3,6 +3,7 @@
     python tools/bench.py --quick                                           # reduced grid + transformers, a few minutes
     python tools/bench.py --compile --contexts 1024,4096,8192 --caches full,kivi,specache --json results/bench/grid.json
     python tools/bench.py --model Llama-3.1-8B --random-weights --contexts 8192,32768 --compile   # 8B shapes, no download
+    python tools/bench.py --model Llama-3.1-8B --random-weights --layers 4 --contexts 32768 --compile --attn-path gluon
     python tools/bench.py --kernels --model Llama-3.1-8B --random-weights --contexts 32768          # per-kernel GB/s
     python tools/bench.py --compile --contexts 2048 --kv-budget-gb 0.5 --max-run-batch 4           # Table 3 on a KV budget
     python tools/bench.py --compile --contexts 4096 --caches full,kivi,specache --hf                # side by side with HF
@@ -47,7 +48,7 @@ from tools.bench_report import md_table, mb, report  # noqa: E402
 import quant  # noqa: E402
 from cache import kv_fp16_bytes  # noqa: E402
 from generate import setup_caches  # noqa: E402
-from config import CacheConfig  # noqa: E402
+from config import ATTN_PATHS, CacheConfig  # noqa: E402
 from tools.measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402
 import tp  # noqa: E402
 from model import KNOWN_CONFIGS  # noqa: E402
@@ -64,7 +65,7 @@ def bench_config(name: str, a) -> tuple[CacheConfig, int]:
     if cfg.kind != "full":
         named = CacheConfig.from_name(base.split("-")[0])  # the kind's defaults: what the name did not set
         kw = {f: v for f, v in (("bits", a.bits), ("k", a.k), ("group", a.group), ("residual", a.residual),
-                                 ("scheme", a.quant), ("one_bit", a.one_bit), ("fit", a.fit))
+                                 ("scheme", a.quant), ("one_bit", a.one_bit), ("fit", a.fit), ("attn_path", a.attn_path))
               if v is not None and getattr(cfg, f) == getattr(named, f)}
         cfg = cfg.with_(**kw)
     if two and cfg.two_tokens:
@@ -156,7 +157,8 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
     read = weight_bytes(model) + caches.read_bytes(T)
     row = {"cache": name, "label": label(name, a), "config": cfg.as_dict(), "context": context, "batch": batch,
            "step_tokens": T, "compiled": a.compile, "prefill_s": stats["prefill_s"],
-           "step_ms_median": 1e3 * med, "step_ms_mean": 1e3 * statistics.fmean(times),
+           "attn_path": attn_path_run(cfg, device), "n_layers": model.args.n_layers,
+           "step_ms_median": 1e3 * med, "step_ms_per_layer": 1e3 * med / model.args.n_layers, "step_ms_mean": 1e3 * statistics.fmean(times),
            "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times), "resyncs": stats["resyncs"],
            "spread_pct": 100 * (max(times) - min(times)) / med, "n_timed": len(times),
            # CPU seconds this process got / (wall seconds x threads): well below ~0.8 on CPU means other
@@ -174,6 +176,27 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
     if "p" in profile:
         row["profile"] = measure.profile_of(profile["p"], a.profile_steps)
     return row
+
+
+def attn_path_run(cfg: CacheConfig, device) -> str | None:
+    """The low-bit attention's kernel path a step ran: Triton on CUDA (kernels.py), the torch reference on CPU."""
+    import lowbit
+    if cfg.kind == "full":
+        return None
+    return (cfg.attn_path or lowbit.DEFAULT_ATTN_PATH) if device.type == "cuda" else "torch"
+
+
+def model_with_layers(name: str, layers, device, dtype, max_seq_len):
+    """A KNOWN_CONFIGS model with random weights, the first `layers` of its decoder layers only (None: all):
+    a step's per-layer time at a fraction of the compile and memory."""
+    if layers is None:
+        return random_model(name, device=device, dtype=dtype, max_seq_len=max_seq_len)
+    from model import ModelArgs, Transformer, random_weights
+    args = ModelArgs.from_name(name)
+    args.n_layers, args.max_seq_len = layers, max_seq_len
+    with torch.device("meta"):
+        model = Transformer(args)
+    return random_weights(model, device, dtype)
 
 
 class Runner:
@@ -291,11 +314,24 @@ def kv_bytes_linear(model, name: str, length: int, a) -> tuple[int, int, int]:
     return d[0] - (d[1] - d[0]), d[1] - d[0], h[1] - h[0]
 
 
+def run_batch_cap(model, fixed: int, per_row: int, a) -> int | None:
+    """The largest batch actually run: --max-run-batch, else on CUDA what 80% of the free device memory holds
+    beside the weights (the caches' bytes; prefill's activations take the rest), else no cap."""
+    if a.max_run_batch:
+        return a.max_run_batch
+    device = model.tok_embeddings.weight.device
+    if device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(1, int((0.8 * free - fixed) // per_row))
+
+
 def budget_section(runner, names, contexts, a) -> dict:
     """Largest batch whose device KV fits --kv-budget-gb and whose host copy fits --host-budget-gb;
-    run at min(that, --max-run-batch). The PCIe bytes a SpeCache step moves are reported with it."""
+    run at min(that, the run cap: run_batch_cap). The PCIe bytes a SpeCache step moves are reported with it."""
     out = {"budget_gb": a.kv_budget_gb, "host_budget_gb": a.host_budget_gb, "max_run_batch": a.max_run_batch,
            "rows": []}
+    caps = []  # each row's run cap
     for ctx in contexts:
         for name in names:
             fixed, per_row, host_row = kv_bytes_linear(runner.model, name, cache_len(ctx, runner.a), a)
@@ -304,8 +340,10 @@ def budget_section(runner, names, contexts, a) -> dict:
                 b = min(b, int(a.host_budget_gb * 1e9 // host_row))
             row = {"context": ctx, "cache": name, "label": label(name, a), "max_batch": b, "kv_bytes_per_row": per_row,
                    "host_bytes_per_row": host_row}
+            cap = run_batch_cap(runner.model, fixed, per_row, a)
+            caps.append(cap or max(1, b))
             if b:
-                run_b = min(b, a.max_run_batch) if a.max_run_batch else b
+                run_b = min(b, cap) if cap else b
                 r = runner(name, ctx, run_b)
                 row.update(run_batch=run_b, capped=run_b < b, step_ms=r["step_ms_median"], tok_s=r["tok_s"],
                            fetch_bytes_per_step=r["fetch_bytes_per_step"])
@@ -316,8 +354,7 @@ def budget_section(runner, names, contexts, a) -> dict:
             if r.get("tok_s") and full:
                 r["speedup_vs_full"] = r["tok_s"] / full["tok_s"]
         # reviewers' Q6: every cache at one batch (the largest every cache fits, capped)
-        fb = min(max(1, r["max_batch"]) for r in mine)
-        fb = min(fb, a.max_run_batch) if a.max_run_batch else fb
+        fb = min(min(max(1, r["max_batch"]) for r in mine), min(caps[-len(mine):]))
         fixed = {r["cache"]: runner(r["cache"], ctx, fb) for r in mine}
         ref = {lb: next((x for x in fixed.values() if x["label"].startswith(lb)), None) for lb in ("full", "kivi")}
         for name, r in fixed.items():
@@ -394,6 +431,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help=f"a known config instead of a checkpoint: {', '.join(KNOWN_CONFIGS)}")
     p.add_argument("--random-weights", action="store_true", help="with --model: random weights (decode speed does not "
                    "depend on their values)")
+    p.add_argument("--layers", type=int, default=None, help="with --random-weights: build only the first N decoder layers "
+                   "(per-layer step times and ratios at a fraction of the compile; default all)")
     p.add_argument("--contexts", type=int_list, default=[1024, 4096, 8192])
     p.add_argument("--batch-sizes", type=int_list, default=[1])
     p.add_argument("--caches", default="full,kivi,specache,specache-sequential", help="cache names (see --help)")
@@ -404,6 +443,8 @@ def parse_args(argv=None):
     p.add_argument("--one-bit", default=None, choices=["improved", "kivi"])
     p.add_argument("--fit", default=None, choices=quant.FITS)
     p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"])
+    p.add_argument("--attn-path", default=None, choices=list(ATTN_PATHS),
+                   help="the low-bit kernels' path on CUDA for every cache (default lowbit.DEFAULT_ATTN_PATH)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps (median, min, spread)")
     p.add_argument("--prefill-chunk", type=int, default=2048)
@@ -415,13 +456,16 @@ def parse_args(argv=None):
     p.add_argument("--kernels", action="store_true", help="time each decode kernel alone (and skip the grid)")
     p.add_argument("--sweep", action="store_true", help="with --kernels: every attention kernel, width and launch "
                    "configuration at 8k/32k/128k, Llama-3.1-8B shapes (CUDA only; tools/bench_kernels.py)")
+    p.add_argument("--sweep-configs", default="all", choices=["all", "launcher"],
+                   help="--sweep: every launch configuration, or the launcher's choice alone (a quick pass)")
     p.add_argument("--kernel-bits", type=int_list, default=[1, 2])
     p.add_argument("--kernel-reps", type=int, default=20)
     p.add_argument("--kv-budget-gb", type=float, default=None, help="Table 3: largest batch whose device KV fits")
     p.add_argument("--host-budget-gb", type=float, default=None, help="Table 3: host memory for SpeCache's fp16 copy "
-                   "(default: this machine's total RAM)")
+                   "(default: half the memory available now; pinned on CUDA)")
     p.add_argument("--budget-contexts", type=int_list, default=None, help="default: --contexts")
-    p.add_argument("--max-run-batch", type=int, default=None, help="cap the batch actually run (default 4 on CPU)")
+    p.add_argument("--max-run-batch", type=int, default=None, help="cap the batch actually run (default 4 on CPU; on "
+                   "CUDA what 80%% of the free device memory holds beside the weights)")
     p.add_argument("--hf", action="store_true", help="side by side with transformers generate() (batch 1)")
     p.add_argument("--hf-context", type=int, default=4096)
     p.add_argument("--no-grid", action="store_true", help="only the budget / HF / kernel / QuantSpec sections")
@@ -454,6 +498,10 @@ def parse_args(argv=None):
         p.error("--sweep goes with --kernels")
     if a.random_weights and not a.model:
         p.error("--random-weights needs --model NAME")
+    if a.layers is not None and (not a.random_weights or a.layers < 1 or (a.tp or 1) > 1):
+        p.error("--layers N (N >= 1) goes with --model NAME --random-weights, on one device")
+    if a.layers is not None and a.model in KNOWN_CONFIGS and a.layers > KNOWN_CONFIGS[a.model]["n_layers"]:
+        p.error(f"--layers {a.layers}: {a.model} has {KNOWN_CONFIGS[a.model]['n_layers']} layers")
     if a.model and a.model not in KNOWN_CONFIGS:
         p.error(f"unknown --model {a.model!r}; known: {', '.join(KNOWN_CONFIGS)}")
     if a.model and not a.random_weights and not a.floors:
@@ -468,8 +516,8 @@ def parse_args(argv=None):
         a.profile_steps = 3 if a.device.startswith("cuda") else 0
     if a.max_run_batch is None and not a.device.startswith("cuda"):
         a.max_run_batch = 4
-    if a.host_budget_gb is None:
-        a.host_budget_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    if a.host_budget_gb is None:  # (pinning all of RAM would take the machine down with it)
+        a.host_budget_gb = 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 1e9
     return a
 
 
@@ -509,11 +557,18 @@ def main(argv=None):
             raise SystemExit("error: --sweep times Triton kernels on a CUDA GPU, and there is none here")
         from model import ModelArgs
         bw = measure.measure_bandwidth(device, a.bandwidth_mb)
-        res = dict(environment=measure.environment(device, torch.bfloat16), bandwidth=bw,
-                   sweep=bench_kernels.sweep_rows(ModelArgs.from_name(a.model or "Llama-3.1-8B"), bw))
-        if a.json:
-            a.json.parent.mkdir(parents=True, exist_ok=True)
-            a.json.write_text(json.dumps(res, indent=1, default=str))
+        res = dict(environment=measure.environment(device, torch.bfloat16), bandwidth=bw, sweep=[], complete=False)
+
+        def keep(row=None):  # the JSON is rewritten after every row: a cut run keeps what it measured
+            res["sweep"] += [row] if row else []
+            if a.json:
+                a.json.parent.mkdir(parents=True, exist_ok=True)
+                a.json.write_text(json.dumps(res, indent=1, default=str))
+        keep()
+        bench_kernels.sweep_rows(ModelArgs.from_name(a.model or "Llama-3.1-8B"), bw, every=a.sweep_configs == "all",
+                                 on_row=keep)
+        res["complete"] = True
+        keep()
         return res
     try:
         device = tp.init(a.tp, device)
@@ -524,7 +579,7 @@ def main(argv=None):
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     need = max(a.contexts + (a.budget_contexts or []) + ([a.hf_context] if a.hf else []))
     if a.model:
-        model = random_model(a.model, device=device, dtype=dtype, max_seq_len=max(need + 64, 256))
+        model = model_with_layers(a.model, a.layers, device, dtype, max(need + 64, 256))
         ckpt = None
     else:
         if not (a.checkpoint / "config.json").exists():
@@ -541,7 +596,9 @@ def main(argv=None):
     budget_contexts = [fit(L) for L in (a.budget_contexts or a.contexts)]
     ids, source = prompt_ids(ckpt, max(a.contexts + budget_contexts + [a.hf_context]), model.args.vocab_size,
                              a.prompt if ckpt else "random")
-    res = {"environment": measure.environment(device, dtype), "model": model.args.name + (" (random weights)" if a.model else ""),
+    layers = f", {a.layers} of {KNOWN_CONFIGS[a.model]['n_layers']} layers" if a.layers else ""
+    res = {"environment": measure.environment(device, dtype),
+           "model": model.args.name + (f" (random weights{layers})" if a.model else ""),
            "prompt_source": source, "weight_bytes": weight_bytes(model),
            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k not in ("json", "md")}}
     res["bandwidth"] = measure.measure_bandwidth(device, a.bandwidth_mb)

@@ -78,12 +78,14 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
         c, store, fetched, q2 = lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=a.group or 64,
                                                    k=a.k or 64)
         K, idx = fetched.idx.shape[2], fetched.idx
-        attn = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale))
+        attn = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale,
+                                                     attn_path=a.attn_path))
         fbytes = fetched.k.nbytes + fetched.v.nbytes + idx.nbytes
-        add(f"{bits}-bit attention (2 tokens, {K} fetched)", attn, c.read_bytes(2) + fbytes)
+        path = f", {a.attn_path or lowbit.DEFAULT_ATTN_PATH}" if device.type == "cuda" else ""
+        add(f"{bits}-bit attention (2 tokens, {K} fetched{path})", attn, c.read_bytes(2) + fbytes)
         victim = victim or (f"{bits}-bit attention", attn, c.read_bytes(2) + fbytes)
         lse = torch.zeros(1, Hkv * G, device=device)
-        select = wrap(lambda: topk.topk_lowbit(q2[:, :, 1], lse, store, K, c.sm_scale, fetched))
+        select = wrap(lambda: topk.topk_lowbit(q2[:, :, 1], lse, store, K, c.sm_scale, fetched, attn_path=a.attn_path))
         key_bytes = lowbit.lowbit_read_bytes(store._replace(v_codes=None, v_scale=None, v_zero=None), int(c.n_quant))
         add(f"{bits}-bit speculative top-k (score + select)", select, key_bytes + fetched.k.nbytes + idx.nbytes)
     # the transfer: k rows of K and V per kv head from the host store
@@ -137,18 +139,21 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
 
 
 # ---- the launch-configuration sweep (`python tools/bench.py --kernels --sweep`, CUDA only) -------------------
-# Every attention kernel the launchers can use, every low-bit width, each launch configuration the
-# launcher takes (num_warps x num_stages, and the split count around its default), at 8k, 32k and
-# 128k, Llama-3.1-8B shapes (8 kv heads x 4 query heads, d 128), bf16, batch 1, 2 query tokens and 64
-# fetched rows: us (CUDA-graph replay after an L2 flush), GB/s and % of the byte floor (the bytes
-# over the measured copy bandwidth).
-# Cost estimate for one 10-minute GPU call: 2 paths x 4 widths x (1 + 9) compiled configurations = 80
-# compiles (the split counts and contexts reuse them) at ~1-3 s each (Triton + ptxas, one core; ~2 s
-# here) = 1.5-4 min; 2 x 4 x 12 x 3 = 288 timings of ~0.1 s (3 warm-ups, a graph capture, 10 replays
-# of <= 1 ms, each after a 256 MiB flush of ~0.1 ms) ~ 0.5 min; the 128k caches ~ 0.1 GB each.
-# A guard stops at SWEEP_BUDGET_S and says how many timings it skipped.
+# Every attention path (kernels.py: words, Triton bit planes, the Gluon plane kernel), the 1/2/4-bit widths, key
+# groups 64 (the paper's) and 32 (the preset's), each launch configuration the launcher takes (num_warps x
+# num_stages, and the split count around its default), at 8k, 32k and 128k, Llama-3.1-8B shapes (8 kv heads x 4
+# query heads, d 128), bf16, batch 1, 2 query tokens and 64 fetched rows: us (CUDA-graph replay after an L2
+# flush), GB/s and % of the byte floor (the bytes over the measured copy bandwidth). The Gluon kernel fixes its
+# own warps (attn_gluon.WARPS; num_warps/num_stages reach only the fp-row program beside it), so its rows
+# take the launcher's choice and the split counts, not the warps/stages grid.
+# Cost (all configurations): 2 Triton paths x 3 widths x 2 groups x (1 + 9) compiled configurations + 6 Gluon
+# compiles = 126 compiles at ~1-3 s each (Triton + ptxas, one core) = 2-6 min, and ~0.1 s per timing
+# (3 warm-ups, a graph capture, 10 replays after a 256 MiB flush). `--sweep-configs launcher` (what `make
+# gpu-check` runs): the launcher's choice alone, 18 compiles and 54 timings, ~1 min. A guard stops at
+# SWEEP_BUDGET_S and says how many timings it skipped; each row goes to `on_row` as it is measured.
 SWEEP_CONTEXTS = (8192, 32768, 131072)
-SWEEP_BITS = (1, 2, 4, 8)  # (4-bit: also the layout of QuantSpec's INT4 draft view)
+SWEEP_BITS = (1, 2, 4)  # (4-bit: also the layout of QuantSpec's INT4 draft view)
+SWEEP_GROUPS = (64, 32)
 SWEEP_WARPS = (1, 2, 4)  # (8 warps over a 16-row tile: idle warps)
 SWEEP_STAGES = (1, 2, 3)
 SWEEP_SPLIT_FACTORS = (0.5, 2.0)  # x the launcher's split count, at its own warps/stages
@@ -156,22 +161,29 @@ SWEEP_BUDGET_S = 540
 
 
 def sweep_kernels() -> dict:
-    """name -> launcher(q, store, residual, fetched, sm_scale, n_splits=None, **launch): the split-KV
-    kernel's two quantized-slot paths (docs/kernels.md), the word-unpacking one and the bit-plane one."""
+    """path -> launcher(q, store, residual, fetched, sm_scale, n_splits=None, **launch): the split-KV
+    kernel's quantized-slot paths (docs/kernels.md), each asked for by name (kernels.py's attn_path)."""
     import functools
     import kernels
-    return {"words": functools.partial(kernels.attention_lowbit_triton, planes=False),
-            "planes": functools.partial(kernels.attention_lowbit_triton, planes=True)}
+    return {path: functools.partial(kernels.attention_lowbit_triton, attn_path=path) for path in ("words", "planes", "gluon")}
 
 
-def sweep_configs(n_splits_default: int) -> list[dict]:
-    """The launch overrides one width is timed with: {} = the launcher's own choice first."""
-    configs = [{}] + [dict(num_warps=w, num_stages=s) for w in SWEEP_WARPS for s in SWEEP_STAGES]
-    return configs + [dict(n_splits=max(1, round(n_splits_default * f))) for f in SWEEP_SPLIT_FACTORS]
+def sweep_configs(n_splits_default: int, path: str = "words", every: bool = True) -> list[dict]:
+    """The launch overrides one width is timed with: {} = the launcher's own choice first; every=False:
+    that alone. The Gluon path's warps are its own: the split counts only."""
+    configs = [{}]
+    if every and path != "gluon":
+        configs += [dict(num_warps=w, num_stages=s) for w in SWEEP_WARPS for s in SWEEP_STAGES]
+    if every:
+        configs += [dict(n_splits=max(1, round(n_splits_default * f))) for f in SWEEP_SPLIT_FACTORS]
+    return configs
 
 
 @torch.no_grad()
-def sweep_rows(args, bw, device=torch.device("cuda"), dtype=torch.bfloat16) -> list[dict]:
+def sweep_rows(args, bw, device=torch.device("cuda"), dtype=torch.bfloat16, every=True, on_row=None,
+               budget_s=SWEEP_BUDGET_S) -> list[dict]:
+    """The sweep's rows (kernel = the path asked for, gluon = whether the Gluon kernel ran), each passed
+    to on_row(row) as soon as it is measured."""
     import time
     import kernels
     Hkv, G, D = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.head_dim
@@ -179,29 +191,33 @@ def sweep_rows(args, bw, device=torch.device("cuda"), dtype=torch.bfloat16) -> l
     n_splits_default = max(1, kernels.programs_target(device) // Hkv)
     g = torch.Generator(device=device).manual_seed(0)
     for bits in SWEEP_BITS:
-        for context in SWEEP_CONTEXTS:
-            c, store, fetched, q2 = lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g)
-            nbytes = c.read_bytes(2) + fetched.k.nbytes + fetched.v.nbytes + fetched.idx.nbytes
-            for name, launcher in sweep_kernels().items():
-                for cfg in sweep_configs(n_splits_default):
-                    if time.perf_counter() - start > SWEEP_BUDGET_S:
-                        skipped += 1
-                        continue
-                    row = dict(kernel=name, bits=bits, context=context, config=cfg or "launcher's choice", bytes=nbytes)
-                    fn = lambda: launcher(q2, store, c.residual_rows(2), fetched, c.sm_scale, **cfg)  # noqa: E731
-                    try:
-                        t = measure.time_fn(fn, device, warmup=3, reps=10, graph=True)
-                    except Exception as e:  # noqa: BLE001 - a configuration that does not fit (shared memory) is a row
-                        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
-                    else:
-                        us = 1e6 * t["median_s"]
-                        floor_us = 1e6 * nbytes / (bw["copy_gbs"] * 1e9)
-                        row.update(us=us, gbs=nbytes / t["median_s"] / 1e9, floor_pct=100 * floor_us / us)
-                    rows.append(row)
-                    print(f"{name} {bits}-bit {context:>6} {str(row['config']):<40} " +
-                          (f"{row['us']:8.1f} us {row['gbs']:7.0f} GB/s {row['floor_pct']:5.1f}% of floor"
-                           if "us" in row else row["error"]), flush=True)
-            del c, store, fetched, q2
+        for group in SWEEP_GROUPS:
+            for context in SWEEP_CONTEXTS:
+                c, store, fetched, q2 = lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=group)
+                nbytes = c.read_bytes(2) + fetched.k.nbytes + fetched.v.nbytes + fetched.idx.nbytes
+                for name, launcher in sweep_kernels().items():
+                    for cfg in sweep_configs(n_splits_default, name, every):
+                        if time.perf_counter() - start > budget_s:
+                            skipped += 1
+                            continue
+                        row = dict(kernel=name, gluon=name == "gluon", bits=bits, group=group, context=context,
+                                   config=cfg or "launcher's choice", bytes=nbytes)
+                        fn = lambda: launcher(q2, store, c.residual_rows(2), fetched, c.sm_scale, **cfg)  # noqa: E731
+                        try:
+                            t = measure.time_fn(fn, device, warmup=3, reps=10, graph=True)
+                        except Exception as e:  # noqa: BLE001 - a configuration that does not fit (shared memory) is a row
+                            row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+                        else:
+                            us = 1e6 * t["median_s"]
+                            floor_us = 1e6 * nbytes / (bw["copy_gbs"] * 1e9)
+                            row.update(us=us, gbs=nbytes / t["median_s"] / 1e9, floor_pct=100 * floor_us / us)
+                        rows.append(row)
+                        if on_row:
+                            on_row(row)
+                        print(f"{name} {bits}-bit g{group} {context:>6} {str(row['config']):<40} " +
+                              (f"{row['us']:8.1f} us {row['gbs']:7.0f} GB/s {row['floor_pct']:5.1f}% of floor"
+                               if "us" in row else row["error"]), flush=True)
+                del c, store, fetched, q2
     if skipped:
-        print(f"# time budget ({SWEEP_BUDGET_S} s) spent: {skipped} timings skipped", flush=True)
+        print(f"# time budget ({budget_s} s) spent: {skipped} timings skipped", flush=True)
     return rows

@@ -38,9 +38,14 @@ def report(res: dict) -> str:
                   "other processes competed for the cores (timings suspect).\n")
         ratios = ratio_rows(res["grid"])
         if ratios:
-            md += ["## Step time ratios (same context and batch)", "",
-                   md_table(["context", "batch", "step", "/ full", "/ kivi 1-token"],
-                            [[r["context"], r["batch"], r["label"], r["vs_full"], r["vs_kivi"]] for r in ratios]), ""]
+            md += ["## Step time ratios (same context, batch and depth)", "",
+                   md_table(["context", "batch", "step", "attention", "layers", "ms/layer", "full ms/layer", "/ full",
+                             "/ kivi 1-token"],
+                            [[r["context"], r["batch"], r["label"], r["attn_path"] or "-", r["layers"], r["ms_per_layer"],
+                              r["full_ms_per_layer"], r["vs_full"], r["vs_kivi"]] for r in ratios]),
+                   "", "ms/layer: the median step over the model's decoder layers (embedding and output head "
+                   "included, so at a few layers it overstates a layer's share); attention: the low-bit kernels' "
+                   "path (Triton words/planes/gluon on CUDA, the torch reference on CPU).", ""]
     prof = [r for r in res.get("grid", []) if "profile" in r]
     if prof:
         md += ["## CUDA profile of the timed steps (torch.profiler)", ""]
@@ -99,6 +104,8 @@ def report(res: dict) -> str:
 
 
 def ratio_rows(grid) -> list[dict]:
+    """Each cache's step time over the full cache's and 1-token KIVI's at the same context and batch (and
+    depth: rows of one run share it), and the ms per decoder layer of both sides."""
     by = {(r["context"], r["batch"], r["label"]): r for r in grid}
     out = []
     for r in grid:
@@ -107,6 +114,8 @@ def ratio_rows(grid) -> list[dict]:
                      and x["step_tokens"] == 1), None)
         if r["label"] != "full" and (full or kivi):
             f = lambda x: f"{r['step_ms_median'] / x['step_ms_median']:.2f}x" if x else "-"  # noqa: E731
+            per_layer = lambda x: f"{x['step_ms_median'] / x['n_layers']:.3f}" if x and x.get("n_layers") else "-"  # noqa: E731
             out.append({"context": r["context"], "batch": r["batch"], "label": r["label"], "vs_full": f(full),
-                        "vs_kivi": f(kivi)})
+                        "vs_kivi": f(kivi), "attn_path": r.get("attn_path"), "layers": r.get("n_layers", "-"),
+                        "ms_per_layer": per_layer(r), "full_ms_per_layer": per_layer(full)})
     return out

@@ -304,6 +304,7 @@ def cases(quick=False):
     """(name, callable) pairs. Each builds a cache of a supported configuration on CPU (cache.py) and
     calls the Triton launchers the way the decode step does, so the launchers choose blocks, bits and
     flags themselves."""
+    import attn_gluon
     import kernels
     import lowbit
     import topk
@@ -312,9 +313,11 @@ def cases(quick=False):
     from generate import STORES
 
     def both_paths(q, store, *args):  # the word path, and the bit-plane path where it fits the layout
-        fits = lowbit.planes_fit(store, q.shape[-1], q.shape[1] // store.k_codes.shape[1] * q.shape[2])
-        for planes in (False, True) if fits and not quick else (False,):  # (--quick: the GPU default only)
-            kernels.attention_lowbit_triton(q, store, *args, planes=planes)
+        M = q.shape[1] // store.k_codes.shape[1] * q.shape[2]
+        fits = lowbit.planes_fit(store, q.shape[-1], M)
+        planes = "gluon" if attn_gluon.fits(store, q.shape[-1], M, q.dtype) else "planes"  # (Gluon: 16-bit launches)
+        for path in ("words", planes) if fits and not quick else ("words",):  # (--quick: the GPU default only)
+            kernels.attention_lowbit_triton(q, store, *args, attn_path=path)
 
     def step_case(name, dtype, D, G=4, T=2, S=1024):
         def run():  # (S > 8192: the top-k merges its chunks' candidates in two rounds)
@@ -331,9 +334,9 @@ def cases(quick=False):
             both_paths(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
             if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates; the bit-plane tiles where they fit)
                 store = c.stored()
-                for planes in (False, True) if lowbit.planes_fit(store, D, 1) and not quick else (None,):
+                for path in ("words", "planes") if lowbit.planes_fit(store, D, 1) and not quick else (None,):
                     topk.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), store, cfg.k * cfg.rerank,
-                                            c.sm_scale, fetched, planes=planes)
+                                            c.sm_scale, fetched, attn_path=path)
         return run
 
     def quantspec_case(dtype, D, gamma=4):
