@@ -337,16 +337,11 @@ class SpeCache(LowBitCache):
         super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, **kw)
         self.layer_idx, self.prefetcher = layer_idx, prefetcher
         self.n_fetch, self.sinks, self.rerank = prefetcher.k, config.sinks, config.rerank
-        B, H, dev, n = batch, n_kv_heads, self.k_codes.device, self.sinks + prefetcher.k
-        # The fp rows of this layer: module buffers, so a compiled step keeps their addresses.
-        self.register_buffer("ring_k", torch.zeros(B, H, n, head_dim, dtype=dtype, device=dev), persistent=False)
-        self.register_buffer("ring_v", torch.zeros(B, H, n, head_dim, dtype=dtype, device=dev), persistent=False)
-        idx = torch.arange(n, device=dev).clamp(max=self.sinks).expand(B, H, n).contiguous()  # sinks: 0..sinks-1
-        self.register_buffer("fetch_idx", idx, persistent=False)
-        self.register_buffer("fetch_valid", torch.zeros(B, H, n, dtype=torch.bool, device=dev), persistent=False)
+        # The prefetcher's ring of this layer, as module buffers: a compiled step keeps their addresses.
+        ring = prefetcher.new_ring(layer_idx, self.sinks)
+        for name, buf in zip(("ring_k", "ring_v", "fetch_idx", "fetch_valid"), ring):
+            self.register_buffer(name, buf, persistent=False)
         self.n_cand = prefetcher.key_rows  # re-ranking: low-bit candidates whose fp keys pick the k
-        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v, off=self.sinks,
-                                 index_bufs=(self.fetch_idx, self.fetch_valid))
 
     def fetch_bufs(self) -> list:
         """The buffers this layer's transfer writes: the ring and which positions it holds."""
@@ -369,34 +364,14 @@ class SpeCache(LowBitCache):
         if self.sinks:  # the first block quantized: its first tokens stay in fp16 on the device
             self.prefetcher.keep_sinks([self.ring_k, self.ring_v, self.fetch_valid], k, v, row0 == 0, self.sinks)
 
-    # ---- selection and fetch --------------------------------------------------------------------
-    def select(self, q_rows, lse_rows, fetched: Optional[Fetched] = None):
-        """Top-k quantized positions (sinks aside) for the query token(s) q_rows [B,H,D] or [B,H,R,D]
-        -> (idx, valid) [B,Hkv,n_fetch] per kv head and None; with re-ranking, the low-bit top-(N*k)
-        candidates (idx, valid) [B,Hkv,N*k] and the query rows and lse that pick the k among them
-        (start_fetch). `fetched`: the rows this step attended in fp, which score exactly (Algorithm 3's A)."""
-        if self.policy.exact:
-            score, idx = topk.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
-                                         self.n_fetch, self.sm_scale, first=self.sinks)
-        elif self.rerank > 1:
-            # Re-ranking: the low-bit top-(N*k) are candidates; their fp keys decide the k where the
-            # keys land (prefetch.Prefetcher.start_rerank: on the side stream on a GPU).
-            score, cand = topk.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_cand, self.sm_scale, fetched,
-                                           first=self.sinks, use_op=self.custom_ops, attn_path=self.config.attn_path)
-            return cand, score >= 0, topk.as_rows(q_rows, lse_rows)
-        else:
-            score, idx = topk.topk_lowbit(q_rows, lse_rows, self.stored(), self.n_fetch, self.sm_scale, fetched,
-                                          first=self.sinks, use_op=self.custom_ops, attn_path=self.config.attn_path)
-        return idx, score >= 0, None
-
-    def start_fetch(self, idx, valid, rerank_by=None, real=(None, None, None)):
-        """Remember which rows the ring will hold and start their transfer (plus, with `real` = (k, v,
-        position) of the step's real token, its write to the host store, in the same transfer). With
-        re-ranking (rerank_by = (q_rows, lse_rows)), idx are candidates and the transfer picks the rows."""
-        if rerank_by is not None:
-            self.prefetcher.start_rerank(self.layer_idx, self.fetch_bufs(), idx, valid, *rerank_by, self.sm_scale, *real)
-        else:
-            self.prefetcher.start(self.layer_idx, self.fetch_bufs(), idx, valid, *real)
+    # ---- selection ---------------------------------------------------------------------------------
+    def selection(self) -> dict:
+        """What topk.select reads of this layer besides the selecting rows: its codes, how many rows
+        (re-ranking: how many candidates), the sinks it skips, and for the oracle the host's fp keys."""
+        return dict(store=self.stored(), k=self.n_fetch, sm_scale=self.sm_scale, first=self.sinks,
+                    use_op=self.custom_ops, attn_path=self.config.attn_path,
+                    keys=self.prefetcher.host_keys(self.layer_idx) if self.policy.exact else None,
+                    candidates=self.n_cand if self.rerank > 1 else None)
 
     # ---- a decode step ----------------------------------------------------------------------------
     def forward(self, q, k, v, input_pos, mode="decode"):
@@ -421,13 +396,15 @@ class SpeCache(LowBitCache):
         # The selecting row picks the next step's rows among the quantized positions as they are
         # after the flush; the transfer overlaps the remaining layers of the step.
         rows = slice(None) if self.policy.selects == "both" else slice(-1, None)
-        self.start_fetch(*self.select(q[:, :, rows], lse[:, :, rows], fetched), real)
+        idx, valid, rerank_by = topk.select(q[:, :, rows], lse[:, :, rows], fetched, **self.selection())
+        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), idx, valid, *real, rerank_by=rerank_by)
         return out
 
     def fetch_then_attend(self, q, keep, real):
         """Table 4: pick rows with the real token itself, fetch and wait, then attend."""
         _, lse = self.attend(q, self.fetched() if self.sinks else None)
-        self.start_fetch(*self.select(q[:, :, :1], lse[:, :, :1]))
+        idx, valid, rerank_by = topk.select(q[:, :, :1], lse[:, :, :1], **self.selection())
+        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), idx, valid, rerank_by=rerank_by)
         self.prefetcher.wait(self.layer_idx, self.fetch_bufs(), now=True)
         out, _ = self.attend(q, self.fetched())
         if keep:
@@ -442,7 +419,7 @@ class SpeCache(LowBitCache):
     def read_bytes(self, step_tokens: int = 1) -> int:
         """LowBitCache's, plus the fp rows (sinks and fetched), plus the top-k pass of the selecting
         token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them).
-        Re-ranking's candidate keys cross the bus into registers (transfer.rerank_rows): bus bytes,
+        Re-ranking's candidate keys cross the bus into registers (topk.rerank_rows): bus bytes,
         not device reads."""
         keys_again = lowbit.lowbit_read_bytes(self.stored(), int(self.n_quant), values=False)
         return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again

@@ -1,16 +1,25 @@
 """Moving fp16 KV between host memory and the device (specache.txt §3.3, Figure 3).
 
 `Prefetcher` owns the host store, host_k/host_v [L, B, Hkv, S, D]: every real token's full-precision
-K/V, pinned on CUDA so the device can read it directly. The device end of a fetch belongs to each
-layer's SpeCache module: the ring of fetched rows ring_k/ring_v [B, Hkv, k, D] is a module buffer,
-so a compiled step sees it as a static input (a CUDA graph replays on fixed addresses).
+K/V, pinned on CUDA so the device can read it directly, and each layer's ring (`new_ring`): the
+fetched rows ring_k/ring_v [B, Hkv, sinks + k, D] and which positions they hold, fetch_idx/fetch_valid.
+The layer's SpeCache module registers them as its buffers, so a compiled step sees them as static
+inputs (a CUDA graph replays on fixed addresses).
 
 One transfer per layer and step, `start(layer, bufs, idx, valid, new_k, new_v, new_pos)` (bufs: the
 layer's ring and its fetch_idx/fetch_valid, which record idx and valid): write the step's real
 token to the host store and gather the selected host rows into the ring (transfer.transfer_rows).
-`idx=None` only writes the token; `new_k=None` only gathers. With re-ranking (name part rrN),
-`start_rerank` hands the side stream the low-bit candidates and the selecting query rows instead,
-and transfer.rerank_rows picks the k rows by their fp keys; the main stream only stages its inputs.
+`idx=None` only writes the token; `new_k=None` only gathers. With re-ranking (name part rrN,
+rerank_by), idx are the low-bit candidates: the side stream gets them and the selecting query rows,
+and topk.rerank_rows picks the k rows by their fp keys; the main stream only stages its inputs.
+
+The selected indices' route on the async path, from selection to the ring: the functions that return
+them or take them (SpeCache.forward calls the first two; _owner finds the op's Prefetcher and _run_side
+runs a closure on the side stream, neither sees them):
+  topk.select -> Prefetcher.start -> _fetch_start_op (the custom op) -> Prefetcher._start_async
+  -> transfer.stage (main stream: staging) -> Prefetcher._transfer (side stream) -> transfer.transfer_rows
+and with re-ranking: ... _rerank_start_op -> Prefetcher._start_async -> transfer.stage -> Prefetcher._rerank
+-> topk.rerank_rows.
 
 On CUDA the transfer runs on a side stream and overlaps the rest of the step:
   main stream: copy idx and the token's K/V into this layer's staging buffers and record idx and
@@ -19,7 +28,7 @@ On CUDA the transfer runs on a side stream and overlaps the rest of the step:
                virtual addressing, so the indices never leave the device and nothing syncs),
                record fetched[l].
 The side stream reads only memory this module owns (staging, host store) and writes only the
-layer's buffers registered with `register_ring` (the ring; with re-ranking also fetch_idx and
+layer's ring buffers (`new_ring`, or `register_ring`'s; with re-ranking also fetch_idx and
 fetch_valid), so graph-internal temporaries that a compiled step frees and reuses while the side
 stream still runs never cross streams (the side stream's own temporaries come from its own
 allocator pool). The custom ops check that they were handed the layer's own buffers, not copies
@@ -40,7 +49,8 @@ from typing import Optional
 
 import torch
 
-from transfer import record_rows, rerank_rows, rerank_scratch, stage, transfer_rows, transfer_rows_ref
+from topk import rerank_rows, rerank_scratch
+from transfer import record_rows, stage, transfer_rows, transfer_rows_ref
 
 Tensor = torch.Tensor
 # The custom ops below run outside the graph and need the Prefetcher (its streams, events, staging).
@@ -79,7 +89,7 @@ def _(bufs, idx, valid, new_k, new_v, new_pos, layer):
 def _rerank_start_op(bufs: list[Tensor], cand: Tensor, cand_valid: Tensor, q_rows: Tensor, lse_rows: Tensor,
                      new_k: Optional[Tensor], new_v: Optional[Tensor], new_pos: Optional[Tensor], sm_scale: float,
                      layer: int) -> None:
-    _owner(bufs)._start_rerank_async(layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos)
+    _owner(bufs)._start_async(layer, bufs, cand, cand_valid, new_k, new_v, new_pos, rerank=(q_rows, lse_rows, sm_scale))
 
 
 @_rerank_start_op.register_fake
@@ -147,7 +157,7 @@ class Prefetcher:
         host = dict(dtype=dtype, device="cpu", pin_memory=True) if self.on_cuda else dict(dtype=dtype, device=device)
         self.host_k, self.host_v = torch.zeros(shape, **host), torch.zeros(shape, **host)
         self.rings = [None] * n_layers  # [ring_k, ring_v, ...]: what the side stream writes, per layer
-        self.ring_off = 0
+        self.ring_offs = [0] * n_layers  # per layer: the ring slots before it hold rows the cache keeps (sinks)
         self.rerank_scratch = None  # re-ranking's device scratch (CUDA), one for all layers: they run in turn
         if self.on_cuda and select_rows is not None:
             self.rerank_scratch = rerank_scratch(batch, n_kv_heads, self.key_rows, head_dim, dtype, device)
@@ -176,12 +186,24 @@ class Prefetcher:
             self.staging_k = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
             self.staging_v = torch.zeros(B, H, self.k, D, dtype=dt, pin_memory=True)
 
+    def new_ring(self, layer, sinks=0) -> list[Tensor]:
+        """Layer `layer`'s ring, registered: [ring_k, ring_v [B, Hkv, sinks + k, D], fetch_idx, fetch_valid
+        [B, Hkv, sinks + k]]. Slots [0, sinks) hold the rows the cache keeps itself (positions 0..sinks-1,
+        valid once quantized: keep_sinks); the rest receive fetched rows (none valid yet)."""
+        _, B, H, _, D = self.host_k.shape
+        n, dev = sinks + self.k, self.device
+        idx = torch.arange(n, device=dev).clamp(max=sinks).expand(B, H, n).contiguous()
+        bufs = [torch.zeros(B, H, n, D, dtype=self.host_k.dtype, device=dev) for _ in range(2)]
+        bufs += [idx, torch.zeros(B, H, n, dtype=torch.bool, device=dev)]
+        self.register_ring(layer, bufs[0], bufs[1], off=sinks, index_bufs=bufs[2:])
+        return bufs
+
     def register_ring(self, layer, ring_k, ring_v, off=0, index_bufs=()):
         """The layer's ring: slots [off, off + k) receive the fetched rows (before off: rows the
         cache keeps on the device itself, attention sinks). index_bufs = (fetch_idx, fetch_valid):
         which positions the slots hold, recorded by the transfer (re-ranking: by the side stream)."""
         self.rings[layer] = [ring_k, ring_v, *index_bufs]
-        self.ring_off = off
+        self.ring_offs[layer] = off
         _BY_RING[ring_k.data_ptr()] = self
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -214,34 +236,35 @@ class Prefetcher:
         return self.host_v[layer].to(self.device, non_blocking=True)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def start(self, layer, bufs, idx=None, valid=None, new_k=None, new_v=None, new_pos=None):
+    def start(self, layer, bufs, idx=None, valid=None, new_k=None, new_v=None, new_pos=None, rerank_by=None):
         """Write the real token's K/V [B,Hkv,1,D] to host row new_pos (a 0-d device tensor) and fetch
         host rows idx [B,Hkv,k] into the ring, asynchronously on the async path. bufs: the layer's
         registered [ring_k, ring_v] or [ring_k, ring_v, fetch_idx, fetch_valid]; with the latter, idx
         and valid (real rows) are recorded there (record_rows; on the async path by the main stream's
-        staging launch, so the compiled step has no copy kernels of its own for them)."""
-        if self.async_ops:
+        staging launch, so the compiled step has no copy kernels of its own for them). rerank_by =
+        (q_rows [B,H,R,D], lse_rows [B,H,R], sm_scale): idx are re-ranking's candidates [B,Hkv,N*k], and
+        the k whose fp keys score best for those query rows are fetched and recorded (topk.rerank_rows)."""
+        if self.async_ops and rerank_by is not None:
+            q_rows, lse_rows, sm_scale = rerank_by
+            torch.ops.specache.rerank_start(bufs, idx, valid, q_rows, lse_rows, new_k, new_v, new_pos, float(sm_scale),
+                                            layer)
+        elif self.async_ops:
             torch.ops.specache.fetch_start(bufs, idx, valid, new_k, new_v, new_pos, layer)
+        elif rerank_by is not None:
+            self._rerank(layer, bufs, idx, valid, *rerank_by, new_k, new_v, new_pos)
         else:
-            record = self._record(bufs, idx, valid)
+            record = self._record(layer, bufs, idx, valid)
             rows = record_rows(idx, *record) if record is not None else idx
             self._transfer(layer, bufs[0], bufs[1], rows, new_k, new_v, new_pos)
 
-    def _record(self, bufs, idx, valid):
+    def _record(self, layer, bufs, idx, valid):
         """record_rows' arguments after idx, or None when there is nothing to record."""
-        return (valid, *bufs[2:], self.ring_off) if idx is not None and len(bufs) > 2 else None
+        return (valid, *bufs[2:], self.ring_offs[layer]) if idx is not None and len(bufs) > 2 else None
 
     def start_rerank(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k=None, new_v=None,
                      new_pos=None):
-        """`start` for re-ranking: of the candidate rows cand [B,Hkv,N*k] (cand_valid: real ones),
-        fetch the k whose fp keys score best for the selecting query rows q_rows [B,H,R,D] (lse_rows
-        [B,H,R]: their softmax normalizers), and record them in the layer's fetch_idx/fetch_valid.
-        bufs: the layer's registered [ring_k, ring_v, fetch_idx, fetch_valid]."""
-        if self.async_ops:
-            torch.ops.specache.rerank_start(bufs, cand, cand_valid, q_rows, lse_rows, new_k, new_v, new_pos,
-                                            float(sm_scale), layer)
-        else:
-            self._rerank(layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos)
+        """`start` with rerank_by = (q_rows, lse_rows, sm_scale) for the candidates cand (cand_valid: real ones)."""
+        self.start(layer, bufs, cand, cand_valid, new_k, new_v, new_pos, rerank_by=(q_rows, lse_rows, sm_scale))
 
     def wait(self, layer, bufs, now=False):
         """The main stream waits for this layer's fetch only (bufs: what it writes, see register_ring):
@@ -276,7 +299,7 @@ class Prefetcher:
             self._append_host(layer, new_k, new_v, new_pos)
             new_k = new_v = new_pos = None
         rerank_rows(self.host_k[layer], self.host_v[layer], *bufs, cand, cand_valid, q_rows, lse_rows, sm_scale,
-                    new_k, new_v, new_pos, self.ring_off, scratch=self.rerank_scratch)
+                    new_k, new_v, new_pos, self.ring_offs[layer], scratch=self.rerank_scratch)
 
     def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
         """The transfer itself, on the current stream (re-ranking's, `_rerank`, reads over UVA with
@@ -286,10 +309,10 @@ class Prefetcher:
                 self._append_host(layer, new_k, new_v, new_pos)
             if idx is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, None, None, None,
-                                  self.ring_off)
+                                  self.ring_offs[layer])
         elif self.impl == "uva":
             transfer_rows(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, new_k, new_v, new_pos,
-                          self.ring_off)
+                          self.ring_offs[layer])
         else:  # staged: indices to the host (one sync: eager only), gather, one non_blocking copy
             if new_k is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, None, new_k, new_v, new_pos)
@@ -298,7 +321,7 @@ class Prefetcher:
                 pairs = ((self.host_k, self.staging_k, ring_k), (self.host_v, self.staging_v, ring_v))
                 for host, staging, ring in pairs:
                     torch.gather(host[layer], 2, idx_host.clamp(min=0)[..., None].expand_as(staging), out=staging)
-                    slots = ring[:, :, self.ring_off:]
+                    slots = ring[:, :, self.ring_offs[layer]:]
                     slots.copy_(torch.where(idx[..., None] >= 0, staging.to(ring.device, non_blocking=True), slots))
 
     # ---- the async path (run by the custom ops) ----------------------------------------------------
@@ -320,27 +343,24 @@ class Prefetcher:
             work()
             self.fetched[layer].record(self.side)
 
-    def _staged(self, layer, idx, new_k, new_v, new_pos, rerank=None, record=None):
-        # Stage the inputs on the main stream: they may be temporaries the graph reuses right after.
+    def _start_async(self, layer, bufs, idx, valid, new_k, new_v, new_pos, rerank=None):
+        """`start` on the async path (its custom ops): the inputs staged on the main stream in one launch
+        (they may be temporaries the graph reuses right after), then the transfer, or re-ranking
+        (rerank = (q_rows, lse_rows, sm_scale); idx: its candidates), on the side stream."""
+        self._check_ring(layer, bufs)
+        s_idx, s_new = self.stage_idx[layer], (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer])
         s_rerank = (self.stage_cand[layer], self.stage_cand_valid[layer], self.stage_q[layer],
                     self.stage_lse[layer]) if rerank is not None else None
-        if idx is not None or new_k is not None or rerank is not None:
-            stage(idx, new_k, new_v, new_pos, self.stage_idx[layer], self.stage_k[layer], self.stage_v[layer],
-                  self.stage_pos[layer], rerank, s_rerank, record)
-        s_idx = self.stage_idx[layer] if idx is not None else None
-        s_new = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None \
-            else (None, None, None)
-        return s_idx, s_new, s_rerank
-
-    def _start_async(self, layer, bufs, idx, valid, new_k, new_v, new_pos):
-        self._check_ring(layer, bufs)
-        s_idx, s_new, _ = self._staged(layer, idx, new_k, new_v, new_pos, record=self._record(bufs, idx, valid))
-        self._run_side(layer, lambda: self._transfer(layer, bufs[0], bufs[1], s_idx, *s_new))
-
-    def _start_rerank_async(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos):
-        self._check_ring(layer, bufs)
-        _, s_new, staged = self._staged(layer, None, new_k, new_v, new_pos, (cand, cand_valid, q_rows, lse_rows))
-        self._run_side(layer, lambda: self._rerank(layer, bufs, *staged, sm_scale, *s_new))
+        if rerank is not None:
+            stage(None, new_k, new_v, new_pos, s_idx, *s_new, (idx, valid, *rerank[:2]), s_rerank)
+        elif idx is not None or new_k is not None:
+            stage(idx, new_k, new_v, new_pos, s_idx, *s_new, record=self._record(layer, bufs, idx, valid))
+        s_new = s_new if new_k is not None else (None, None, None)
+        if rerank is not None:
+            self._run_side(layer, lambda: self._rerank(layer, bufs, *s_rerank, rerank[2], *s_new))
+        else:
+            s_idx = s_idx if idx is not None else None
+            self._run_side(layer, lambda: self._transfer(layer, bufs[0], bufs[1], s_idx, *s_new))
 
     def _wait_async(self, layer):
         self._main().wait_event(self.fetched[layer])

@@ -179,7 +179,7 @@ def test_rerank_from_pinned_host_memory_keeps_the_best_candidates(R):
     fetch = [torch.zeros(B, Hkv, off + K, D, dtype=torch.bfloat16, device=DEV) for _ in range(2)] + \
             [torch.full((B, Hkv, off + K), -1, device=DEV), torch.zeros(B, Hkv, off + K, dtype=torch.bool, device=DEV)]
     pinned = [h.pin_memory() for h in host] if ON_GPU else [h.clone() for h in host]
-    (transfer.rerank_rows if ON_GPU else transfer.rerank_rows_triton)(
+    (topk.rerank_rows if ON_GPU else topk.rerank_rows_triton)(
         *pinned, *fetch, on(cand), on(valid), on(q), on(lse), sm, *on(tuple(new)), on(pos), ring_off=off)
     if ON_GPU:
         torch.cuda.synchronize()

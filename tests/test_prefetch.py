@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import prefetch
+import topk
 import transfer
 from cache import LowBitCache, SpeCache
 from config import CacheConfig
@@ -266,7 +267,7 @@ def test_triton_rerank_matches_reference(with_new, R, off):
     if with_new:  # the token's candidate wins its kv head: its key and value must come from new_k/new_v
         new[0][1, 2, 0] = 3 * q[1, 2 * G, 0]
     outs = []
-    for fn in (transfer.rerank_rows_ref, transfer.rerank_rows_triton):
+    for fn in (topk.rerank_rows_ref, topk.rerank_rows_triton):
         hk, hv = (h.clone() for h in host)
         bufs = [torch.zeros(B, Hkv, off + K, D), torch.zeros(B, Hkv, off + K, D),
                 torch.full((B, Hkv, off + K), -1), torch.zeros(B, Hkv, off + K, dtype=torch.bool)]
@@ -285,7 +286,7 @@ def test_triton_rerank_matches_reference(with_new, R, off):
         first = [t.clone() for t in outs[0]]
         cand2 = torch.where(torch.arange(C) % 2 == 0, cand.roll(1, -1), (cand + 1) % S)
         q2 = q + 0.5 * torch.randn(q.shape, generator=g)
-        for fn, (hk, hv, *bufs) in zip((transfer.rerank_rows_ref, transfer.rerank_rows_triton), outs):
+        for fn, (hk, hv, *bufs) in zip((topk.rerank_rows_ref, topk.rerank_rows_triton), outs):
             fn(hk, hv, *bufs, cand2, valid, q2, lse, 0.2, ring_off=off)
         assert torch.equal(ref_ok, tri_ok) and torch.equal(ref_idx, tri_idx)
         assert torch.equal(ref_k[ref_ok], tri_k[tri_ok]) and torch.equal(ref_v[ref_ok], tri_v[tri_ok])
@@ -359,7 +360,7 @@ def test_one_selecting_token_staged_for_two_then_reranked():
     assert torch.equal(s_q[:, :, 0], q1[:, :, 0]) and torch.equal(s_q[:, :, 1], q1[:, :, 0])
     host = [torch.randn(B, Hkv, S, D, generator=g) for _ in range(2)]
     picked = []
-    for q_rows, lse_rows, fn in ((s_q, s_lse, transfer.rerank_rows_triton), (q1, lse1, transfer.rerank_rows_ref)):
+    for q_rows, lse_rows, fn in ((s_q, s_lse, topk.rerank_rows_triton), (q1, lse1, topk.rerank_rows_ref)):
         bufs = [torch.zeros(B, Hkv, K, D), torch.zeros(B, Hkv, K, D), torch.full((B, Hkv, K), -1),
                 torch.zeros(B, Hkv, K, dtype=torch.bool)]
         fn(*host, *bufs, s_rerank[0], s_rerank[1], q_rows, lse_rows, 0.2)

@@ -164,9 +164,9 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
     q, lse = torch.randn(1, 4, D, generator=g), torch.randn(1, 4, generator=g).abs() + 2
     fetched = c.fetched()
     _, cand = topk.topk_lowbit(q, lse, c.stored(), 24, c.sm_scale, Fetched(*(t.clone() for t in fetched)))
-    idx, valid, rerank_by = c.select(q, lse, Fetched(*(t.clone() for t in fetched)))
+    idx, valid, rerank_by = topk.select(q, lse, Fetched(*(t.clone() for t in fetched)), **c.selection())
     assert torch.equal(idx, cand) and valid.all()  # the candidates, ranked by their low-bit scores
-    c.start_fetch(idx, valid, rerank_by)
+    prefetcher.start(c.layer_idx, c.fetch_bufs(), idx, valid, rerank_by=rerank_by)
     keys = prefetcher.host_k[1, 0]  # [Hkv, S, D]
     p = torch.exp(torch.einsum("hgd,hsd->hgs", (q[0] * c.sm_scale).view(2, 2, D), keys) - lse[0].view(2, 2, 1)).sum(1)
     got = c.fetch_idx[0, :, c.sinks:]

@@ -361,7 +361,7 @@ def cases(quick=False):
             for G, R, new_or_none in ((4, 1, new), (3, 2, None)):  # re-ranking: 128 candidates, k 64 after 4 sinks
                 fetch = [torch.zeros(1, 2, 68, D, dtype=dtype), torch.zeros(1, 2, 68, D, dtype=dtype),
                          torch.zeros(1, 2, 68, dtype=torch.long), torch.zeros(1, 2, 68, dtype=torch.bool)]
-                transfer.rerank_rows_triton(*host, *fetch, idx.repeat(1, 1, 2), torch.ones(1, 2, 128, dtype=torch.bool),
+                topk.rerank_rows_triton(*host, *fetch, idx.repeat(1, 1, 2), torch.ones(1, 2, 128, dtype=torch.bool),
                                             torch.zeros(1, 2 * G, R, D, dtype=dtype), torch.zeros(1, 2 * G, R),
                                             0.125, new_or_none, new_or_none, pos if new_or_none is not None else None,
                                             ring_off=4)
