@@ -184,3 +184,47 @@ def test_every_loop_named_and_counted_per_step(aot):
     row["constexprs"]["HAS_FETCH"] = "False"
     assert [lp["name"] for lp in kc.loops_of(row, [3, 2])] == ["quantized", "residual"]
     assert [lp["per_item"] for lp in kc.loops_of(row, [3, 2, 3])] == [None, None, None]
+
+
+def test_the_cost_tools_name_kernels_and_constexprs_that_exist(aot):
+    """tools/kernel_cost.py (and triton_aot.py's per-token rule) name kernels and their constexprs by
+    strings: each named kernel is a Triton or Gluon kernel of the method, and each constexpr one of its
+    parameters, so a rename fails here instead of leaving a report without its loops or budgets."""
+    import ast
+    import inspect
+
+    import attn_gluon
+    import kernels
+    import topk
+    import transfer
+    from tools import kernel_cost
+
+    def constexprs(name):
+        found = [getattr(m, name) for m in (kernels, topk, transfer, attn_gluon) if hasattr(m, name)]
+        assert len(found) == 1, f"kernel {name} is defined {len(found)} times"
+        fn = getattr(found[0], "fn", found[0])
+        return {p for p, v in inspect.signature(fn).parameters.items() if "constexpr" in str(v.annotation)}
+
+    def names(x):  # a constexpr name, "!name", a number, or a tuple of those
+        if isinstance(x, tuple):
+            return {n for y in x for n in names(y)}
+        return {x.lstrip("!")} if isinstance(x, str) else set()
+
+    used = {k: set() for k in {**kernel_cost.LOOPS, **kernel_cost.BUDGETS}}
+    for kern, loops in kernel_cost.LOOPS.items():
+        for _, per, _, cond in loops:
+            used[kern] |= names(per) | names(cond)
+    # step_shape: `if kern == "K"` / `kern in (...)` branches read constexprs with _cx(row, "NAME")
+    tree = ast.parse(inspect.getsource(kernel_cost.step_shape))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
+            kerns = {c.value for c in ast.walk(node.test) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            cx = {c.args[1].value for b in node.body for c in ast.walk(b)
+                  if isinstance(c, ast.Call) and getattr(c.func, "id", None) == "_cx"}
+            for kern in kerns:
+                used.setdefault(kern, set()).update(cx)
+    for kern, per in aot.TOKENS_PER_ITERATION.items():
+        used.setdefault(kern, set()).update(names(per))
+    for kern, cx in used.items():
+        missing = cx - constexprs(kern)
+        assert not missing, f"{kern}: no constexpr {sorted(missing)}"
