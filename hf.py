@@ -11,7 +11,7 @@
 
 How the pieces fit (transformers >= 5.23, < 6):
   HFCache     a transformers `Cache` whose layers (CacheLayer) are this project's caches (cache.py:
-              FullCache, LowBitCache = KIVI/ZipCache, SpeCache, quantspec.QuantSpecCache). `update()`
+              FullCache, LowBitCache = KIVI, zipcache.ZipCache, SpeCache, quantspec.QuantSpecCache). `update()`
               notes the step's K/V for the attention call that follows it in the same attention module.
   attention   registered with `AttentionInterface` as "specache" (with a mask function under the
               same name) by `register()`: hands (q, k, v, positions, mode) to the layer's cache, which
