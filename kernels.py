@@ -28,11 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+import attn_views
 from lowbit import (DEFAULT_ATTN_PATH, Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision,
-                    from_op_inputs, interpreted, interpreter_upcast, key_logits, op_inputs, plane_codes_mode, planes_fit,
-                    replaced_mask, take_planes, value_sum)
-from tiles import (LOG2E, fetched_hits, fetched_mask, integer_units, key_scores, load_codes, online_softmax,
-                   plane_codes, plane_key_scores, tile_channels)
+                    from_op_inputs, has_views, interpreted, interpreter_upcast, key_logits, op_inputs, plane_codes_mode,
+                    planes_fit, replaced_mask, take_planes, value_sum)
+from tiles import (LOG2E, codes_tile, fetched_hits, fetched_mask, fetched_positions, key_scores, online_softmax,
+                   plane_codes, plane_key_scores, query_rows, store_partial, tile_channels, word_block)
 
 
 # =============================================================================================
@@ -87,19 +88,18 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
 
 
 @triton.jit
-def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale, v_zero, v_chan, n_quant_ptr,
-                       f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part, k_ref, v_ref, ref_map,
-                       qk_scale, S, R, K, D, T, M, SPLIT_LEN, N_REF, SPLIT0, NPARTS,
-                       BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
-                       NGV: tl.constexpr, HAS_FETCH: tl.constexpr, HAS_CHAN: tl.constexpr, DOT: tl.constexpr,
-                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr,
+def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, f_idx, f_valid, f_k, f_v,
+                       r_k, r_v, res_len_ptr, out_part, lse_part, qk_scale, S, R, K, D, T, M, SPLIT_LEN, SPLIT0, NPARTS,
+                       BITS: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr, NGV: tl.constexpr,
+                       HAS_FETCH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr,
                        PLANES: tl.constexpr = False, RG: tl.constexpr = 1, CODES: tl.constexpr = 0,
                        CODE_OFF: tl.constexpr = 0.0, QUANT: tl.constexpr = True):
     """Grid (B*Hkv, n_splits + 1). Program `split` < n_splits attends to quantized slots
     [split*SPLIT_LEN, +SPLIT_LEN) below n_quant; the last one to the fetched and residual fp rows.
     Each writes (out, lse) partial `split` of NPARTS for the kv head's G*T query rows m = g*T + t.
     SPLIT0 offsets the program index (grid (B*Hkv, 1) with SPLIT0 = n_splits: the fp-row program
-    alone, beside attn_gluon's quantized programs); QUANT=False compiles the fp-row program only.
+    alone, beside attn_gluon's or attn_views' quantized programs); QUANT=False compiles it only.
     PLANES (the bit-plane path, for the quantized slots): the tile's columns are channels in
     plane-major order (tiles.plane_codes), and its rows hold RG copies of the query rows, copy g taking
     the values' channel group g: one value dot serves every channel group (each with its own
@@ -114,19 +114,15 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
     offs_d = tile_channels(offs_c, BLOCK_D, BITS, PLANES)
     m_ok = offs_m < M
     d_ok = offs_d < D
-    qt = tl.load(q + (bh * M + offs_m[:, None]) * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    qt = qt.to(tl.float32) * qk_scale  # scores in log2 units: exp2 below
+    qt = query_rows(q, bh, offs_m, m_ok, offs_d, d_ok, M, D, qk_scale)  # scores in log2 units: exp2 below
     dt = q.dtype.element_ty  # the dots' input type: the model's (fp32 with IEEE dots)
     if UPCAST:
         dt = tl.float32
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
     if HAS_FETCH:
-        k_ok = offs_k < K
-        fidx = tl.load(f_idx + bh * K + offs_k, mask=k_ok, other=-1)
-        fidx = tl.where(tl.load(f_valid + bh * K + offs_k, mask=k_ok, other=0) != 0, fidx, -1)
+        fidx = fetched_positions(f_idx, f_valid, bh, K, BLOCK_K)
     if QUANT and split < n_splits:
         lo = split * SPLIT_LEN
         hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
@@ -153,35 +149,23 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                     zv = tl.where((grp_r == g)[:, None], tl.load(v_zero + rows * NGV + g, mask=n_ok, other=0.0).to(tl.float32)[None, :], zv)
                 ps = (p * sv).to(dt)
                 acc += tl.dot(ps, cv, input_precision=DOT) + tl.sum(p * zv - CODE_OFF * ps.to(tl.float32), 1)[:, None]
-            if HAS_CHAN:  # ZipCache eq. 6: every dequantized value row is multiplied by c
-                acc = acc * tl.load(v_chan + bh * D + offs_d).to(tl.float32)[None, :]
         else:
             for n0 in range(lo, hi, GROUP_K):
                 offs_n = n0 + tl.arange(0, GROUP_K)
                 n_ok = offs_n < hi
                 rows = bh * S + offs_n
                 # keys: this block is one key group; its scale/zero fold into the query
-                s, ref_rows, ref_ok = key_scores(qt, k_codes, k_lo, k_scale, k_zero, k_ref, ref_map, rows, n_ok,
-                                                 bh * (S // GROUP_K) + n0 // GROUP_K, offs_d, d_ok, D, N_REF, dt, BITS,
-                                                 HIER, RB, WORDS, GROUP_K, BLOCK_D, DOT)
+                grp = bh * (S // GROUP_K) + n0 // GROUP_K
+                sk = tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                ck = codes_tile(k_codes, rows, n_ok, offs_d, D, BITS, WORDS, GROUP_K, BLOCK_D)
+                s = key_scores(qt, sk, zk, ck, dt, DOT)
                 keep = n_ok
                 if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
                     keep = keep & (fetched_hits(offs_n, fidx) == 0)
-                s = tl.where(keep[None, :], s, -float("inf"))
-                m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
-                # values: per-token scale/zero of each channel group fold into p
-                cv = load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, v_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
-                                 GROUP_K, BLOCK_D).to(dt)
-                for j in tl.static_range(NGV):
-                    sv = integer_units(tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32), HIER, RB)
-                    zv = tl.load(v_zero + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
-                    part = tl.dot((p * sv[None, :]).to(dt), cv, input_precision=DOT) + tl.sum(p * zv[None, :], 1)[:, None]
-                    if NGV == 1:
-                        acc += part
-                    else:
-                        acc += tl.where((offs_d // (D // NGV) == j)[None, :], part, 0.0)
-            if HAS_CHAN:  # ZipCache eq. 6: every dequantized value row is multiplied by c
-                acc = acc * tl.load(v_chan + bh * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+                cv = codes_tile(v_codes, rows, n_ok, offs_d, D, BITS, WORDS, GROUP_K, BLOCK_D).to(dt)
+                m_i, l_i, acc = word_block(s, keep, cv, m_i, l_i, acc, v_scale, v_zero, rows, n_ok, offs_d, D, dt, NGV,
+                                           DOT)
     else:
         if PLANES:  # fp rows: channels in their own order (masks and loads of contiguous, aligned
             offs_d = offs_c  # channels: vectorized); the store follows offs_d
@@ -220,13 +204,7 @@ def _attn_split_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
         l_i = tl.max(tl.reshape(l_i, (RG, MR)), 0)
         offs_m = tl.arange(0, MR)
         m_ok = offs_m < M
-    has = l_i > 0
-    part = (bh * NPARTS + split) * M + offs_m
-    tl.store(out_part + part[:, None] * D + offs_d[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
-             mask=m_ok[:, None] & d_ok[None, :])
-    # natural-log lse (scores were in log2 units)
-    tl.store(lse_part + part, tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                                       -float("inf")), mask=m_ok)
+    store_partial(out_part, lse_part, (bh * NPARTS + split) * M + offs_m, m_ok, offs_d, d_ok, D, acc, m_i, l_i)
 
 
 @triton.jit
@@ -288,7 +266,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
     group_v = min(store.group_v, D)
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
-    words, BLOCK_D, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref = code_layout(store, D)
+    words, BLOCK_D, k_codes, v_codes, *_ = code_layout(store, D)
     plane = _planes_layout(store, D, M, q.dtype, attn_path)
     if plane is not None:  # bytes, not words
         k_codes, v_codes = store.k_codes.contiguous(), store.v_codes.contiguous()
@@ -303,6 +281,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
         gluon = not interpreted() and attn_gluon.fits(store, D, M, q.dtype)
         if attn_path and not gluon:
             raise ValueError("the Gluon path takes compiled 16-bit launches that attn_gluon.fits")
+    views = has_views(store)  # QuantSpec's INT8 view, ZipCache's mixed codes: attn_views runs the quantized programs
     per_split = attn_gluon.WARPS if gluon else 1
     split_len = triton.cdiv(triton.cdiv(n_blocks, max(1, n_splits)), per_split) * per_split * store.group_k
     n_splits = max(1, triton.cdiv(S, split_len))
@@ -314,20 +293,25 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     out_part = torch.empty(BH, NS, M, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(BH, NS, M, dtype=torch.float32, device=q.device)
     qk_scale = float(sm_scale) * LOG2E.value
+    BLOCK_K = max(16, triton.next_power_of_2(max(K, 1)))
+    decode = DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}
     if gluon:
         attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, qk_scale, n_splits, split_len, NS)
-    _attn_split_kernel[(BH, 1 if gluon else NS)](
-        q, k_codes, c(k_lo), c(store.k_scale), c(store.k_zero), v_codes, c(v_lo), c(store.v_scale), c(store.v_zero),
-        c(store.v_chan), c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q,
-        c(f.k) if f else q, c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length), out_part, lse_part,
-        c(k_ref), c(v_ref), c(store.ref_map), qk_scale, S, R, K, D, T, M, split_len, store.n_ref,
-        n_splits if gluon else 0, NS,
-        BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
-        WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
-        HAS_FETCH=f is not None, HAS_CHAN=store.v_chan is not None, DOT=dot_precision(q.dtype),
-        UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_K=max(16, triton.next_power_of_2(max(K, 1))),
-        BLOCK_F=64, PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF, QUANT=not gluon,
-        **{**(DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}), **(FP_ROWS_LAUNCH if gluon else {}), **launch})
+    if views:
+        attn_views.launch(q, store, f, out_part, lse_part, qk_scale, n_splits, split_len, NS, BLOCK_M, BLOCK_K,
+                          **{**decode, **launch})
+    fp_rows_only = gluon or views  # (the program after the quantized ones: grid (BH, 1) from SPLIT0 = n_splits)
+    _attn_split_kernel[(BH, 1 if fp_rows_only else NS)](
+        q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero), c(store.n_quant),
+        c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q, c(f.k) if f else q,
+        c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length), out_part, lse_part, qk_scale, S, R, K, D,
+        T, M, split_len,
+        n_splits if fp_rows_only else 0, NS, BITS=store.bits, WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
+        HAS_FETCH=f is not None, DOT=dot_precision(q.dtype), UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M,
+        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_F=64, PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF,
+        QUANT=not fp_rows_only, **{**decode, **(FP_ROWS_LAUNCH if gluon else {}), **launch})
+    if store.v_chan is not None and not gluon:  # zipcache.txt eq. 6: the quantized values times c (Gluon applies it)
+        out_part[:, :n_splits] *= store.v_chan.float().reshape(BH, 1, 1, D)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,

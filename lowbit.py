@@ -199,6 +199,12 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def has_views(store: LowBitKV) -> bool:
+    """Whether the codes are read through a view (QuantSpec's INT8 view of two planes, ZipCache's mixed
+    codes): attn_views.py's kernel attends to them, kernels.py's to plain codes."""
+    return store.k_codes_lo is not None or store.k_ref is not None
+
+
 def _plane_keys_fit(store: LowBitKV, D: int) -> bool:
     """Plain KIVI codes (no INT8 view, no mixed codes), whole 32-bit words per row, D a power of two."""
     return store.k_codes_lo is None and store.k_ref is None and D & (D - 1) == 0 and (D * store.bits) % 32 == 0

@@ -1,7 +1,8 @@
-"""Triton building blocks of the decode kernels (kernels.py, topk.py) that read low-bit tiles: key
-group constants, code tiles unpacked from 32-bit words or bytes (KIVI, QuantSpec's INT8 view,
-ZipCache's mixed codes), the bit-plane tiles of the attention kernel's plane path, fetched-row
-masks and the online softmax. Their torch counterparts are quant.py's unpacking and kernels.py's
+"""Triton building blocks of the decode kernels (kernels.py, attn_views.py, topk.py) that read
+low-bit tiles: key group constants, code tiles unpacked from 32-bit words or bytes (KIVI's codes_tile;
+load_codes adds QuantSpec's INT8 view and ZipCache's mixed codes), the key scores and a key group's
+attention step on them, the bit-plane tiles of the attention kernel's plane path, fetched-row masks,
+the online softmax and a program's partial. Their torch counterparts are quant.py's unpacking and kernels.py's
 references; the kernels that use them are checked against those (tests/test_kernels.py)."""
 import triton
 import triton.language as tl
@@ -43,59 +44,95 @@ def key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF,
 
 
 @triton.jit
-def load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
-                RB: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Integer codes of a [BLOCK_N, BLOCK_D] tile of rows `rows` (flat bh*S + n): KIVI's c,
-    QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16), or ZipCache's mixed codes
-    2^(RB+1) U + (2L where the row has refinement row `ref_rows`, else 2^RB - 1) (scale s_hi/2).
-    `codes`/`lo`/`ref` point at int32 words (WORDS) or bytes."""
+def codes_tile(codes, rows, n_ok, offs_d, D, BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """KIVI's integer codes c of a [BLOCK_N, BLOCK_D] tile of rows `rows` (flat bh*S + n; n_ok: real
+    rows), BITS bits each, from int32 words unpacked by shifts (WORDS) or from bytes."""
     MASK: tl.constexpr = (1 << BITS) - 1
     if WORDS:
         PER: tl.constexpr = 32 // BITS
         N_WORDS: tl.constexpr = BLOCK_D // PER
-        w_ptr = rows[:, None] * N_WORDS + tl.arange(0, N_WORDS)[None, :]
-        shifts = (tl.arange(0, PER) * BITS)[None, None, :]
-        w = tl.load(codes + w_ptr, mask=n_ok[:, None], other=0)
-        c = tl.reshape((w[:, :, None] >> shifts) & MASK, (BLOCK_N, BLOCK_D))
-        if HIER:
-            wl = tl.load(lo + w_ptr, mask=n_ok[:, None], other=0)
-            c = 16 * c + tl.reshape((wl[:, :, None] >> shifts) & 15, (BLOCK_N, BLOCK_D)) - 8
+        w = tl.load(codes + rows[:, None] * N_WORDS + tl.arange(0, N_WORDS)[None, :], mask=n_ok[:, None], other=0)
+        c = tl.reshape((w[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & MASK, (BLOCK_N, BLOCK_D))
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
         byte = rows[:, None] * (D // PER_BYTE) + offs_d[None, :] // PER_BYTE
-        shift = ((offs_d % PER_BYTE) * BITS)[None, :]
         ok = n_ok[:, None] & (offs_d < D)[None, :]
-        c = (tl.load(codes + byte, mask=ok, other=0).to(tl.int32) >> shift) & MASK
-        if HIER:
-            c = 16 * c + ((tl.load(lo + byte, mask=ok, other=0).to(tl.int32) >> shift) & 15) - 8
-    if RB > 0:
-        RMASK: tl.constexpr = (1 << RB) - 1
-        if WORDS:
-            PER_R: tl.constexpr = 32 // RB
-            NW_R: tl.constexpr = BLOCK_D // PER_R
-            wr = tl.load(ref + ref_rows[:, None] * NW_R + tl.arange(0, NW_R)[None, :], mask=ref_ok[:, None], other=0)
-            low = tl.reshape((wr[:, :, None] >> (tl.arange(0, PER_R) * RB)[None, None, :]) & RMASK, (BLOCK_N, BLOCK_D))
-        else:
-            PB_R: tl.constexpr = 8 // RB
-            byte_r = ref_rows[:, None] * (D // PB_R) + offs_d[None, :] // PB_R
-            ok_r = ref_ok[:, None] & (offs_d < D)[None, :]
-            low = (tl.load(ref + byte_r, mask=ok_r, other=0).to(tl.int32) >> ((offs_d % PB_R) * RB)[None, :]) & RMASK
-        c = (c << (RB + 1)) + tl.where(ref_ok[:, None], 2 * low, RMASK)
+        c = (tl.load(codes + byte, mask=ok, other=0).to(tl.int32) >> ((offs_d % PER_BYTE) * BITS)[None, :]) & MASK
     return c
 
 
 @triton.jit
-def key_scores(qt, k_codes, k_lo, k_scale, k_zero, k_ref, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF,
-               dt: tl.constexpr, BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
-    """q.k' of the query tile qt [BLOCK_M, BLOCK_D] (fp32, scaled) against key group `grp`'s rows `rows`
-    (BLOCK_N of them, from word or byte codes): the group's per-channel scale and zero fold into the
-    query, q.k' = (q*s_k).c + q.z_k, so the dot runs on exact integer codes. -> (scores [BLOCK_M,
-    BLOCK_N], the rows' refinement rows and whether they have one: the values' load_codes reads them)."""
-    sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER, RB)
-    ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS, BLOCK_N, BLOCK_D)
+def load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
+                RB: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """codes_tile for every store: KIVI's c, QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16),
+    or ZipCache's mixed codes 2^(RB+1) U + (2L where the row has refinement row `ref_rows`, else
+    2^RB - 1) (scale s_hi/2). `codes`/`lo`/`ref` point at int32 words (WORDS) or bytes."""
+    c = codes_tile(codes, rows, n_ok, offs_d, D, BITS, WORDS, BLOCK_N, BLOCK_D)
+    if HIER:  # (both planes have 4 bits)
+        c = 16 * c + codes_tile(lo, rows, n_ok, offs_d, D, BITS, WORDS, BLOCK_N, BLOCK_D) - 8
+    if RB > 0:
+        low = codes_tile(ref, ref_rows, ref_ok, offs_d, D, RB, WORDS, BLOCK_N, BLOCK_D)
+        c = (c << (RB + 1)) + tl.where(ref_ok[:, None], 2 * low, (1 << RB) - 1)
+    return c
+
+
+@triton.jit
+def key_scores(qt, sk, zk, ck, dt: tl.constexpr, DOT: tl.constexpr):
+    """q.k' of the query tile qt [BLOCK_M, BLOCK_D] (fp32, scaled) against a key group's integer codes
+    ck [BLOCK_N, BLOCK_D] (codes_tile, load_codes): the group's per-channel scale sk and zero zk fold
+    into the query, q.k' = (q*s_k).c + q.z_k, so the dot runs on exact integer codes."""
     s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
-    return s + tl.sum(qt * zk[None, :], 1)[:, None], ref_rows, ref_ok
+    return s + tl.sum(qt * zk[None, :], 1)[:, None]
+
+
+@triton.jit
+def word_block(s, keep, cv, m_i, l_i, acc, v_scale, v_zero, rows, n_ok, offs_d, D, dt: tl.constexpr, NGV: tl.constexpr,
+               DOT: tl.constexpr, UNITS: tl.constexpr = 1):
+    """One key group of the attention on integer codes: the scores s where `keep` (-inf elsewhere) into
+    the online softmax, then acc += sum_n p_n v'_n from the value codes cv [BLOCK_N, BLOCK_D], each channel
+    group's per-token scale and zero folded into the probabilities, sum_n p_n (c_n s_n + z_n) =
+    (p*s).c + sum_n p_n z_n. UNITS divides the stored value scales to match the codes (integer_units)."""
+    s = tl.where(keep[None, :], s, -float("inf"))
+    m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
+    for j in tl.static_range(NGV):
+        sv = tl.load(v_scale + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
+        if UNITS != 1:
+            sv = sv / UNITS
+        zv = tl.load(v_zero + rows * NGV + j, mask=n_ok, other=0.0).to(tl.float32)
+        part = tl.dot((p * sv[None, :]).to(dt), cv, input_precision=DOT) + tl.sum(p * zv[None, :], 1)[:, None]
+        if NGV == 1:
+            acc += part
+        else:
+            acc += tl.where((offs_d // (D // NGV) == j)[None, :], part, 0.0)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def query_rows(q, bh, offs_m, m_ok, offs_d, d_ok, M, D, qk_scale):
+    """The kv head's query rows offs_m (m = g*T + t) as an fp32 tile scaled to log2 units (exp2)."""
+    qt = tl.load(q + (bh * M + offs_m[:, None]) * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    return qt.to(tl.float32) * qk_scale
+
+
+@triton.jit
+def fetched_positions(f_idx, f_valid, bh, K, BLOCK_K: tl.constexpr):
+    """[BLOCK_K] the positions of the kv head's valid fetched rows, -1 for the others."""
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    fidx = tl.load(f_idx + bh * K + offs_k, mask=k_ok, other=-1)
+    return tl.where(tl.load(f_valid + bh * K + offs_k, mask=k_ok, other=0) != 0, fidx, -1)
+
+
+@triton.jit
+def store_partial(out_part, lse_part, part, m_ok, offs_d, d_ok, D, acc, m_i, l_i):
+    """A program's (out, lse) partial for its query rows at flat partial rows `part` (scores in log2
+    units: the lse is stored in natural log); no row attended: out 0, lse -inf."""
+    has = l_i > 0
+    tl.store(out_part + part[:, None] * D + offs_d[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
+             mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(lse_part + part, tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                                       -float("inf")), mask=m_ok)
 
 
 @triton.jit

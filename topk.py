@@ -23,7 +23,7 @@ import triton.language as tl
 
 from lowbit import (Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
                     interpreter_upcast, key_logits, op_inputs, planes_for_keys)
-from tiles import LOG2E, key_scores, plane_key_scores, tile_channels
+from tiles import LOG2E, key_group, key_scores, load_codes, plane_key_scores, tile_channels
 from transfer import host_row, record_rows, record_rows_tile, transfer_rows_ref, write_new_rows
 
 
@@ -171,9 +171,11 @@ def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_id
             n_ok = (offs_n < hi) & (offs_n >= FIRST)
             rows = bh * S + offs_n
             grp_ok = offs_d < tl.where(lo + n0 < hi, D, 0)  # (block & scalar-bool masks break the interpreter)
-            s, _, _ = key_scores(qt, k_codes, k_lo, k_scale, k_zero, k_ref, ref_map, rows, n_ok,
-                                 bh * (S // GROUP_K) + (lo + n0) // GROUP_K, offs_d, grp_ok, D, N_REF, dt, BITS, HIER, RB,
-                                 WORDS, GROUP_K, BLOCK_D, DOT)
+            sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K,
+                                                  offs_d, grp_ok, D, N_REF, HIER, RB)
+            ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
+                            GROUP_K, BLOCK_D)
+            s = key_scores(qt, sk, zk, ck, dt, DOT)
             prob = best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R)
             if HAS_FETCH:
                 hit = offs_n[:, None] == fidx[None, :]

@@ -32,6 +32,7 @@ LOOPS = {
     "_attn_split_kernel": [("quantized", "GROUP_K", "token", "QUANT"), ("fetched", "BLOCK_F", "row", "HAS_FETCH"),
                            ("residual", "BLOCK_F", "row", None)],
     "_attn_planes_gluon": [("quantized", ("GROUP_K", "NW"), "token", None)],
+    "_attn_views_kernel": [("quantized", "GROUP_K", "token", None)],
     "_topk_score_kernel": [("scores", "GROUP_K", "position", None)],
     "_transfer_rows_kernel": [("rows", "BLOCK_R", "row", "HAS_IDX"), ("new token", 1, "kv head", ("HAS_NEW", "!HAS_IDX")),
                               ("token slot", ("BLOCK_R", 4), "slot", ("HAS_NEW", "HAS_IDX"))],
@@ -41,6 +42,7 @@ LOOPS = {
 BUDGETS = {
     "_attn_split_kernel": (24.0, "KV token", "5.9: codes 0.1 loads + 4 unpack + 1 MMA + 0.75 softmax (every loop: 24)"),
     "_attn_planes_gluon": (24.0, "KV token", "the attention's quantized slots (as _attn_split_kernel's)"),
+    "_attn_views_kernel": (24.0, "KV token", "the siblings' quantized slots (as _attn_split_kernel's)"),
     "_topk_score_kernel": (12.0, "position", "3.1: 0.04 loads + 2 unpack + 0.5 MMA + 0.6 exp, sum over heads, key"),
     "_radix_round_kernel": (1.1, "key", "0.28: 0.01 load + 0.125 digit and count + 0.14 threshold (3 rounds x 256 bins / 1024 keys)"),
     "_radix_collect_kernel": (2.0, "key", "0.51: 0.01 load + 0.31 compare, two scans, store + 0.19 threshold"),
@@ -98,10 +100,12 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
     H, nq = s["Hkv"], s["n_quant"]
     splits = min(nq // (_cx(row, "GROUP_K") or 1), 4 * s["sms"] // H)
     if kern == "_attn_split_kernel":
-        quant = _cx(row, "QUANT", True)  # (False: the fp-row program alone, beside _attn_planes_gluon)
+        quant = _cx(row, "QUANT", True)  # (False: the fp-row program alone, beside _attn_planes_gluon or _attn_views_kernel)
         loops = dict(quantized=nq * H if quant else 0, fetched=s["k"] * H if _cx(row, "HAS_FETCH") else 0,
                      residual=s["res_len"] * H)
         return H * (splits * quant + 1), loops, sum(loops.values()), "KV token"
+    if kern == "_attn_views_kernel":
+        return H * splits, dict(quantized=nq * H), nq * H, "KV token"
     if kern == "_attn_planes_gluon":
         splits = -(-splits // _cx(row, "NW"))  # (a split is a whole number of its warps' groups)
         return H * splits, dict(quantized=nq * H), nq * H, "KV token"
@@ -150,7 +154,7 @@ def budget_check(row) -> Optional[dict]:
     if row["kernel"] not in BUDGETS or "loops" not in row:
         return None
     b, item, _ = BUDGETS[row["kernel"]]
-    if row["kernel"] in ("_attn_split_kernel", "_attn_planes_gluon"):
+    if row["kernel"] in ("_attn_split_kernel", "_attn_planes_gluon", "_attn_views_kernel"):
         worst = max((lp["per_item"] or float("inf")) for lp in row["loops"]) if row["loops"] else None
     else:
         worst = (row.get("step") or {}).get("per_item")
