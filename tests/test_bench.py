@@ -425,6 +425,41 @@ def test_gpu_check_dry_run_walks_every_step(tmp_path):
     assert "| fp16 step, fp16, 32k, 4 layers | pass |" in (tmp_path / "summary.md").read_text()
 
 
+def gpu_doc_commands() -> list[tuple[str, list]]:
+    """(script, argv) of every `python[3] SCRIPT ...` in docs/gpu.md, inline (across line breaks) or in a code block."""
+    import re
+    import shlex
+    from tests.helpers import ROOT
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    spans = [m.group(1) for m in re.finditer(r"`([^`]+)`", text)] + [ln for ln in text.splitlines() if ln.startswith("    ")]
+    out = []
+    for span in spans:
+        m = re.match(r"(?:python3?|\.venv/bin/python) ((?:[\w.-]+/)*[\w-]+\.py)(.*)", " ".join(span.split()))
+        if m:
+            out.append((m.group(1), shlex.split(m.group(2))))
+    return out
+
+
+def test_every_gpu_doc_command_parses_as_written():
+    """The commands docs/gpu.md gives parse with their tools' parsers, and a bench run names a model shape
+    (the GPU machine has no checkpoint) unless it needs none (--sweep, --floors)."""
+    import generate
+    from tools import eval as eval_tool, gpu_check
+    parsers = {"tools/bench.py": bench.parse_args, "tools/gpu_check.py": gpu_check.parse_args, "generate.py": generate.parse_args,
+               "tools/eval.py": eval_tool.parse_args}
+    cmds = gpu_doc_commands()
+    assert sum(script == "tools/bench.py" for script, _ in cmds) >= 8 and any(s == "tools/gpu_check.py" for s, _ in cmds)
+    for script, argv in cmds:
+        if script not in parsers:  # (results/*/sweep.py, convert_hf.py: not a tool with a parser to call)
+            continue
+        try:
+            a = parsers[script](argv)
+        except SystemExit as e:
+            raise AssertionError(f"docs/gpu.md: `{script} {' '.join(argv)}` does not parse") from e
+        if script == "tools/bench.py":
+            assert a.model or a.sweep or a.floors, f"docs/gpu.md: `{script} {' '.join(argv)}` needs a checkpoint"
+
+
 def test_per_test_alarm_fails_a_slow_test_and_goes_on(tmp_path):
     """SPECACHE_TEST_TIMEOUT_S (tests/conftest.py): the slow test fails with TimeoutError, the next one runs."""
     import subprocess

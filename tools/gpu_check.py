@@ -317,16 +317,24 @@ def collect(py, env, work: Path) -> tuple[Optional[list], str]:
     return (ids if code == 0 else None), out
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="the output folder (default $OUT, else .cache/gpu-check)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the call's seconds: no step starts that the rest "
                    "cannot hold (docs/gpu.md: what each step takes)")
     p.add_argument("--commit", default=None, help="the commit to record (default git's, where .git came along)")
+    p.add_argument("--skip-speed", action="store_true", help="the CUDA tests alone (step 1)")
     p.add_argument("--dry-run-cpu", action="store_true", help="walk every step on CPU: imports and test collection "
                    "real, GPU work stubbed, time simulated with EXPECTED_S; its numbers mean nothing")
     p.add_argument("--stub", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.budget_s <= 0:
+        p.error("--budget-s must be > 0")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
     if a.stub:
         return stub(json.loads(a.stub))
     try:
@@ -449,6 +457,8 @@ def main(argv=None):
         (out / "running-bg.log").unlink(missing_ok=True)
 
     for step in plan(py, work, out, tests):
+        if a.skip_speed and not step.key.startswith("tests"):
+            continue
         if step.tests == [] and step.key.startswith("tests"):
             report.add(step.name, "skip", 0.0, "no tests selected")
             continue
