@@ -299,6 +299,26 @@ def test_every_sweep_configuration_is_one_the_launchers_take():
             torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+def test_the_sweep_json_is_rewritten_after_every_row(tmp_path, monkeypatch):
+    """--kernels --sweep keeps each row in its JSON as it comes (the sweep itself faked: it needs CUDA)."""
+    from tools import bench_kernels
+    out, seen = tmp_path / "sweep.json", []
+
+    def fake_sweep(args, bw, every=True, on_row=None, **kw):
+        assert not every  # --sweep-configs launcher
+        for i in range(3):
+            on_row(dict(kernel="gluon", gluon=True, us=float(i)))
+            seen.append(len(json.loads(out.read_text())["sweep"]))
+        return []
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(measure, "measure_bandwidth", lambda device, mb: BW)
+    monkeypatch.setattr(measure, "environment", lambda device, dtype: {"device": "cuda"})
+    monkeypatch.setattr(bench_kernels, "sweep_rows", fake_sweep)
+    bench.main(["--kernels", "--sweep", "--sweep-configs", "launcher", "--device", "cuda", "--json", str(out)])
+    assert seen == [1, 2, 3] and json.loads(out.read_text())["complete"] is True
+
+
 def test_layers_and_attention_path_are_run_and_recorded(tmp_path):
     """--layers builds the first N decoder layers of a known shape; each row says its depth, ms per layer
     and the attention path (the torch reference on CPU; the path asked for is in its config)."""
