@@ -175,6 +175,14 @@ def load_model(path: Path, dtype, eager: bool):
     return model, tok
 
 
+def split_at(tok, text: str, marker: str):
+    """(ids of `text` without added special tokens, index of the token that holds the start of the last
+    `marker`): the question's first token (a transformers fast tokenizer's offsets)."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    at_char = text.rfind(marker)
+    return list(enc["input_ids"]), next(i for i, (s, e) in enumerate(enc["offset_mapping"]) if e > at_char)
+
+
 def encode(tok, text: str, form: str, question_start):
     """(ids, index of the first question token) as hf.py's HFTokenizer.encode_prompt does it: chat =
     the chat template's text (user turn + generation prompt) without added special tokens;
@@ -190,10 +198,7 @@ def encode(tok, text: str, form: str, question_start):
             fail("--prompt-form chat needs a tokenizer with a chat template; use --prompt-form completion")
         rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                            add_generation_prompt=True)
-    enc = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-    at_char = rendered.rfind(marker)
-    at = next(i for i, (s, e) in enumerate(offsets) if e > at_char)
+    ids, at = split_at(tok, rendered, marker)
     probe = tok("a")["input_ids"]
     if form == "completion" and tok.bos_token_id is not None and probe and probe[0] == tok.bos_token_id:
         ids, at = [tok.bos_token_id] + ids, at + 1
@@ -432,6 +437,64 @@ def cmd_hf_checkpoint(a):
     print(f"wrote {a.out}")
 
 
+def cmd_ruler(a):
+    """RULER samples as tools/eval.py builds them (project venv, hf.py's tokenizer), each press at each
+    matched budget through `run` in the kvpress venv, scored by tools/tasks.py's scorer. One row per
+    finished cell appended to OUT/results.jsonl (a rerun skips the cells already there); a failed cell
+    prints its error line and writes nothing."""
+    import subprocess
+    import tempfile
+    sys.path.insert(0, str(ROOT))
+    import hf
+    from cache import setup_caches
+    from tools.tasks import RULER_TASKS, render, ruler_max_new, ruler_sample, ruler_score
+    model, tok = hf.load(a.hf)
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / "results.jsonl"
+    done = {json.loads(line)["key"] for line in path.read_text().splitlines()} if path.exists() else set()
+    for task in a.tasks.split(","):
+        if task not in RULER_TASKS:
+            fail(f"unknown RULER task {task!r}; known: {', '.join(RULER_TASKS)}")
+        for i in range(a.samples):
+            s = ruler_sample(tok, task, a.length, i, seed=a.seed, form=a.prompt_form)
+            text = render(tok, s)
+            body = s.prompt.rstrip()
+            ids, at = split_at(tok.tok, text, body[body.rfind("\n") + 1:])  # the question: the prompt's last line on
+            if ids != tok.encode(text, bos=False):
+                fail(f"{task} sample {i}: the offsets' tokenization differs from tools/eval.py's")
+            max_new = ruler_max_new(task)
+            budgets = {m: setup_caches(model, m, 1, len(ids) + max_new + 1).device_bytes() for m in a.match.split(",")}
+            for spec in a.presses.split(","):
+                press, aware = spec.removesuffix("+qa"), spec.endswith("+qa")
+                for matched, target in (budgets.items() if press in PRESSES else [(None, None)]):
+                    method = spec + (f"@{matched}" if matched else "")
+                    key = json.dumps(dict(cmd="ruler", model=a.hf.name, method=method, task=task, length=a.length,
+                                          sample=i, seed=a.seed, form=a.prompt_form), sort_keys=True)
+                    if key in done:
+                        continue
+                    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+                        json.dump(dict(ids=ids, question_at=at), f)
+                        f.flush()
+                        cmd = [str(KVPRESS_PYTHON), str(Path(__file__).resolve()), "run", "--hf", str(a.hf), "--ids-file",
+                               f.name, "--press", press, "--max-new-tokens", str(max_new), "--threads", str(a.threads)]
+                        cmd += (["--match-bytes", str(target)] if target else []) + (["--question-aware"] if aware else [])
+                        t0 = time.perf_counter()
+                        p = subprocess.run(cmd, capture_output=True, text=True)
+                    if p.returncode:
+                        print(f"{method} {task} {i}: {p.stderr.strip().splitlines()[-1]}", file=sys.stderr)
+                        continue
+                    r = json.loads(p.stdout.strip().splitlines()[-1])
+                    row = dict(json.loads(key), key=key, matched=matched, target_bytes=target,
+                               score=ruler_score(task, r["text"], s.answers), answers=s.answers, output=r["text"],
+                               **{k: r[k] for k in ("prompt_tokens", "prompt_sha256", "question_tokens", "ratio",
+                                                    "kv_device_bytes", "kv_fp_full_bytes", "kept_per_layer", "versions")},
+                               seconds=round(time.perf_counter() - t0, 2))
+                    with open(path, "a", encoding="utf-8") as out:
+                        out.write(json.dumps(row) + "\n")
+                    print(f"{method:32s} {task} {i}: {row['score']:.2f} {r['kv_device_bytes']} B {row['seconds']} s",
+                          file=sys.stderr)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -455,6 +518,19 @@ def parse_args(argv=None):
     r.add_argument("--quant-group", type=int, default=64)
     r.add_argument("--quant-residual", type=int, default=128)
     r.add_argument("--out", type=Path, default=None, help="also append the JSON line to this results file")
+    g = sub.add_parser("ruler", help="(project venv) RULER samples x presses x matched budgets, rows in OUT")
+    g.add_argument("--hf", type=Path, default=ROOT / "checkpoints" / "smollm2-135m-hf")
+    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")
+    g.add_argument("--length", type=int, default=4000)
+    g.add_argument("--samples", type=int, default=2)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt-form", default="chat", choices=["chat", "completion"])
+    g.add_argument("--presses", default="no_press,streaming_llm,h2o,snapkv,snapkv+qa,pyramidkv,knorm",
+                   help="press names; NAME+qa compresses the question too")
+    g.add_argument("--match", default="specache-1bit,specache-1bit-best",
+                   help="cache names whose kv_device_bytes (generate.py --json's) each press matches")
+    g.add_argument("--threads", type=int, default=1)
     h = sub.add_parser("hf-checkpoint", help="(project venv) the default model as a transformers directory")
     h.add_argument("--out", type=Path, default=ROOT / "checkpoints" / "smollm2-135m-hf")
     return p.parse_args(argv)
@@ -462,7 +538,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
-    return cmd_run(a) if a.cmd == "run" else cmd_hf_checkpoint(a)
+    return {"run": cmd_run, "ruler": cmd_ruler, "hf-checkpoint": cmd_hf_checkpoint}[a.cmd](a)
 
 
 if __name__ == "__main__":
