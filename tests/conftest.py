@@ -16,6 +16,29 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# SPECACHE_TEST_TIMEOUT_S=N (tools/gpu_check.py sets it): a test still running after N seconds fails with
+# TimeoutError and the rest go on (an alarm in the main thread: it cannot stop a kernel that never returns,
+# which the caller's process timeout covers).
+TEST_TIMEOUT_S = float(os.environ.get("SPECACHE_TEST_TIMEOUT_S") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    import signal
+    if not TEST_TIMEOUT_S or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"over SPECACHE_TEST_TIMEOUT_S={TEST_TIMEOUT_S:g} s")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
 
 # The compile gate (tests/test_compile_gate.py) compiles Triton kernel variants for GPU targets:
 # minutes of single-threaded ptxas on a cold cache. It starts in the background as soon as

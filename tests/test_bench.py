@@ -1,5 +1,7 @@
 """tools/bench.py on a tiny random Llama: fields, byte accounting, the budget search. No timing assertions."""
 import json
+import os
+import sys
 from argparse import Namespace
 from dataclasses import asdict
 
@@ -297,6 +299,26 @@ def test_every_sweep_configuration_is_one_the_launchers_take():
             torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+def test_the_sweep_json_is_rewritten_after_every_row(tmp_path, monkeypatch):
+    """--kernels --sweep keeps each row in its JSON as it comes (the sweep itself faked: it needs CUDA)."""
+    from tools import bench_kernels
+    out, seen = tmp_path / "sweep.json", []
+
+    def fake_sweep(args, bw, every=True, on_row=None, **kw):
+        assert not every  # --sweep-configs launcher
+        for i in range(3):
+            on_row(dict(kernel="gluon", gluon=True, us=float(i)))
+            seen.append(len(json.loads(out.read_text())["sweep"]))
+        return []
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(measure, "measure_bandwidth", lambda device, mb: BW)
+    monkeypatch.setattr(measure, "environment", lambda device, dtype: {"device": "cuda"})
+    monkeypatch.setattr(bench_kernels, "sweep_rows", fake_sweep)
+    bench.main(["--kernels", "--sweep", "--sweep-configs", "launcher", "--device", "cuda", "--json", str(out)])
+    assert seen == [1, 2, 3] and json.loads(out.read_text())["complete"] is True
+
+
 def test_layers_and_attention_path_are_run_and_recorded(tmp_path):
     """--layers builds the first N decoder layers of a known shape; each row says its depth, ms per layer
     and the attention path (the torch reference on CPU; the path asked for is in its config)."""
@@ -338,42 +360,136 @@ def test_gpu_check_without_cuda_says_so_in_one_line():
 
 
 def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monkeypatch, capsys):
-    """The summary's statuses and exit code, with the sub-runs faked: a failing test fails the check;
-    a speed run that the budget cuts is "cut" and later ones "not run", neither a failure."""
+    """The summary's statuses and exit code, with the sub-runs faked (20 s each; the background tests 50 s
+    of simulated time): a failing test fails the check; a step the timeout cuts is "cut" and, once too
+    little budget is left, later ones "not run", neither a failure; a step that ends while the background
+    tests run says so; after every step the summary is packed into at most MAX_FILES files."""
+    import threading
     from tools import gpu_check
-    clock = [0.0]
+    clock, packed = [0.0], []
     monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(gpu_check, "EXPECTED_S", {k: 50 if k == "tests-rest" else 0 for k in gpu_check.EXPECTED_S})
 
     def fake_run(cmd, timeout, log, env=None, fail_test=False):
-        clock[0] += 100.0
+        if threading.current_thread() is threading.main_thread():  # (the main thread packs)
+            assert len(list(tmp_path.iterdir())) <= gpu_check.MAX_FILES, list(tmp_path.iterdir())
+            if (tmp_path / "summary.json").exists():
+                packed.append(len(json.loads((tmp_path / "summary.json").read_text())["steps"]))
+        clock[0] += 20.0
         log.write_text("progress\n")
-        if "pytest" in cmd:
-            xml = next(c.split("=", 1)[1] for c in cmd if c.startswith("--junitxml="))
+        if "--collect-only" in cmd:
+            return 0, "".join(f"tests/test_cuda.py::{t}\n" for t in ("test_gluon_a", "test_topk_kernel_b", "test_c")), 20.0
+        if "--stub" not in cmd:  # the imports, and the one real toy bench run
+            if "--json" in cmd:
+                out = cmd[cmd.index("--json") + 1]
+                open(out, "w").write(json.dumps({"grid": [{"label": "full", "step_ms_median": 2.0, "n_layers": 1}]}))
+            return 0, "", 20.0
+        spec = json.loads(cmd[cmd.index("--stub") + 1])
+        if spec["xml"]:
             bad = '<failure message="AssertionError: off"/>' if fail_test else ""
-            with open(xml, "w") as f:
-                f.write(f'<testsuite><testcase name="test_a" time="1.0"/><testcase name="test_b" time="2.0">{bad}'
-                        '</testcase></testsuite>')
-            return (1 if fail_test else 0), "", 100.0
-        if "--compile" in cmd and "kivi" in cmd:  # cut by the budget
-            return None, "progress\n", 100.0
-        out = cmd[cmd.index("--json") + 1]
-        open(out, "w").write("{}")
-        open(out[:-len(".json")] + ".md", "w").write(f"table of {out}\n")
-        return 0, "progress\n", 100.0
+            with open(spec["xml"], "w") as f:
+                f.write(f'<testsuite><testcase name="{spec["tests"][0].split("::")[1]}" time="1.0">{bad}</testcase>'
+                        '</testsuite>')
+            return (1 if fail_test else 0), "", 20.0
+        if "--attn-path words" in spec["cmd"] and "--caches kivi " in spec["cmd"]:  # cut by its timeout
+            return None, "progress\n", 20.0
+        gpu_check.stub(spec)
+        return 0, "progress\n", 20.0
 
     monkeypatch.setattr(gpu_check, "run", fake_run)
-    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "500"]) == 0
-    rows = {r["check"]: r["status"] for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
-    assert rows["test_a"] == "pass" and rows["compiled step full, 512"] == "pass"
-    assert rows["compiled step kivi, 512"] == "cut" and rows["compiled step specache, 512"] == "not run"
-    assert (tmp_path / "steps-512-kivi.log").exists()
+    # 100 s to the tests in the background, 7 steps of 20 (+ the background's 20): 260; the sweep (45 needed) runs
+    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "330"]) == 0
+    rows = {r["step"]: r for r in json.loads((tmp_path / "summary.json").read_text())["steps"]}
+    tests = {t["check"]: t["status"] for t in json.loads((tmp_path / "summary.json").read_text())["tests"]}
+    assert tests == {"test_gluon_a": "pass", "test_topk_kernel_b": "pass", "test_c": "pass"}
+    assert rows["fp16 step, fp16, 32k, 4 layers"]["status"] == "pass"
+    assert rows["KIVI 1-bit step, words, 32k, 4 layers"]["status"] == "cut"
+    assert rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["status"] == "pass"
+    assert "2.00x the fp16 step" in rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["note"]  # (4 ms of 4 layers vs 2)
+    # the background tests start at 100 s with 50 s of simulated time: the fp16 step ends at 140 s, the next at 160
+    assert rows["fp16 step, fp16, 32k, 4 layers"]["beside"] == "CUDA tests running"
+    assert rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["beside"] == ""
+    assert rows["kernel sweep: words, planes, Gluon; 1/2/4 bits; 8k-128k; groups 64, 32"]["status"] == "pass"
+    assert rows["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "not run"
+    assert rows["fp16 step, full depth, 32k"]["status"] == "not run"
+    assert packed == sorted(packed) and len(set(packed)) > 10  # packed again after every step
     assert "0 failed" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.txt", "results.json", "summary.json", "summary.md",
+                                                          "sweep.json"]
+    assert "===== KIVI 1-bit step, words, 32k, 4 layers (cut, 20 s) =====" in (tmp_path / "logs.txt").read_text()
 
     monkeypatch.setattr(gpu_check, "run", lambda *a, **k: fake_run(*a, **k, fail_test=True))
     clock[0] = 0.0
-    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "500", "--skip-speed"]) == 1
-    rows = {r["check"]: r["status"] for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
-    assert rows["test_b"] == "FAIL" and rows["pytest -m cuda"] == "FAIL"
+    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "150"]) == 1
+    rows = {r["step"]: r["status"] for r in json.loads((tmp_path / "summary.json").read_text())["steps"]}
+    assert rows["CUDA tests: Gluon and bit-plane paths"] == "FAIL"
+    assert rows["fp16 step, fp16, 32k, 4 layers"] == "pass"  # 30 s left: just enough
+    assert rows["KIVI 1-bit step, words, 32k, 4 layers"] == "not run"  # the budget is spent
+
+
+def test_gpu_check_dry_run_walks_every_step(tmp_path):
+    """`--dry-run-cpu`: the imports, the CUDA tests' collection and one toy bench run are real, the GPU work
+    stubbed and its time simulated: one summary row per step, at most MAX_FILES files, the sweep's
+    rows kept, and a real call's budget leaves Table 3 and the full-depth steps out."""
+    from tools import gpu_check
+    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    steps = {r["step"]: r for r in summary["steps"]}
+    assert list(steps)[:3] == ["environment", "imports", "collect the CUDA tests"]
+    assert len(summary["steps"]) == 3 + len(gpu_check.plan(sys.executable, tmp_path, tmp_path, {}))
+    assert all(r["status"] == "pass" for name, r in steps.items() if "Table 3" not in name and "full depth" not in name)
+    assert steps["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "not run"
+    assert len(summary["tests"]) > 60 and {t["status"] for t in summary["tests"]} == {"pass"}
+    assert len(list(tmp_path.iterdir())) <= gpu_check.MAX_FILES
+    assert [r["kernel"] for r in json.loads((tmp_path / "sweep.json").read_text())["sweep"]] == ["words", "planes", "gluon"]
+    assert "| fp16 step, fp16, 32k, 4 layers | pass |" in (tmp_path / "summary.md").read_text()
+
+
+def gpu_doc_commands() -> list[tuple[str, list]]:
+    """(script, argv) of every `python[3] SCRIPT ...` in docs/gpu.md, inline (across line breaks) or in a code block."""
+    import re
+    import shlex
+    from tests.helpers import ROOT
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    spans = [m.group(1) for m in re.finditer(r"`([^`]+)`", text)] + [ln for ln in text.splitlines() if ln.startswith("    ")]
+    out = []
+    for span in spans:
+        m = re.match(r"(?:python3?|\.venv/bin/python) ((?:[\w.-]+/)*[\w-]+\.py)(.*)", " ".join(span.split()))
+        if m:
+            out.append((m.group(1), shlex.split(m.group(2))))
+    return out
+
+
+def test_every_gpu_doc_command_parses_as_written():
+    """The commands docs/gpu.md gives parse with their tools' parsers, and a bench run names a model shape
+    (the GPU machine has no checkpoint) unless it needs none (--sweep, --floors)."""
+    import generate
+    from tools import eval as eval_tool, gpu_check
+    parsers = {"tools/bench.py": bench.parse_args, "tools/gpu_check.py": gpu_check.parse_args, "generate.py": generate.parse_args,
+               "tools/eval.py": eval_tool.parse_args}
+    cmds = gpu_doc_commands()
+    assert sum(script == "tools/bench.py" for script, _ in cmds) >= 8 and any(s == "tools/gpu_check.py" for s, _ in cmds)
+    for script, argv in cmds:
+        if script not in parsers:  # (results/*/sweep.py, convert_hf.py: not a tool with a parser to call)
+            continue
+        try:
+            a = parsers[script](argv)
+        except SystemExit as e:
+            raise AssertionError(f"docs/gpu.md: `{script} {' '.join(argv)}` does not parse") from e
+        if script == "tools/bench.py":
+            assert a.model or a.sweep or a.floors, f"docs/gpu.md: `{script} {' '.join(argv)}` needs a checkpoint"
+
+
+def test_per_test_alarm_fails_a_slow_test_and_goes_on(tmp_path):
+    """SPECACHE_TEST_TIMEOUT_S (tests/conftest.py): the slow test fails with TimeoutError, the next one runs."""
+    import subprocess
+    from tests.helpers import ROOT
+    (tmp_path / "test_probe.py").write_text("import time\n\ndef test_slow():\n    time.sleep(30)\n\n"
+                                            "def test_fast():\n    pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "tests.conftest", "--rootdir",
+                        str(tmp_path), str(tmp_path / "test_probe.py")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "SPECACHE_TEST_TIMEOUT_S": "1"})
+    assert "1 failed, 1 passed" in r.stdout and "TimeoutError: over SPECACHE_TEST_TIMEOUT_S=1 s" in r.stdout, r.stdout
 
 
 def test_gpu_check_run_keeps_the_output_of_a_cut_run(tmp_path):

@@ -88,6 +88,14 @@ def test_preset_flag_names_the_config(ckpt, capsys):
     assert r["config"]["fetch"] == "resync" and "Paris" in r["text"]
 
 
+def test_attention_path_is_recorded(ckpt, capsys):
+    """--attn-path picks the low-bit kernels' path on CUDA; the JSON records the path asked for and the one
+    that ran (the torch reference on CPU)."""
+    r = run_json(ckpt, capsys, "--prompt", "What is the capital of France?", "--chat", "--attn-path", "planes")
+    assert r["config"]["attn_path"] == "planes" and r["attn_path"] == "torch" and "Paris" in r["text"]
+    assert run_json(ckpt, capsys, "--prompt", "Hi", "--cache", "full")["attn_path"] is None
+
+
 def test_zipcache_mixed_precision_flags(ckpt, capsys):
     """--quant zipcache --salient-ratio 0.4 --bits 2: the mixed cache, its device bytes between the
     uniform 2-bit and 4-bit ZipCache caches'."""

@@ -147,7 +147,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
 # own warps (attn_gluon.WARPS; num_warps/num_stages reach only the fp-row program beside it), so its rows
 # take the launcher's choice and the split counts, not the warps/stages grid.
 # Cost (all configurations): 2 Triton paths x 3 widths x 2 groups x (1 + 9) compiled configurations + 6 Gluon
-# compiles = 126 compiles at ~1-3 s each (Triton + ptxas, one core) = 2-6 min, and ~0.1 s per timing
+# compiles = 126 compiles at ~1-3 s each (Triton + ptxas, one core) = 2-6 min, and 486 timings of ~0.1 s
 # (3 warm-ups, a graph capture, 10 replays after a 256 MiB flush). `--sweep-configs launcher` (what `make
 # gpu-check` runs): the launcher's choice alone, 18 compiles and 54 timings, ~1 min. A guard stops at
 # SWEEP_BUDGET_S and says how many timings it skipped; each row goes to `on_row` as it is measured.

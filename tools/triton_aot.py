@@ -313,11 +313,10 @@ def cases(quick=False):
     from config import CacheConfig
     from generate import STORES
 
-    def both_paths(q, store, *args):  # the word path, and the bit-plane path where it fits the layout
+    def both_paths(q, store, *args):  # the word path, and the bit-plane paths where they fit the layout
         M = q.shape[1] // store.k_codes.shape[1] * q.shape[2]
-        fits = lowbit.planes_fit(store, q.shape[-1], M)
-        planes = "gluon" if attn_gluon.fits(store, q.shape[-1], M, q.dtype) else "planes"  # (Gluon: 16-bit launches)
-        for path in ("words", planes) if fits and not quick else ("words",):  # (--quick: the GPU default only)
+        paths = ("words", "planes") + (("gluon",) if attn_gluon.fits(store, q.shape[-1], M, q.dtype) else ())
+        for path in paths if lowbit.planes_fit(store, q.shape[-1], M) and not quick else ("words",):  # (--quick: the default)
             kernels.attention_lowbit_triton(q, store, *args, attn_path=path)
 
     def step_case(name, dtype, D, G=4, T=2, S=1024):
