@@ -12,7 +12,7 @@ import triton.language as tl
 
 from lowbit import code_layout, dot_precision, interpreter_upcast
 from tiles import (fetched_hits, fetched_positions, key_group, key_scores, load_codes, query_rows,
-                   store_partial, word_block)
+                   softmax_start, store_partial, word_block)
 
 
 @triton.jit
@@ -36,9 +36,7 @@ def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
     dt = q.dtype.element_ty
     if UPCAST:
         dt = tl.float32
-    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     if HAS_FETCH:
         fidx = fetched_positions(f_idx, f_valid, bh, K, BLOCK_K)
     lo = split * SPLIT_LEN

@@ -33,7 +33,7 @@ from lowbit import (DEFAULT_ATTN_PATH, Fetched, LowBitKV, Residual, Tensor, code
                     from_op_inputs, has_views, interpreted, interpreter_upcast, key_logits, op_inputs, plane_codes_mode,
                     planes_fit, replaced_mask, take_planes, value_sum)
 from tiles import (LOG2E, codes_tile, fetched_hits, fetched_mask, fetched_positions, key_scores, online_softmax,
-                   plane_codes, plane_key_scores, query_rows, store_partial, tile_channels, word_block)
+                   plane_codes, plane_key_scores, query_rows, softmax_start, store_partial, tile_channels, word_block)
 
 
 # =============================================================================================
@@ -118,9 +118,7 @@ def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
     dt = q.dtype.element_ty  # the dots' input type: the model's (fp32 with IEEE dots)
     if UPCAST:
         dt = tl.float32
-    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     if HAS_FETCH:
         fidx = fetched_positions(f_idx, f_valid, bh, K, BLOCK_K)
     if QUANT and split < n_splits:

@@ -109,6 +109,13 @@ def word_block(s, keep, cv, m_i, l_i, acc, v_scale, v_zero, rows, n_ok, offs_d, 
 
 
 @triton.jit
+def softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax's state before any score: (running max -inf, sum 0, accumulator 0)."""
+    return (tl.full([BLOCK_M], -float("inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_D], tl.float32))
+
+
+@triton.jit
 def query_rows(q, bh, offs_m, m_ok, offs_d, d_ok, M, D, qk_scale):
     """The kv head's query rows offs_m (m = g*T + t) as an fp32 tile scaled to log2 units (exp2)."""
     qt = tl.load(q + (bh * M + offs_m[:, None]) * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
