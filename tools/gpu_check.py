@@ -309,12 +309,12 @@ class Clock:
             self.extra += max(0.0, EXPECTED_S[key] - real_s)
 
 
-def collect(py, env, work: Path) -> tuple[Optional[list], str]:
-    """The CUDA tests' node ids (pytest --collect-only), or None and the output."""
-    code, out, _ = run([py, "-m", "pytest", "-o", "addopts=", "-m", "cuda", "--collect-only", "-q", "-p", "no:cacheprovider",
+def collect(py, env, work: Path) -> tuple[Optional[list], str, float]:
+    """The CUDA tests' node ids (pytest --collect-only) or None, the output, the seconds."""
+    code, out, secs = run([py, "-m", "pytest", "-o", "addopts=", "-m", "cuda", "--collect-only", "-q", "-p", "no:cacheprovider",
                         "tests/test_cuda.py"], 180, work / "collect.log", env)
     ids = [line.strip() for line in out.splitlines() if "::" in line and line.startswith("tests/")]
-    return (ids if code == 0 else None), out
+    return (ids if code == 0 else None), out, secs
 
 
 def parse_args(argv=None):
@@ -380,14 +380,14 @@ def main(argv=None):
     report.add("imports", "pass" if code == 0 else "FAIL", secs + secs2, gluon_note or "kernels, topk, cache, prefetch, "
                "transfer, generate, attn_gluon", log=text if code else "")
 
-    ids, text = collect(py, env, work)
-    clock.spend("collect", 0.0)
+    ids, text, secs = collect(py, env, work)
+    clock.spend("collect", secs)
     if ids is None:
-        report.add("collect the CUDA tests", "FAIL", 0.0, (text.strip().splitlines() or [""])[-1][:160], log=text)
+        report.add("collect the CUDA tests", "FAIL", secs, (text.strip().splitlines() or [""])[-1][:160], log=text)
         tests = {}
     else:
         tests = {k: [i for i in ids if test_group(i) == k] for k in TEST_STEPS}
-        report.add("collect the CUDA tests", "pass", 0.0, ", ".join(f"{TEST_STEPS[k].split(': ')[1]} {len(v)}"
+        report.add("collect the CUDA tests", "pass", secs, ", ".join(f"{TEST_STEPS[k].split(': ')[1]} {len(v)}"
                                                                      for k, v in tests.items()))
 
     state = {}  # the background step (thread, step, started, its result once done), the fp16 step's time
