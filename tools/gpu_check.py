@@ -309,12 +309,12 @@ class Clock:
             self.extra += max(0.0, EXPECTED_S[key] - real_s)
 
 
-def collect(py, env, work: Path) -> tuple[Optional[list], str]:
-    """The CUDA tests' node ids (pytest --collect-only), or None and the output."""
-    code, out, _ = run([py, "-m", "pytest", "-o", "addopts=", "-m", "cuda", "--collect-only", "-q", "-p", "no:cacheprovider",
+def collect(py, env, work: Path) -> tuple[Optional[list], str, float]:
+    """The CUDA tests' node ids (pytest --collect-only) or None, the output, the seconds."""
+    code, out, secs = run([py, "-m", "pytest", "-o", "addopts=", "-m", "cuda", "--collect-only", "-q", "-p", "no:cacheprovider",
                         "tests/test_cuda.py"], 180, work / "collect.log", env)
     ids = [line.strip() for line in out.splitlines() if "::" in line and line.startswith("tests/")]
-    return (ids if code == 0 else None), out
+    return (ids if code == 0 else None), out, secs
 
 
 def parse_args(argv=None):
@@ -380,24 +380,24 @@ def main(argv=None):
     report.add("imports", "pass" if code == 0 else "FAIL", secs + secs2, gluon_note or "kernels, topk, cache, prefetch, "
                "transfer, generate, attn_gluon", log=text if code else "")
 
-    ids, text = collect(py, env, work)
-    clock.spend("collect", 0.0)
+    ids, text, secs = collect(py, env, work)
+    clock.spend("collect", secs)
     if ids is None:
-        report.add("collect the CUDA tests", "FAIL", 0.0, (text.strip().splitlines() or [""])[-1][:160], log=text)
+        report.add("collect the CUDA tests", "FAIL", secs, (text.strip().splitlines() or [""])[-1][:160], log=text)
         tests = {}
     else:
         tests = {k: [i for i in ids if test_group(i) == k] for k in TEST_STEPS}
-        report.add("collect the CUDA tests", "pass", 0.0, ", ".join(f"{TEST_STEPS[k].split(': ')[1]} {len(v)}"
+        report.add("collect the CUDA tests", "pass", secs, ", ".join(f"{TEST_STEPS[k].split(': ')[1]} {len(v)}"
                                                                      for k, v in tests.items()))
 
-    background = {}  # the running background step: thread, step, its result once done
+    state = {}  # the background step (thread, step, started, its result once done), the fp16 step's time
 
     def execute(step: Step, live: Path):
         xml = work / f"{step.key}.xml" if step.tests else None
-        if a.dry_run_cpu and not (step.key == "step" and "full" in step.cmd and not background.get("toy_done")):
+        if a.dry_run_cpu and not (step.key == "step" and "full" in step.cmd and not state.get("toy_done")):
             cmd = stub_cmd(step, xml)
         elif a.dry_run_cpu:  # one bench run for real at toy size: the plumbing end to end
-            background["toy_done"] = True
+            state["toy_done"] = True
             cmd = [py, "tools/bench.py", "--model", "SmolLM2-135M", "--random-weights", "--layers", "1", "--contexts", "64",
                    "--caches", "full", "--warmup", "1", "--steps", "1", "--device", "cpu", "--bandwidth-mb", "8",
                    "--json", str(step.json)]
@@ -438,22 +438,28 @@ def main(argv=None):
         grid = (result or {}).get("grid") or []
         if step.key.startswith("step") and grid:
             if "full" in step.cmd:
-                background["fp16_ms"] = grid[0]["step_ms_median"]
-            elif background.get("fp16_ms"):
-                note += f"; {grid[0]['step_ms_median'] / background['fp16_ms']:.2f}x the fp16 step"
+                state["fp16_ms"] = grid[0]["step_ms_median"]
+            elif state.get("fp16_ms"):
+                note += f"; {grid[0]['step_ms_median'] / state['fp16_ms']:.2f}x the fp16 step"
         if not ok:
             last = (text.strip().splitlines() or [""])[-1][:160]
             note = (note + "; " if note else "") + ("timed out" if code is None else last)
         report.add(step.name, status, secs, note, beside, text, result)
 
+    def background_busy() -> bool:
+        """The background tests still run (the dry run: for their simulated time)."""
+        bg = state.get("thread")
+        return bg is not None and (bg.is_alive() or a.dry_run_cpu and clock.elapsed() < state["started"]
+                                   + EXPECTED_S[state["step"].key])
+
     def join_background():
-        if "thread" not in background:
+        if "thread" not in state:
             return
-        background["thread"].join()
-        step, started = background.pop("step"), background.pop("started")
-        background.pop("thread")
+        state["thread"].join()
+        step, started = state.pop("step"), state.pop("started")
+        state.pop("thread")
         clock.spend(step.key, clock.elapsed() - started)
-        record(step, *background.pop("result"))
+        record(step, *state.pop("result"))
         (out / "running-bg.log").unlink(missing_ok=True)
 
     for step in plan(py, work, out, tests):
@@ -470,19 +476,18 @@ def main(argv=None):
             continue
         if step.background:
             def work_bg(s=step):
-                background["result"] = execute(s, out / "running-bg.log")
-            background.update(step=step, started=clock.elapsed(), thread=threading.Thread(target=work_bg, daemon=True))
-            background["thread"].start()
+                state["result"] = execute(s, out / "running-bg.log")
+            state.update(step=step, started=clock.elapsed(), thread=threading.Thread(target=work_bg, daemon=True))
+            state["thread"].start()
             continue
         print(f"# {step.name} ({left():.0f} s left)", flush=True)
         code, text, secs, result, test_rows = execute(step, out / "running.log")
         clock.spend(step.key, secs)
-        bg = background.get("thread")  # (the dry run: the background tests' simulated time counts as running)
-        busy = bg is not None and (bg.is_alive() or a.dry_run_cpu and clock.elapsed() < background["started"]
-                                   + EXPECTED_S[background["step"].key])
-        beside = "CUDA tests running" if busy else ""
+        beside = "CUDA tests running" if background_busy() else ""
         record(step, code, text, secs, result, test_rows, beside)
         (out / "running.log").unlink(missing_ok=True)
+        if state.get("thread") is not None and not background_busy():  # its rows into the summary now
+            join_background()
     join_background()
     shutil.rmtree(work, ignore_errors=True)
 
