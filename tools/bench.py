@@ -41,7 +41,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor
 
 import torch  # noqa: E402
 
-from tools import bench_kernels  # noqa: E402
+from tools import bench_hf, bench_kernels  # noqa: E402
 import generate  # noqa: E402
 from tools import measure  # noqa: E402
 from tools.bench_report import md_table, mb, report  # noqa: E402
@@ -366,54 +366,6 @@ def budget_section(runner, names, contexts, a) -> dict:
     return out
 
 
-# ---- Hugging Face transformers on the same weights -------------------------------------------------------
-def hf_section(a, ids, dtype, device) -> list[dict]:
-    """generate() with the dynamic cache and the static cache (+ compile), on the GGUF our checkpoint
-    was converted from; per-step times from a streamer's timestamps."""
-    try:
-        import transformers
-        from transformers import AutoModelForCausalLM
-        from transformers.generation.streamers import BaseStreamer
-        from convert_hf import find_default_gguf
-        gguf = find_default_gguf()
-    except (ImportError, ValueError) as e:
-        return [{"name": "transformers", "skipped": f"{type(e).__name__}: {e}"}]
-
-    class Clock(BaseStreamer):  # put() gets the prompt, then each new token
-        def __init__(self):
-            self.t = []
-
-        def put(self, value):
-            measure.synchronize(device)
-            self.t.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).to(device).eval()
-    prompt, n_new, rows = torch.tensor([ids], device=device), a.warmup + a.steps + 1, []
-    configs = [("hf dynamic", {}), ("hf static+compile" if a.compile else "hf static", {"cache_implementation": "static"})]
-    for name, kw in configs:
-        if kw.get("cache_implementation") == "static" and a.compile:
-            cc = transformers.CompileConfig(fullgraph=False, mode="reduce-overhead" if device.type == "cuda" else "default")
-            cc._compile_all_devices = True  # generate() only auto-compiles on accelerators otherwise
-            kw = dict(kw, compile_config=cc)
-            torch._dynamo.reset()
-        clock = Clock()
-        try:
-            with torch.no_grad():
-                out = model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                                     streamer=clock, pad_token_id=0, **kw)
-        except Exception as e:  # noqa: BLE001 - report the skip, go on with the others
-            rows.append({"name": name, "skipped": f"{type(e).__name__}: {str(e).strip()[:200]}"})
-            continue
-        steps = [e - s for s, e in zip(clock.t[1:-1], clock.t[2:])][a.warmup:]
-        med = statistics.median(steps)
-        rows.append({"name": name, "prefill_s": clock.t[1] - clock.t[0], "step_ms_median": 1e3 * med,
-                     "step_ms_min": 1e3 * min(steps), "tok_s": 1 / med, "tokens": out[0, len(ids):].tolist()})
-    return rows
-
-
 # ---- CLI ------------------------------------------------------------------------------------------------
 def int_list(s, low=1):
     try:
@@ -620,7 +572,7 @@ def main(argv=None):
         for c in ("full", "kivi", "specache"):
             runner(c, a.hf_context, 1)
         res["hf_context"] = a.hf_context
-        res["hf"] = hf_section(a, ids[:a.hf_context], dtype, device)
+        res["hf"] = bench_hf.hf_rows(a, ids[:a.hf_context], dtype, device)
     res["grid"] = list(runner.rows.values())
     text = report(res)
     if tp.rank() > 0:  # one rank reports
