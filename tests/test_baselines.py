@@ -212,7 +212,8 @@ print(json.dumps(dict(ids=ids, ref=ref)))
 def test_gemma3_presses_only_its_global_layers(tmp_path):
     """A tiny random Gemma 3 text model (window 16; layers 2 and 5 global): no_press equals transformers'
     generate(); a press keeps its budget in the global layers only, the sliding layers their window
-    (window - 1 entries, counted in kv_device_bytes), within one entry per pressed layer of the target."""
+    (window - 1 entries, counted in kv_device_bytes), within one entry per pressed layer of the target;
+    expected_attention is refused with its reason."""
     if not KVPY.exists():
         pytest.fail(f"no kvpress venv at {KVPY}: run `make venv-kvpress` (make test-full does)")
     p = subprocess.run([str(KVPY), "-c", TINY_GEMMA, str(tmp_path / "gemma")], capture_output=True, text=True,
@@ -232,6 +233,10 @@ def test_gemma3_presses_only_its_global_layers(tmp_path):
         kept = row["kept_per_layer"]
         assert kept[0] == kept[1] == kept[3] == kept[4] == 15 and kept[2] == kept[5] < 100
         assert 0 <= row["bytes_gap"] < 2 * row["kv_entry_bytes"]
+    out = tmp_path / "rows.jsonl"  # a press that cannot run on this model: which and why
+    rc, _, err = run("run", "--hf", tmp_path / "gemma", "--ids-file", ids, "--press", "expected_attention", "--ratio", 0.5,
+                     "--out", out)
+    assert_error(rc, err, out, "press expected_attention cannot run on model type 'gemma3_text'", "rotary embedding")
 
 
 @pytest.mark.full

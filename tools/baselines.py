@@ -49,14 +49,14 @@ PRESSES = {
     "tova": ("TOVAPress", {}, False),
     "keydiff": ("KeyDiffPress", {}, False),
     "random": ("RandomPress", {}, False),
+    "expected_attention": ("ExpectedAttentionPress", {}, False),  # scores keys by the expected future queries
 }
 QUANTIZED = {"quantized-2bit": 2, "quantized-4bit": 4}  # transformers' QuantizedCache (no press)
 NOT_HERE = {  # kvpress presses that this runner refuses, and why
     "qfilter": "it downloads its filters from a model hub at run time (no network here)",
     "duo_attention": "it downloads its head patterns from a model hub at run time (no network here)",
     "kvzap": "it downloads its scorer from a model hub at run time (no network here)",
-    "expected_attention": "its statistics come from a model hub, and under transformers 5.2 its rotary "
-                          "embedding fails on Gemma 3",
+    "expected_attention_stats": "it downloads its query statistics from a model hub at run time (no network here)",
     "adakv": "it masks evicted entries but keeps their memory: no device bytes are saved",
     "criticaladakv": "it masks evicted entries but keeps their memory: no device bytes are saved",
     "kvzip": "it refuses Gemma 3 and reruns the context; not a prefill press at these budgets",
@@ -284,8 +284,11 @@ def make_press(kvpress, name: str):
     return getattr(kvpress, cls)(**kwargs)
 
 
-def check_press_runs(name: str, n_compressed: int, n_heads: int, itemsize: int):
+def check_press_runs(name: str, model_type: str, n_compressed: int, n_heads: int, itemsize: int):
     """A press that cannot run on this prompt or model: say which and why."""
+    if name == "expected_attention" and model_type.startswith("gemma3"):
+        fail(f"press expected_attention cannot run on model type {model_type!r}: under transformers 5.2 it calls the "
+             f"rotary embedding without the layer type that Gemma 3's rotary embedding needs (one per layer kind)")
     if PRESSES[name][2]:  # eager attention materializes every layer's [heads, T, T] weights (and softmax a copy)
         need = 2 * n_heads * n_compressed ** 2 * itemsize
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -355,7 +358,7 @@ def cmd_run(a):
     row = dict(press=name, question_aware=bool(a.question_aware), ratio=None, target_bytes=a.match_bytes)
     press, pressing = None, None
     if name in PRESSES:
-        check_press_runs(name, n_compressed, c.num_attention_heads, torch.empty(0, dtype=dtype).element_size())
+        check_press_runs(name, c.model_type, n_compressed, c.num_attention_heads, torch.empty(0, dtype=dtype).element_size())
         press = make_press(kvpress, name)
         if a.match_bytes is not None:
             n = kept_for_bytes(a.match_bytes, windows, len(ids), n_compressed, a.max_new_tokens, entry)
@@ -495,6 +498,36 @@ def cmd_ruler(a):
                           file=sys.stderr)
 
 
+def cmd_report(a):
+    """OUT/results.md from OUT/results.jsonl (`ruler`'s rows) and, when there, OUT/project/results.jsonl
+    (tools/eval.py's rows on the same samples): mean score x100 per method and task, mean device bytes."""
+    from collections import defaultdict
+    rows = [json.loads(line) for line in (a.out / "results.jsonl").read_text().splitlines()]
+    project = a.out / "project" / "results.jsonl"
+    if project.exists():
+        rows += [dict(r, kv_device_bytes=None) for r in map(json.loads, project.read_text().splitlines())]
+    tasks = sorted({r["task"] for r in rows})
+    cells, nbytes = defaultdict(list), defaultdict(list)
+    sys.path.insert(0, str(ROOT))
+    from config import CacheConfig
+    for r in rows:
+        cells[r["method"], r["task"]].append(r["score"])
+        if r.get("kv_device_bytes"):
+            nbytes[r["method"]].append(r["kv_device_bytes"])
+        if r.get("matched"):  # the SpeCache configuration's own bytes (its canonical name, as tools/eval.py's rows)
+            nbytes[CacheConfig.from_name(r["matched"]).name].append(r["target_bytes"])
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = ["| method | n | " + " | ".join(tasks) + " | mean | device KV MiB |", "|---" * (len(tasks) + 4) + "|"]
+    for m in methods:
+        scores = [cells[m, t] for t in tasks]
+        mib = f"{sum(nbytes[m]) / len(nbytes[m]) / 2 ** 20:.2f}" if nbytes[m] else ""
+        lines.append(f"| {m} | {max(map(len, scores))} | " + " | ".join(f"{100 * sum(c) / len(c):.1f}" if c else ""
+                                                                      for c in scores)
+                     + f" | {100 * sum(map(sum, scores)) / sum(map(len, scores)):.1f} | {mib} |")
+    (a.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -531,6 +564,8 @@ def parse_args(argv=None):
     g.add_argument("--match", default="specache-1bit,specache-1bit-best",
                    help="cache names whose kv_device_bytes (generate.py --json's) each press matches")
     g.add_argument("--threads", type=int, default=1)
+    t = sub.add_parser("report", help="OUT/results.md: mean scores per method and task, mean device bytes")
+    t.add_argument("--out", type=Path, required=True)
     h = sub.add_parser("hf-checkpoint", help="(project venv) the default model as a transformers directory")
     h.add_argument("--out", type=Path, default=ROOT / "checkpoints" / "smollm2-135m-hf")
     return p.parse_args(argv)
@@ -538,7 +573,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
-    return {"run": cmd_run, "ruler": cmd_ruler, "hf-checkpoint": cmd_hf_checkpoint}[a.cmd](a)
+    return {"run": cmd_run, "ruler": cmd_ruler, "report": cmd_report, "hf-checkpoint": cmd_hf_checkpoint}[a.cmd](a)
 
 
 if __name__ == "__main__":
