@@ -57,6 +57,13 @@ def _join(rank, store):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
+def _leave():
+    # every rank reaches the barrier before any tears gloo down, so no rank leaves while its peer still talks
+    # to it (a worker once died at the end with SIGABRT, "terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def greedy(model, name, prompt):
     import generate as gen
     import quantspec as qs
@@ -92,7 +99,7 @@ def _parity(rank, store, out):
         report["tokens"][name] = [a.tolist(), b.tolist()]
     if rank == 0:
         out.put(report)
-    dist.destroy_process_group()
+    _leave()
 
 
 def _compiled(rank, store, out):
@@ -113,7 +120,7 @@ def _compiled(rank, store, out):
     compiled = run_generate(local, prompt, 6, "specache-1bit", step_fn=step)[0]
     if rank == 0:
         out.put({"graphs": counters["stats"]["unique_graphs"], "same": torch.equal(eager, compiled)})
-    dist.destroy_process_group()
+    _leave()
 
 
 def _loads_slices(rank, store, out, ckpt_dir):
@@ -126,7 +133,7 @@ def _loads_slices(rank, store, out, ckpt_dir):
     assert same, f"rank {rank}"  # (a worker's exception fails spawn)
     if rank == 0:
         out.put({"same": same, "keys": sorted(local.state_dict()) == sorted(want.state_dict())})
-    dist.destroy_process_group()
+    _leave()
 
 
 def spawn(fn, *args):
