@@ -17,7 +17,7 @@ from typing import Optional
 
 import quant
 
-KINDS = ("full", "kivi", "specache", "quantspec")
+KINDS = ("full", "kivi", "specache", "quantspec", "quest")
 SCHEMES = ("kivi", "zipcache", "quantspec")
 FETCH_IMPLS = ("uva", "staged")
 ATTN_PATHS = ("words", "planes", "gluon")  # the low-bit kernels' reads of the codes (lowbit.DEFAULT_ATTN_PATH)
@@ -86,6 +86,7 @@ class CacheConfig:
     rerank: int = 1          # SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys (select)
     salient: float = 0.0     # ZipCache mixed precision: share of each key group's tokens kept at bits_salient
     bits_salient: int = 0    # ... their bit-width (default bits + 2)
+    page: int = 16           # quest: tokens per page of the block-retrieval baseline (quest.py)
 
     @property
     def n_ref(self) -> int:
@@ -112,6 +113,8 @@ class CacheConfig:
             return "full"
         if self.kind == "quantspec":
             return "quantspec" + (f"-g{self.group}" if self.group != 64 else "")
+        if self.kind == "quest":  # quest.py's block retrieval: every field spelled out
+            return f"quest-p{self.page}-k{self.k}-r{self.residual_len}" + (f"-sink{self.sinks}" if self.sinks else "")
         parts = [self.kind, f"{self.bits}bit"]
         parts += [self.scheme] if self.scheme != "kivi" else []
         parts += ["orig"] if self.one_bit == "kivi" else []
@@ -156,7 +159,7 @@ class CacheConfig:
         parts = [p for p in parts if p not in PRESETS]
         patterns = [(r"(\d+)bit", "bits", int), (r"k(\d+)", "k", int), (r"g(\d+)", "group", int),
                     (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int), (r"rr(\d+)", "rerank", int), (r"s(\d+)", "salient", lambda p: int(p) / 100),
-                    (r"hi(\d+)", "bits_salient", int)]
+                    (r"hi(\d+)", "bits_salient", int), (r"p(\d+)", "page", int)]
         for p in parts[1:]:
             if kw["kind"] == "full":
                 raise ValueError(f"cache {name!r}: the full cache takes no options")
@@ -179,6 +182,9 @@ class CacheConfig:
                     raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
                                      f"orig, lsq, {'/'.join(POLICIES)} for specache, rrN, kN, gN, rN, sinkN, sN (salient %), hiN)")
         kw.update({k: v for k, v in overrides.items() if v is not None})
+        if kw["kind"] == "quest" and set(kw) - {"kind", "page", "k", "residual", "sinks"}:
+            raise ValueError(f"cache {name!r}: a quest cache takes pN (page), kN (rows fetched), rN (residual), "
+                             f"sinkN; got {', '.join(sorted(set(kw) - {'kind', 'page', 'k', 'residual', 'sinks'}))}")
         if kw["kind"] == "quantspec":  # the hierarchical INT4/INT8 store is what QuantSpec is
             kw.setdefault("scheme", "quantspec")
             kw.setdefault("bits", 8)
@@ -193,6 +199,16 @@ class CacheConfig:
         if self.kind not in KINDS:
             raise ValueError(f"unknown cache kind {self.kind!r} ({', '.join(KINDS)})")
         if self.kind == "full":
+            return self
+        if self.kind == "quest":  # quest.py's block retrieval: pages of fp16 rows, none quantized
+            if self.page < 1:
+                bad(f"the page size (pN) must be >= 1, got {self.page}")
+            if self.k < self.page or self.k % self.page:
+                bad(f"the rows fetched (kN, {self.k}) must be a positive multiple of the page size (pN, {self.page})")
+            if self.residual is not None and self.residual < 1:
+                bad(f"the residual window (rN) must be >= 1, got {self.residual}")
+            if self.sinks < 0:
+                bad(f"--sinks must be >= 0, got {self.sinks}")
             return self
         if self.scheme not in SCHEMES:
             bad(f"unknown quantization scheme {self.scheme!r} ({', '.join(SCHEMES)})")
@@ -261,6 +277,8 @@ class CacheConfig:
         per-head constants (ZipCache's channel scale) are left out: they do not grow with the context."""
         if self.kind == "full":
             return 16.0
+        if self.kind == "quest":  # a page's 16-bit key min and max per channel, over its P tokens' K and V
+            return 16 / self.page
         per_token = sum(quant.quantized_bytes(kind, self.bits, self.group, head_dim) for kind in ("key", "value"))
         if self.salient:
             per_token += 2 * head_dim * (self.bits_salient - self.bits) / 8 * self.n_ref / self.group + 1

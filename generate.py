@@ -31,6 +31,7 @@ import torch
 import cache
 import config as cache_config
 import quantspec
+import quest
 import tp
 import zipcache
 from cache import fetch_policy, kv_fp16_bytes
@@ -50,6 +51,8 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind == "quantspec":
         raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with quantspec.setup_caches")
+    if config.kind == "quest":  # the block-retrieval baseline (quest.py)
+        return quest.setup_caches(model, config, batch, max_seq_len)
     return cache.setup_caches(model, config, batch, max_seq_len, store=STORES[config.scheme])
 
 

@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import ROOT
 
 METHOD = {"attn_gluon", "attn_views", "cache", "config", "convert_hf", "decoding", "generate", "hf", "kernels", "lowbit",
-          "model", "prefetch", "quant", "quantspec", "tiles", "tokenizer", "topk", "tp", "transfer", "zipcache"}
+          "model", "prefetch", "quant", "quantspec", "quest", "tiles", "tokenizer", "topk", "tp", "transfer", "zipcache"}
 
 
 def project_modules() -> dict:

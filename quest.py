@@ -1,0 +1,233 @@
+"""Quest-style block retrieval: a sibling baseline of SpeCache in the same offloading family.
+
+Like SpeCache, the fp16 K/V of every token lives in the host store (prefetch.Prefetcher) and a decode
+step moves k rows of K and V per layer and kv head host-to-device. What differs is what stays on the
+device to choose them. SpeCache keeps a 1-bit copy of K/V and picks rows by their low-bit attention;
+this cache keeps, per page of P consecutive tokens, the per-channel min and max of the page's keys
+(Quest: Tang et al., 2024), and picks whole pages by the upper bound of q.k over the page:
+
+    ub(q, page) = sum_d max(q_d * min_d, q_d * max_d)   >= q.k for every key k of the page
+
+Under GQA a kv head serves G query heads: a page's score is the max of its G upper bounds (the page
+any of them may need). The top k/P pages are fetched (k rows: SpeCache's bus bytes), and the token
+attends exactly over the fetched pages, the fp residual window (the last `residual` positions) and the
+first `sinks` positions, kept on the device. A fetched row in the window or the sinks is masked, so
+the three sets are disjoint; with k/P pages covering the context this is exact attention.
+
+Bytes: 1-bit SpeCache keeps 2*D bits per token and kv head of K+V codes, plus 16-bit zeros and
+scales: keys 2*16 bits per channel per group of g tokens, values 2*16 per group of g channels, 64*D/g
+bits a token, 3*D in all at g = 64. The bounds are 16-bit too (fp16 under an fp32 model): 2*D*16 bits
+a page, 32*D/P a token. P = 16 gives 2*D bits a token, the codes without their zeros/scales (2/3 of
+the 1-bit cache's per-token bytes at g = 64); P = 8 gives 4*D (4/3). P must divide k so that k rows
+are whole pages; no divisor of 64 matches 3*D exactly (P = 32/3). Both caches add the same fp rows:
+the residual window (64) and the k fetched rows. Default `quest-p16-k64-r64`: 4 pages of 16 a step.
+
+Which pages may be fetched is decided by the token about to attend (Quest's query-aware selection),
+so each step selects, fetches, waits and attends in turn (SpeCache's `sequential` fetch order; one
+token a step: config.NO_FETCH). Selection and attention are torch ops at static shapes (index
+tensors, no data-dependent Python); on CPU the transfer is a gather and the step compiles, on CUDA it
+runs eagerly through the prefetcher's synchronous transfer (async_ops off).
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cache import FullCache, KVCaches, MemoryMeter, exact_attention
+from config import NO_FETCH, CacheConfig
+from prefetch import Prefetcher
+
+EMPTY = FullCache.EMPTY  # position of a slot never written
+
+
+def page_bounds(k: torch.Tensor, page: int):
+    """Reference: k [B,H,N,D] -> (min, max) [B,H,ceil(N/page),D] per page and channel."""
+    B, H, N, D = k.shape
+    n_pages = -(-N // page)
+    pad = n_pages * page - N
+    lo = F.pad(k, (0, 0, 0, pad), value=math.inf).view(B, H, n_pages, page, D).amin(3)
+    hi = F.pad(k, (0, 0, 0, pad), value=-math.inf).view(B, H, n_pages, page, D).amax(3)
+    return lo, hi
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound, q [B,Hq,D], bounds [B,H,n_pages,D] -> [B,H,n_pages]: max over each kv
+    head's G = Hq/H query heads of sum_d max(q_d*min_d, q_d*max_d)."""
+    B, Hq, D = q.shape
+    H = kmin.shape[1]
+    qg = q.view(B, H, Hq // H, 1, D).float()
+    lo, hi = kmin[:, :, None].float(), kmax[:, :, None].float()
+    ub = torch.maximum(qg * lo, qg * hi).sum(-1)  # [B,H,G,n_pages]
+    return ub.amax(2)
+
+
+def select_pages(scores: torch.Tensor, n_pages_sel: int, page: int, first: int, end: torch.Tensor):
+    """Top `n_pages_sel` pages among those that hold a position of [first, end) (the positions neither
+    the sinks nor the residual window hold). scores [B,H,n_pages] -> (rows [B,H,n_pages_sel*page]
+    positions of the pages' rows, valid [same]: the rows in [first, end))."""
+    n_pages = scores.shape[-1]
+    start = torch.arange(n_pages, device=scores.device) * page
+    cand = (start < end) & (start + page > first)
+    pages = torch.where(cand, scores, -math.inf).topk(n_pages_sel, -1).indices
+    rows = (pages[..., None] * page + torch.arange(page, device=scores.device)).flatten(-2)
+    return rows, (rows >= first) & (rows < end)
+
+
+class QuestCache(nn.Module):
+    """One global layer's cache: page bounds, sinks and residual window on the device, fp16 K/V in
+    the prefetcher's host store, k fetched rows in a ring. `layer_idx`: this layer among the
+    prefetcher's layers."""
+
+    policy = NO_FETCH  # one token a step, nothing fetched ahead (generate.generate reads it)
+
+    def __init__(self, layer_idx, prefetcher: Prefetcher, batch, n_kv_heads, max_seq_len, head_dim, dtype, device,
+                 config: CacheConfig, meter: Optional[MemoryMeter] = None):
+        super().__init__()
+        self.layer_idx, self.prefetcher, self.config = layer_idx, prefetcher, config
+        self.page, self.sinks, self.residual = config.page, config.sinks, config.residual_len
+        self.max_seq_len = max_seq_len
+        self.n_pages = -(-max_seq_len // self.page)
+        self.n_sel = prefetcher.k // self.page
+        self.meter = meter or MemoryMeter()
+        B, H, D = batch, n_kv_heads, head_dim
+
+        def buf(name, shape, fill, dt=dtype):
+            self.register_buffer(name, torch.full(shape, fill, dtype=dt, device=device), persistent=False)
+
+        # 16-bit bounds, as 1-bit SpeCache's zeros/scales are (quant.quantized_bytes): fp16 under an fp32 model
+        bounds = dtype if dtype.itemsize == 2 else torch.float16
+        buf("kmin", (B, H, self.n_pages, D), math.inf, bounds)
+        buf("kmax", (B, H, self.n_pages, D), -math.inf, bounds)
+        for name, n in (("sink", self.sinks), ("res", self.residual)):
+            buf(f"{name}_k", (B, H, n, D), 0)
+            buf(f"{name}_v", (B, H, n, D), 0)
+        buf("res_pos", (self.residual,), EMPTY, torch.int64)
+        buf("ring_k", (B, H, prefetcher.k, D), 0)
+        buf("ring_v", (B, H, prefetcher.k, D), 0)
+        buf("ring_pos", (B, H, prefetcher.k), EMPTY, torch.int64)
+        buf("length", (), 0, torch.int64)
+        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v)
+
+    # ---- storing K/V ------------------------------------------------------------------------------
+    def store(self, k, v, input_pos):
+        """K/V [B,H,T,D] at positions input_pos [T]: bounds of their pages, sinks, residual window
+        (the host store is written by the caller: offload in prefill, the transfer in decode)."""
+        B, H, T, D = k.shape
+        pages = (input_pos // self.page).view(1, 1, T, 1).expand(B, H, T, D)
+        self.kmin.scatter_reduce_(2, pages, k.to(self.kmin.dtype), "amin")
+        self.kmax.scatter_reduce_(2, pages, k.to(self.kmax.dtype), "amax")
+        if self.sinks:
+            first = input_pos < self.sinks
+            if T > 1:  # a prefill chunk (eager)
+                self.sink_k[:, :, input_pos[first]] = k[:, :, first].to(self.sink_k.dtype)
+                self.sink_v[:, :, input_pos[first]] = v[:, :, first].to(self.sink_v.dtype)
+            else:  # a decode step: static shapes, the slot rewritten with itself past the sinks
+                slot = input_pos.clamp(max=self.sinks - 1)
+                for sink, new in ((self.sink_k, k), (self.sink_v, v)):
+                    sink.index_copy_(2, slot, torch.where(first.view(1, 1, 1, 1), new.to(sink.dtype),
+                                                          sink.index_select(2, slot)))
+        n = min(T, self.residual)
+        slots = input_pos[-n:] % self.residual
+        self.res_k.index_copy_(2, slots, k[:, :, -n:].to(self.res_k.dtype))
+        self.res_v.index_copy_(2, slots, v[:, :, -n:].to(self.res_v.dtype))
+        self.res_pos.index_copy_(0, slots, input_pos[-n:])
+        self.length.copy_(torch.maximum(self.length, input_pos[-1] + 1))
+
+    def append_prefill(self, k, v, input_pos, q=None):
+        """A prefill chunk (eager): to the host store and the device state (tools/eval.py replays this)."""
+        self.prefetcher.offload(self.layer_idx, k, v, input_pos)
+        self.store(k, v, input_pos)
+
+    def prefill(self, q, k, v, input_pos):
+        """Exact attention of the chunk over the host store's earlier positions and itself, then stored."""
+        p0 = int(input_pos[0])
+        if p0 != int(self.length):
+            raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {int(self.length)} tokens")
+        earlier_k, earlier_v = self.prefetcher.host_prefix(self.layer_idx, p0)
+        k_all, v_all = torch.cat([earlier_k, k], 2), torch.cat([earlier_v, v], 2)
+        with self.meter.holding(k_all, v_all):
+            out = exact_attention(q, k_all, v_all, input_pos, torch.arange(k_all.shape[2], device=q.device))
+            self.append_prefill(k, v, input_pos)
+        return out
+
+    # ---- a decode step -------------------------------------------------------------------------------
+    def select(self, q, pos):
+        """Rows to fetch for the query q [B,Hq,D] at position pos (0-d): (rows, valid) [B,H,k]."""
+        end = pos - self.residual + 1  # the window holds [end, pos]
+        return select_pages(page_scores(q, self.kmin, self.kmax), self.n_sel, self.page, self.sinks, end)
+
+    def forward(self, q, k, v, input_pos, mode="decode"):
+        if mode == "prefill":
+            return self.prefill(q, k, v, input_pos)
+        if mode != "decode" or q.shape[2] != 1:
+            raise ValueError(f"the quest cache decodes one token a step (mode {mode!r}, {q.shape[2]} tokens)")
+        pos = input_pos[0]
+        self.store(k, v, input_pos)
+        rows, valid = self.select(q[:, :, 0], pos)
+        self.ring_pos.copy_(torch.where(valid, rows, EMPTY))
+        bufs = [self.ring_k, self.ring_v]
+        # the token to the host store; the selected rows (-1: not needed, the slot keeps its row) to the ring
+        self.prefetcher.start(self.layer_idx, bufs, torch.where(valid, rows, -1), None, k, v, pos)
+        self.prefetcher.wait(self.layer_idx, bufs, now=True)
+        if self.layer_idx == self.prefetcher.n_layers - 1:
+            self.prefetcher.end_step()
+        return self.attend(q, pos)
+
+    def attend(self, q, pos):
+        """Exact attention over the sinks, the residual window and the fetched rows (disjoint sets)."""
+        B, Hq = q.shape[:2]
+        H = self.res_k.shape[1]
+        sink_pos = torch.arange(self.sinks, device=q.device)
+        res_ok = (self.res_pos >= self.sinks) & (self.res_pos <= pos)
+        ok = torch.cat([(sink_pos <= pos).expand(B, H, -1), res_ok.expand(B, H, -1), self.ring_pos != EMPTY], -1)
+        keys = torch.cat([self.sink_k, self.res_k, self.ring_k], 2)
+        values = torch.cat([self.sink_v, self.res_v, self.ring_v], 2)
+        mask = ok.repeat_interleave(Hq // H, 1)[:, :, None, :]
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True)
+
+    # ---- bytes ------------------------------------------------------------------------------------------
+    def device_bytes(self) -> int:
+        """Bounds, sinks, residual window (and its positions), the ring of fetched rows (and theirs)."""
+        return sum(b.nbytes for b in self.buffers())
+
+    def host_bytes(self) -> int:
+        return self.prefetcher.host_bytes_per_layer()
+
+    def read_bytes(self, step_tokens: int = 1) -> int:
+        """A step reads the bounds of every page, then the sinks, the window and the fetched rows."""
+        return self.device_bytes()
+
+
+def setup_caches(model, config: CacheConfig | str, batch: int = 1, max_seq_len: Optional[int] = None) -> KVCaches:
+    """Every layer of `model` its cache: a QuestCache in each global layer, a windowed FullCache in a
+    layer whose sliding window is shorter than max_seq_len (as cache.setup_caches does)."""
+    config = CacheConfig.from_name(config) if isinstance(config, str) else config
+    if config.kind != "quest":
+        raise ValueError(f"cache {config.name}: quest.setup_caches builds the quest caches only")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    args = model.args
+    max_seq_len = max_seq_len or args.max_seq_len
+    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    windows = [args.window(i) for i in range(args.n_layers)]
+    local = [w is not None and w < max_seq_len for w in windows]
+    if all(local):
+        raise ValueError(f"every layer of this model attends within {windows[0]} positions: use --cache full")
+    fetching = [i for i in range(args.n_layers) if not local[i]]
+    n_pages = -(-max_seq_len // config.page)
+    rows = min(config.k // config.page, n_pages) * config.page  # k >= context fetches every page
+    prefetcher = Prefetcher(len(fetching), batch, args.n_kv_heads, max_seq_len, args.head_dim, rows, dtype, device,
+                            async_ops=False)
+    meter = MemoryMeter()
+    dims = (batch, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device)
+
+    def make(i):
+        if local[i]:
+            return FullCache(*dims, sliding_window=windows[i], max_step_tokens=1, meter=meter)
+        return QuestCache(fetching.index(i), prefetcher, *dims, config, meter=meter)
+
+    caches = KVCaches(config, model.setup_caches(make), prefetcher, meter)
+    meter.alloc(caches.device_bytes())
+    return caches
