@@ -128,6 +128,21 @@ def test_pages_covering_the_context_generate_the_full_cache_tokens(model):
     assert caches[0].n_sel == 1 and not torch.equal(full, small)
 
 
+def test_sliding_window_layers_keep_their_window_and_the_global_ones_retrieve():
+    """A Gemma-3-like stack (local, global, local): the local layers keep a FullCache ring of their window,
+    the global one a QuestCache, and with pages covering the context the tokens are the full cache's."""
+    m = tiny_model(n_layers=3, max_seq_len=128)
+    m.args.layer_windows = (8, None, 8)
+    torch.manual_seed(7)
+    prompt = torch.randint(0, 256, (1, 30))
+    setup_caches(m, "full", 1, 45)
+    full, _ = run_generate(m, prompt, 14, "full")
+    caches = setup_caches(m, "quest-p4-k64-r4", 1, 45)
+    assert [type(c).__name__ for c in caches] == ["FullCache", "QuestCache", "FullCache"] and caches[0].ring
+    covered, _ = run_generate(m, prompt, 14, "quest-p4-k64-r4")
+    assert torch.equal(full, covered)
+
+
 def quest_bytes(n_layers, H, D, L, P, k, R, S, itemsize):
     """What a quest cache holds on the device, by hand: per global layer and kv head, the 16-bit bounds
     (min and max of ceil(L/P) pages), the sinks', window's and fetched rows' K and V, and the int64
