@@ -64,8 +64,7 @@ def pre_decode(model, t1: torch.Tensor, pos) -> torch.Tensor:
     return model(t1[:, None], pos, mode="predecode")[:, 0]
 
 
-def decode_step(model, tokens: torch.Tensor, input_pos: torch.Tensor, temperature: float = 0.0,
-                top_k: int | None = None):
+def decode_step(model, tokens: torch.Tensor, input_pos: torch.Tensor, temperature=0.0, top_k=None):
     """Algorithm 3 (tokens [B, 2] = [T_t, T'_{t+1}]) or a plain decode step (tokens [B, 1]).
     Returns (next tokens [B, T], logits [B, T, V]): column 0 is the output, column 1 the next
     speculative token."""
@@ -82,8 +81,7 @@ class Steps:
     decode: Callable = decode_step
 
     def compiled(self, device, pre_decode=False) -> "Steps":
-        """The decode-time forwards as fullgraph graphs (CUDA graphs on CUDA); pre-decoding too when it
-        runs more than once (the resync policy). Prefill stays as it is."""
+        """The decode-time forwards as fullgraph graphs (CUDA graphs on CUDA), pre-decoding too if asked (resync)."""
         return replace(self, pre_decode=compiled_step(device, self.pre_decode) if pre_decode else self.pre_decode,
                        decode=compiled_step(device, self.decode))
 
@@ -175,8 +173,7 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     "specache-1bit-best", "kivi-2bit", "full") inside the transformers model (hf.HFModel). Honours
     max_new_tokens/max_length, eos_token_id, greedy decoding and sampling's temperature/top-k/top-p/min-p;
     other logits processors and stopping criteria raise hf.HFError. transformers 5.23 hands a custom_generate
-    callable only the keyword arguments its own loop does not take: pass the streamer as `stream=`.
-    QuantSpec runs through generate.py's --method quantspec. Returns [B, P + N] ids."""
+    callable only the keyword arguments its own loop does not take: pass the streamer as `stream=`. -> [B, P + N] ids"""
     import hf
 
     config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
