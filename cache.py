@@ -10,7 +10,7 @@ sums the tensors on the compute device, `read_bytes(T)` is what a decode step of
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -463,6 +463,31 @@ def kv_fp16_bytes(args, batch: int, seq_len: int) -> int:
     return 2 * args.n_layers * batch * args.n_kv_heads * seq_len * args.head_dim * 2
 
 
+class LayerPlan(NamedTuple):
+    dims: tuple  # (batch, n_kv_heads, max_seq_len, head_dim, dtype, device): every cache's first arguments
+    windows: list  # each layer's sliding window (None: global attention)
+    local: list  # the window is shorter than max_seq_len: the layer keeps a windowed FullCache
+    fetching: list  # the other layers: they keep the configured cache (and a fetching one its host rows)
+
+
+def plan_layers(model, batch: int, max_seq_len: Optional[int], global_cache: Optional[str] = None) -> LayerPlan:
+    """Which of `model`'s layers keep a window ring and which the configured cache, on the model's device
+    and dtype, for max_seq_len positions (default the model's). global_cache names what the global layers
+    keep where a model with no global layer must be refused (None: the full cache, which windows too)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    args = model.args
+    max_seq_len = max_seq_len or args.max_seq_len
+    weight = model.tok_embeddings.weight
+    windows = [args.window(i) for i in range(args.n_layers)]
+    local = [w is not None and w < max_seq_len for w in windows]
+    if global_cache and all(local):
+        raise ValueError(f"{global_cache} do not implement sliding-window attention: every layer of this model "
+                         f"attends within {windows[0]} positions, fewer than the sequence's; use --cache full")
+    dims = (batch, args.n_kv_heads, max_seq_len, args.head_dim, weight.dtype, weight.device)
+    return LayerPlan(dims, windows, local, [i for i in range(args.n_layers) if not local[i]])
+
+
 def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len: Optional[int] = None,
                  store: type = LowBitCache, max_step_tokens: int = 2, **store_kw) -> KVCaches:
     """Give every layer of `model` (model.Transformer, or hf.HFModel) its cache, on the model's device
@@ -476,20 +501,12 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind != "full" and config.scheme != store.scheme:
         raise ValueError(f"cache {config.name}: the {config.scheme} quantizer's caches come from generate.setup_caches")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
     args = model.args
-    max_seq_len = max_seq_len or args.max_seq_len
-    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     config = config.validated(args.head_dim)
-    windows = [args.window(i) for i in range(args.n_layers)]
-    local = [w is not None and w < max_seq_len for w in windows]
-    if config.kind != "full" and all(local):
-        raise ValueError(f"low-bit caches do not implement sliding-window attention: every layer of this model "
-                         f"attends within {windows[0]} positions, fewer than the sequence's; use --cache full")
+    dims, windows, local, fetching = plan_layers(model, batch, max_seq_len,
+                                                 None if config.kind == "full" else "low-bit caches")
+    _, _, max_seq_len, _, dtype, device = dims
     meter = MemoryMeter()
-    dims = (batch, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device)
-    fetching = [i for i in range(args.n_layers) if not local[i]]
     prefetcher = None
     if config.kind == "specache":
         n_fetch = min(config.k, max_seq_len)  # k >= context fetches every row

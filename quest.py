@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import FullCache, KVCaches, MemoryMeter, exact_attention
+from cache import FullCache, KVCaches, MemoryMeter, exact_attention, plan_layers
 from config import NO_FETCH, CacheConfig
 from prefetch import Prefetcher
 
@@ -206,22 +206,14 @@ def setup_caches(model, config: CacheConfig | str, batch: int = 1, max_seq_len: 
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind != "quest":
         raise ValueError(f"cache {config.name}: quest.setup_caches builds the quest caches only")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
     args = model.args
-    max_seq_len = max_seq_len or args.max_seq_len
-    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
-    windows = [args.window(i) for i in range(args.n_layers)]
-    local = [w is not None and w < max_seq_len for w in windows]
-    if all(local):
-        raise ValueError(f"every layer of this model attends within {windows[0]} positions: use --cache full")
-    fetching = [i for i in range(args.n_layers) if not local[i]]
+    dims, windows, local, fetching = plan_layers(model, batch, max_seq_len, "Quest caches")
+    _, _, max_seq_len, _, dtype, device = dims
     n_pages = -(-max_seq_len // config.page)
     rows = min(config.k // config.page, n_pages) * config.page  # k >= context fetches every page
     prefetcher = Prefetcher(len(fetching), batch, args.n_kv_heads, max_seq_len, args.head_dim, rows, dtype, device,
                             async_ops=False)
     meter = MemoryMeter()
-    dims = (batch, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device)
 
     def make(i):
         if local[i]:
