@@ -182,9 +182,10 @@ class CacheConfig:
                     raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
                                      f"orig, lsq, {'/'.join(POLICIES)} for specache, rrN, kN, gN, rN, sinkN, sN (salient %), hiN)")
         kw.update({k: v for k, v in overrides.items() if v is not None})
-        if kw["kind"] == "quest" and set(kw) - {"kind", "page", "k", "residual", "sinks"}:
+        not_quest = set(kw) - {"kind", "page", "k", "residual", "sinks"}
+        if kw["kind"] == "quest" and not_quest:
             raise ValueError(f"cache {name!r}: a quest cache takes pN (page), kN (rows fetched), rN (residual), "
-                             f"sinkN; got {', '.join(sorted(set(kw) - {'kind', 'page', 'k', 'residual', 'sinks'}))}")
+                             f"sinkN; got {', '.join(sorted(not_quest))}")
         if kw["kind"] == "quantspec":  # the hierarchical INT4/INT8 store is what QuantSpec is
             kw.setdefault("scheme", "quantspec")
             kw.setdefault("bits", 8)
