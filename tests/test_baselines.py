@@ -1,6 +1,6 @@
 """tools/baselines.py: the byte arithmetic of equal device bytes, the runner's loop against kvpress's own
-pipeline and against generate.py's full cache, Gemma 3's sliding layers left unpressed, and the
-error lines. The runs need the kvpress venv (`make venv-kvpress`) and the default model as a
+pipeline and against generate.py's full cache, the shared prefill against one run per cell, Gemma 3's
+sliding layers left unpressed, and the error lines. The runs need the kvpress venv (`make venv-kvpress`) and the default model as a
 transformers directory; `make test-full` builds both first."""
 import json
 import os
@@ -65,8 +65,44 @@ def test_pyramid_budgets_sum_to_the_target():
 
 
 def test_a_budget_that_keeps_no_context_entry_is_refused():
-    with pytest.raises(SystemExit, match=r"error: --match-bytes 100000 keeps no context entry"):
+    with pytest.raises(B.CellError, match=r"^--match-bytes 100000 keeps no context entry"):
         B.kept_for_bytes(100_000, [None] * 30, 4000, 3970, 32, B.entry_bytes(3, 64, 4))
+
+
+def test_grid_budgets_and_cells():
+    """The grid's cells: each press at each matched and fixed budget (Table 2's 1/4 keeps a quarter:
+    kvpress ratio 0.75), NAME+qa question-aware, unpressed methods once, finished cells skipped."""
+    from types import SimpleNamespace
+    from tools import baselines_grid as G
+    assert G.parse_fixed("1/4,1/8") == {"1/4": 0.75, "1/8": 0.875}
+    for bad in ("1/0", "5/4", "x"):
+        with pytest.raises(SystemExit, match="error: --fixed"):
+            G.parse_fixed(bad)
+    a = SimpleNamespace(presses="no_press,snapkv+qa,quantized-2bit", fixed="1/8")
+    done = {"snapkv+qa@specache-1bit"}
+    cells = G.cells_for(a, {"specache-1bit": 100, "specache-1bit-best": 200}, done, lambda m: m)
+    assert cells == [("no_press", dict(press="no_press", question_aware=False, tag="no_press")),
+                     ("snapkv+qa@specache-1bit-best", dict(press="snapkv", question_aware=True, tag="snapkv+qa@specache-1bit-best",
+                                                           match_bytes=200, matched="specache-1bit-best")),
+                     ("snapkv+qa@1/8", dict(press="snapkv", question_aware=True, tag="snapkv+qa@1/8", ratio=0.875, fixed="1/8")),
+                     ("quantized-2bit", dict(press="quantized-2bit", question_aware=False, tag="quantized-2bit"))]
+    with pytest.raises(SystemExit, match="error: unknown press 'snapkvv'"):
+        G.cells_for(SimpleNamespace(presses="snapkvv", fixed=""), {}, set(), lambda m: m)
+
+
+def test_grid_report_and_figure(tmp_path):
+    """The report's table: mean score x100 per method and column (NIAH: length) and mean device MiB;
+    the figure is written."""
+    from tools import baselines_grid as G
+    rows = [dict(cmd="niah", model="m", method=m, length=L, score=sc, kv_device_bytes=b)
+            for m, L, sc, b in [("no_press", 8000, 1.0, 2 ** 22), ("no_press", 16000, 1.0, 2 ** 23),
+                                ("snapkv@specache-1bit", 8000, 0.5, 2 ** 20), ("snapkv@specache-1bit", 16000, 0.0, 2 ** 20)]]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    G.main(["report", "--out", str(tmp_path), "--figure"])
+    table = (tmp_path / "results.md").read_text()
+    assert "| no_press | 1 | 100.0 | 100.0 | 100.0 | 6.00 |" in table
+    assert "| snapkv@specache-1bit | 1 | 50.0 | 0.0 | 25.0 | 1.00 |" in table
+    assert (tmp_path / "score-vs-bytes.png").stat().st_size > 10_000
 
 
 def run(*args, py=KVPY, env=None):
@@ -192,6 +228,62 @@ def test_match_bytes_on_the_default_model(needle, tmp_path):
     assert len(out.read_text().splitlines()) == 3
 
 
+def cells_equal_runs(hf, ids_file, cells, max_new, tmp_path):
+    """`cells` (one shared prefill) against `run` (a prefill of its own, kvpress's hook) for each cell:
+    the same tokens, kept entries and device bytes. Returns the cells' rows by tag."""
+    spec = tmp_path / "cells.json"
+    spec.write_text(json.dumps(cells))
+    p = subprocess.run([str(KVPY), str(SCRIPT), "cells", "--hf", str(hf), "--ids-file", str(ids_file), "--cells", str(spec),
+                        "--max-new-tokens", str(max_new)], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["tag"]: r for r in map(json.loads, p.stdout.strip().splitlines())}
+    assert sorted(rows) == sorted(c["tag"] for c in cells)
+    for c in cells:
+        budget = (["--ratio", c["ratio"]] if "ratio" in c else []) + (["--match-bytes", c["match_bytes"]]
+                                                                      if "match_bytes" in c else [])
+        rc, want, err = run("run", "--hf", hf, "--ids-file", ids_file, "--press", c["press"], "--max-new-tokens", max_new,
+                            *budget, *(["--question-aware"] if c.get("question_aware") else []))
+        assert rc == 0, err[-3000:]
+        got = rows[c["tag"]]
+        assert (got["tokens"], got["kept_per_layer"], got["kv_device_bytes"], got["ratio"]) == \
+            (want["tokens"], want["kept_per_layer"], want["kv_device_bytes"], want["ratio"]), c
+    return rows
+
+
+@pytest.mark.full
+def test_shared_prefill_equals_a_prefill_per_cell(needle, tmp_path):
+    """One recorded prefill serves every press and budget: each cell's tokens equal those of a run with
+    its own pressed prefill (sdpa and eager presses, question-aware or not, a QuantizedCache, no_press);
+    the pressed cells differ from no_press, so the comparison can fail."""
+    import hf
+    tok = hf.load_tokenizer(HF)
+    text = tok.chat(needle.read_text())
+    body = needle.read_text().rstrip()
+    ids, at = B.split_at(tok.tok, text, body[body.rfind("\n") + 1:])
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps(dict(ids=ids, question_at=at)))
+    cells = [dict(press="snapkv", ratio=0.8, tag="snapkv"), dict(press="snapkv", ratio=0.8, question_aware=True, tag="qa"),
+             dict(press="h2o", ratio=0.8, tag="h2o"), dict(press="h2o", ratio=0.8, question_aware=True, tag="h2o+qa"),
+             dict(press="streaming_llm", match_bytes=2_000_000, tag="stream"), dict(press="no_press", tag="none"),
+             dict(press="quantized-2bit", tag="q2")]
+    rows = cells_equal_runs(HF, ids_file, cells, 12, tmp_path)
+    assert rows["stream"]["tokens"] != rows["none"]["tokens"] and rows["q2"]["tokens"] != rows["none"]["tokens"]
+
+
+@pytest.mark.full
+def test_cells_reports_each_failed_cell_and_runs_the_rest(needle, tmp_path):
+    """A cell that cannot run prints its tagged error line; the others still give their rows; exit 1."""
+    spec = tmp_path / "cells.json"
+    spec.write_text(json.dumps([dict(press="snapkvv", ratio=0.5, tag="typo"), dict(press="knorm", ratio=0.5, tag="ok"),
+                                dict(press="snapkv", match_bytes=1000, tag="tiny")]))
+    p = subprocess.run([str(KVPY), str(SCRIPT), "cells", "--hf", str(HF), "--prompt-file", str(needle), "--cells", str(spec),
+                        "--max-new-tokens", "4"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+    assert p.returncode == 1
+    assert [json.loads(line)["tag"] for line in p.stdout.strip().splitlines()] == ["ok"]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and "typo: unknown press 'snapkvv'" in errors[0] and "tiny: --match-bytes 1000 keeps no" in errors[1]
+
+
 TINY_GEMMA = """
 import json, sys, torch, transformers
 transformers.utils.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
@@ -233,6 +325,10 @@ def test_gemma3_presses_only_its_global_layers(tmp_path):
         kept = row["kept_per_layer"]
         assert kept[0] == kept[1] == kept[3] == kept[4] == 15 and kept[2] == kept[5] < 100
         assert 0 <= row["bytes_gap"] < 2 * row["kv_entry_bytes"]
+    # the shared prefill: the sliding layers' windows filled through their own cache layers
+    cells_equal_runs(tmp_path / "gemma", ids, [dict(press="snapkv", match_bytes=40_000, tag="s"),
+                                               dict(press="h2o", ratio=0.5, question_aware=True, tag="h"),
+                                               dict(press="no_press", tag="n")], 8, tmp_path)
     out = tmp_path / "rows.jsonl"  # a press that cannot run on this model: which and why
     rc, _, err = run("run", "--hf", tmp_path / "gemma", "--ids-file", ids, "--press", "expected_attention", "--ratio", 0.5,
                      "--out", out)

