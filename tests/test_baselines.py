@@ -91,17 +91,21 @@ def test_grid_budgets_and_cells():
 
 
 def test_grid_report_and_figure(tmp_path):
-    """The report's table: mean score x100 per method and column (NIAH: length) and mean device MiB;
-    the figure is written."""
+    """The report's tables, one per benchmark and length: mean score x100 per method and needle depth,
+    and mean device MiB; the figure is written."""
     from tools import baselines_grid as G
-    rows = [dict(cmd="niah", model="m", method=m, length=L, score=sc, kv_device_bytes=b)
-            for m, L, sc, b in [("no_press", 8000, 1.0, 2 ** 22), ("no_press", 16000, 1.0, 2 ** 23),
-                                ("snapkv@specache-1bit", 8000, 0.5, 2 ** 20), ("snapkv@specache-1bit", 16000, 0.0, 2 ** 20)]]
+    rows = [dict(cmd="niah", model="m", method=m, length=L, depth=d, score=sc, kv_device_bytes=b)
+            for m, L, d, sc, b in [("no_press", 8000, 0.0, 1.0, 2 ** 22), ("no_press", 8000, 0.5, 1.0, 2 ** 23),
+                                   ("snapkv@specache-1bit", 8000, 0.0, 0.5, 2 ** 20),
+                                   ("snapkv@specache-1bit", 8000, 0.5, 0.0, 2 ** 20),
+                                   ("snapkv@specache-1bit", 16000, 0.5, 1.0, 2 ** 21)]]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     G.main(["report", "--out", str(tmp_path), "--figure"])
     table = (tmp_path / "results.md").read_text()
+    assert "## niah 8k (m)" in table and "## niah 16k (m)" in table and "| method | n | 0 | 0.5 | mean |" in table
     assert "| no_press | 1 | 100.0 | 100.0 | 100.0 | 6.00 |" in table
     assert "| snapkv@specache-1bit | 1 | 50.0 | 0.0 | 25.0 | 1.00 |" in table
+    assert "| snapkv@specache-1bit | 1 | 100.0 | 100.0 | 2.00 |" in table
     assert (tmp_path / "score-vs-bytes.png").stat().st_size > 10_000
 
 

@@ -200,25 +200,30 @@ def load_rows(a):
     project = [json.loads(line) for d in a.project for line in (d / "results.jsonl").read_text().splitlines()]
     if project:
         import hf
+        from config import CacheConfig
         model, _ = hf.load(a.hf or ROOT / "checkpoints" / project[0]["model"])
+        short = {CacheConfig.from_name(m).name: m for m in DEFAULT_MATCH.split(",")}  # the presets by their short names
         for r in project:
             r["kv_device_bytes"] = project_bytes(model, r["method"], r["prompt_tokens"], r["max_new"])
+            r["method"] = short.get(r["method"], r["method"])
     return rows + project
 
 
 def column(r) -> str:
-    return r["task"] if r["cmd"] == "ruler" else f"{r['length'] // 1000}k"
+    return r["task"] if r["cmd"] == "ruler" else f"{r['depth']:g}"
 
 
 def cmd_report(a):
-    """OUT/results.md: per benchmark, mean score x100 per method and column (RULER: task; NIAH: length),
-    with each method's mean device KV bytes; OUT/score-vs-bytes.png: mean score against device bytes."""
+    """OUT/results.md: per benchmark and length, mean score x100 per method and column (RULER: task;
+    NIAH: needle depth), with each method's mean device KV bytes; OUT/score-vs-bytes.png: mean score
+    against device bytes, one panel per benchmark and length."""
     rows = load_rows(a)
     lines = []
     points = []
-    for bench in sorted({r["cmd"] for r in rows}):
-        sel = [r for r in rows if r["cmd"] == bench]
-        cols = sorted({column(r) for r in sel}, key=lambda c: (len(c), c))
+    for bench, length in sorted({(r["cmd"], r["length"]) for r in rows}):
+        sel = [r for r in rows if (r["cmd"], r["length"]) == (bench, length)]
+        bench = f"{bench} {length // 1000}k"
+        cols = sorted({column(r) for r in sel}, key=lambda c: (c[0].isalpha(), c))
         cells, nbytes = defaultdict(list), defaultdict(list)
         for r in sel:
             cells[r["method"], column(r)].append(r["score"])
@@ -239,25 +244,44 @@ def cmd_report(a):
         figure(points, a.out / "score-vs-bytes.png")
 
 
+BUDGET_MARKERS = {"specache-1bit": "v", "specache-1bit-best": "^", "specache-2bit-best": "D", "1/4": "s", "1/8": "p"}
+
+
+def family(method: str) -> str:
+    """A method's color in the figure: the press (whatever its budget), or the cache itself."""
+    return method.split("@")[0]
+
+
 def figure(points, path):
-    """Mean score against mean device KV MiB (log scale): one marker per method and budget, the fp cache
-    as a dashed line, one panel per benchmark."""
+    """Mean score against mean device KV MiB, one panel per benchmark and length: color = method family,
+    marker = the budget a press matches (SpeCache's own rows: stars), the fp cache a dashed line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    benches = list(dict.fromkeys(p[0] for p in points))
-    fig, axes = plt.subplots(1, len(benches), figsize=(6.5 * len(benches), 5), squeeze=False)
-    for ax, bench in zip(axes[0], benches):
-        for _, m, mib, score in (p for p in points if p[0] == bench):
-            if m in ("full", "no_press"):
-                ax.axhline(score, color="k", ls="--", lw=1, label=f"{m} (fp, {mib:.0f} MiB)")
-                continue
-            style = dict(marker="*", s=140) if m.startswith("specache") else dict(marker="o" if "@" in m else "s", s=40)
-            ax.scatter(mib, score, label=m, **style)
-        ax.set_xscale("log")
-        ax.set(xlabel="device KV MiB (mean over prompts)", ylabel="score x100", title=bench, ylim=(-5, 105))
-        ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
+    from matplotlib.lines import Line2D
+    panels = list(dict.fromkeys(p[0] for p in points))
+    families = list(dict.fromkeys(family(p[1]) for p in points if p[1] not in ("full", "no_press")))
+    palette = [plt.get_cmap("tab20")(i) for i in (*range(0, 20, 2), *range(1, 20, 2))]  # strong colors first
+    color = {f: palette[i % 20] for i, f in enumerate(families)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 2.5, 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        fp = [p for p in points if p[0] == panel and p[1] in ("full", "no_press")]
+        for _, m, mib, score in fp[:1]:  # the fp cache (the project's, else the kvpress venv's)
+            ax.axhline(score, color="k", ls="--", lw=1)
+            ax.annotate(f"fp cache: {mib:.0f} MiB", (0.99, score - 2), xycoords=("axes fraction", "data"), va="top", ha="right",
+                        fontsize=7)
+        for _, m, mib, score in (p for p in points if p[0] == panel and p not in fp):
+            budget = m.split("@")[1] if "@" in m else None
+            star = m.startswith("specache")
+            ax.scatter(mib, score, color=color[family(m)], marker="*" if star else BUDGET_MARKERS.get(budget, "o"),
+                       s=170 if star else 45, edgecolors="k" if star else "none", zorder=3 if star else 2, alpha=0.85)
+        ax.set(xlabel="device KV MiB (mean over prompts)", ylabel="score x100", title=panel, ylim=(-5, 110))
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=color[f], marker="*" if f.startswith("specache") else "o", ls="", label=f)
+               for f in families]
+    handles += [Line2D([], [], color="grey", marker=mk, ls="", label=f"press at {b}") for b, mk in BUDGET_MARKERS.items()]
+    fig.legend(handles=handles, loc="center right", fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1 - 2.3 / (6 * len(panels) + 2.5), 1))
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 
