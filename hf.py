@@ -111,7 +111,11 @@ def _cache_class():
         """A transformers Cache over the project's caches. `mode` and `input_pos` of the next forward
         are set by HFModel.forward (`begin`); a forward without them (model(ids, past_key_values=
         cache)) is a prefill when it has more than one token or nothing is stored yet, else a
-        one-token decode step, at the positions after the tokens stored so far (`seen`)."""
+        one-token decode step, at the positions after the tokens stored so far (`seen`).
+
+        A compiled step reads no Python number that changes from step to step (each would be a guard,
+        and a recompilation every step): an announced forward's length is its first position, and
+        `seen` is written as the tensor input_pos[kept - 1] + 1, never read inside the step."""
 
         def __init__(self, slots, capacity):
             super().__init__(layers=[_CacheLayer(s, capacity) for s in slots])
@@ -123,17 +127,17 @@ def _cache_class():
             self.mode, self.input_pos = mode, input_pos
 
         def end(self, kept):
-            self.seen += kept
+            if kept:  # the forward stored positions input_pos[:kept]
+                self.seen = self.input_pos[kept - 1] + 1
             self.mode = self.input_pos = None
 
-        def get_seq_length(self, layer_idx: int = 0) -> int:
-            return self.seen
+        def get_seq_length(self, layer_idx: int = 0):
+            return self.input_pos[0] if self.input_pos is not None else int(self.seen)
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if layer_idx == 0 and self.mode is None:  # a forward that nobody announced: infer its step
-                T = key_states.shape[2]
-                mode = "prefill" if T > 1 or self.seen == 0 else "decode"
-                self.begin(mode, torch.arange(self.seen, self.seen + T, device=key_states.device))
+                T, seen = key_states.shape[2], int(self.seen)
+                self.begin("prefill" if T > 1 or seen == 0 else "decode", torch.arange(seen, seen + T, device=key_states.device))
                 self.inferred = T
             self.pending = (layer_idx, key_states)
             return key_states, value_states
