@@ -137,3 +137,20 @@ def test_generate_and_eval_cli_hf_compile(both, capsys, tmp_path):
         answers[bool(flags)] = [json.loads(line)["output"] for line in (out / "results.jsonl").read_text().splitlines()]
     assert answers[True] == answers[False] and len(answers[True]) == 2
     assert counters["stats"]["unique_graphs"] == 1 + 2  # one graph per method (the full cache, SpeCache)
+
+
+def test_bench_times_the_adapter():
+    """tools/bench.py --hf's rows of the transformers model through hf.py (tools/bench_hf.py): one row per
+    cache and mode, the greedy tokens (the full cache: transformers' own), the attention put back."""
+    import types
+
+    from tests.test_hf import reference
+    from tools import bench_hf
+    model, ids = tiny("llama"), prompt()
+    a = types.SimpleNamespace(warmup=1, steps=2, compile=False)
+    configs = {name: CacheConfig.from_name(name) for name in ("full", "specache-1bit-g32-r32")}
+    rows = bench_hf.adapter_rows(a, model, ids[0].tolist(), torch.device("cpu"), configs)
+    assert [r["name"] for r in rows] == ["hf.py full eager", "hf.py specache-1bit-g32-r32 eager"]
+    assert all(r["step_ms_min"] <= r["step_ms_median"] and r["tok_s"] > 0 for r in rows)
+    assert model.config._attn_implementation == "sdpa"
+    assert rows[0]["tokens"] == reference(model, ids, new=4)
