@@ -59,6 +59,26 @@ def test_step_is_one_graph_across_steps_prompts_and_views(family, cache):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_quantspec_rounds_through_the_adapter_are_three_graphs():
+    """QuantSpec (generate.py --hf --method quantspec --compile): the INT4 draft's step, the target's
+    verify step and the commit each one graph over every round, the eager tokens."""
+    import quantspec
+    view, ids = hf.HFModel(tiny("llama", seed=3)), prompt(5, 120)
+    draft = quantspec.make_draft(view, 32)
+
+    def run(steps):
+        quantspec.setup_caches(view, "quantspec-g32", 1, ids.shape[1] + 24, gamma=3)
+        quantspec.share_caches(draft, view)
+        return quantspec.generate_quantspec(view, draft, ids, 3, generate.Decoding(16), steps)[0][0].tolist()
+    eager = run(quantspec.Steps())
+    torch._dynamo.reset()
+    counters.clear()
+    steps = quantspec.Steps(draft=traced(quantspec.draft_step), verify=traced(quantspec.verify_step),
+                            commit=traced(quantspec.commit))
+    assert run(steps) == eager
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"], dict(counters)
+
+
 def test_a_step_that_recompiles_every_call_is_an_error():
     """A Python int a step reads that changes every step (here a module's attribute, which dynamo takes
     as a constant) is a new graph per step: the second in a row raises, naming the guard."""
@@ -109,6 +129,17 @@ def test_hf_generate_compile_equals_eager(family):
     assert adapter(model, ids, "specache-1bit-best", compile=True) == eager
     assert adapter(model, prompt(2), "specache-1bit-best", compile=True) == adapter(model, prompt(2), "specache-1bit-best")
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters)
+
+
+@pytest.mark.full
+def test_hf_generate_compile_samples_with_the_warpers():
+    """Sampling through transformers' warpers inside the compiled step: top_k=1 leaves the greedy token."""
+    model, ids = tiny("llama"), prompt()
+    greedy = adapter(model, ids, "specache-1bit-g32-r32")
+    torch._dynamo.reset()
+    counters.clear()
+    assert adapter(model, ids, "specache-1bit-g32-r32", do_sample=True, top_k=1, temperature=0.7, compile=True) == greedy
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
 @pytest.mark.full
