@@ -144,8 +144,8 @@ def test_hf_generate_compile_samples_with_the_warpers():
 
 @pytest.mark.full
 def test_generate_and_eval_cli_hf_compile(both, capsys, tmp_path):
-    """generate.py --hf DIR --compile prints the eager run's tokens; tools/eval.py niah --hf DIR --compile
-    gives the eager run's answers."""
+    """generate.py --hf DIR --compile prints the eager run's tokens, with SpeCache and QuantSpec;
+    tools/eval.py niah --hf DIR --compile gives the eager run's answers."""
     _, _, d = both
     out = {}
     torch._dynamo.reset()
@@ -157,6 +157,11 @@ def test_generate_and_eval_cli_hf_compile(both, capsys, tmp_path):
         out[bool(flags)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
     assert out[True] == out[False] and len(out[True]) == 12
     assert counters["stats"]["unique_graphs"] == 1  # (speculative fetch: the decode step only)
+    for flags in ([], ["--compile"]):  # QuantSpec's draft, verify and commit steps
+        generate.main(["--hf", str(d / "hf"), "--method", "quantspec", "--gamma", "2", "--json", "--quiet",
+                       "--max-new-tokens", "8", "--prompt", "the needle " * 20, *flags])
+        out[bool(flags)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+    assert out[True] == out[False] and counters["stats"]["unique_graphs"] == 1 + 3
     with pytest.raises(SystemExit, match=r"^error: --compile-prefill is not available with --hf"):
         generate.main(["--hf", str(d / "hf"), "--compile-prefill"])
     from tools import eval as ev
@@ -167,7 +172,7 @@ def test_generate_and_eval_cli_hf_compile(both, capsys, tmp_path):
                  "--depths", "0.5", "--max-new-tokens", "4", "--out", str(out), *flags])
         answers[bool(flags)] = [json.loads(line)["output"] for line in (out / "results.jsonl").read_text().splitlines()]
     assert answers[True] == answers[False] and len(answers[True]) == 2
-    assert counters["stats"]["unique_graphs"] == 1 + 2  # one graph per method (the full cache, SpeCache)
+    assert counters["stats"]["unique_graphs"] == 1 + 3 + 2  # + one graph per method (the full cache, SpeCache)
 
 
 def test_bench_times_the_adapter():
