@@ -94,7 +94,9 @@ def recompile_guard(compiled, fn, storm: int = 2):
     each step (an int position, a counter, a new object) and every step would pay a compilation.
     A new cache configuration recompiles once (tools/eval.py's methods), which is not a storm."""
     import torch._dynamo
-    from torch._dynamo.utils import counters, guard_failures
+    from torch._dynamo import utils as dynamo_utils
+    counters = dynamo_utils.counters
+    guard_failures = getattr(dynamo_utils, "guard_failures", {})  # {code: [reason, ...]}; a torch without it: no reason
     limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())  # (fullgraph=True past the limit)
     code = inner_code(fn)
     state = {"calls": 0, "in_a_row": 0}

@@ -7,6 +7,7 @@
                             max_new_tokens=64)          # on any transformers model of a supported family
 
     python generate.py --hf DIR --cache specache --bits 1 --k 64 --prompt "..."       # the CLI
+    python generate.py --hf DIR --preset best --compile --prompt "..."    # the decode step as one graph
     python tools/eval.py niah --hf DIR --quick --out results/hf-niah
 
 How the pieces fit (transformers >= 5.23, < 6):
