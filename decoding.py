@@ -87,12 +87,13 @@ def with_cpp_kernel_args_capped(compiled):
     return step
 
 
-def recompile_guard(compiled, fn, storm: int = 2):
+def recompile_guard(compiled, fn, storm: int = 3):
     """`compiled` that raises RecompileError when `storm` calls in a row each compile a new graph (the
     first call's compilation aside), or when dynamo's recompile_limit is hit, naming the guard that
     failed. A decode step is one static graph: a graph per step means a Python value it reads changes
     each step (an int position, a counter, a new object) and every step would pay a compilation.
-    A new cache configuration recompiles once (tools/eval.py's methods), which is not a storm."""
+    A new cache configuration recompiles once (tools/eval.py's methods), which is not a storm; 3, not
+    2, so that two new configurations in a row that run one step each (--max-new-tokens 2) are not one."""
     import torch._dynamo
     from torch._dynamo import utils as dynamo_utils
     counters = dynamo_utils.counters

@@ -81,7 +81,7 @@ def test_quantspec_rounds_through_the_adapter_are_three_graphs():
 
 def test_a_step_that_recompiles_every_call_is_an_error():
     """A Python int a step reads that changes every step (here a module's attribute, which dynamo takes
-    as a constant) is a new graph per step: the second in a row raises, naming the guard."""
+    as a constant) is a new graph per step: the third in a row raises, naming the guard."""
     class Offset(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -94,11 +94,11 @@ def test_a_step_that_recompiles_every_call_is_an_error():
     step = traced(lambda x: m(x))
     torch._dynamo.reset()
     x = torch.zeros(2)
-    for m.at in range(2):  # the first compilation, then one recompilation: not yet a storm
+    for m.at in range(3):  # the first compilation, then two recompilations: not yet a storm
         assert step(x).tolist() == [m.at] * 2
-    m.at = 2
-    with pytest.raises(RecompileError, match=r"compiled a new graph on 2 calls in a row \(a recompilation "
-                                             r"every step\); the guard that failed: .*m.at == 1 "):
+    m.at = 3
+    with pytest.raises(RecompileError, match=r"compiled a new graph on 3 calls in a row \(a recompilation "
+                                             r"every step\); the guard that failed: .*m.at == 2 "):
         step(x)
     m.at = 1
     assert step(x).tolist() == [1, 1]  # graphs already made are still used
