@@ -12,7 +12,8 @@ from tools import measure
 
 def hf_rows(a, ids, dtype, device, adapter_configs=None) -> list[dict]:
     """generate() with the dynamic cache and the static cache (+ compile), on the GGUF our checkpoint
-    was converted from; per-step times from a streamer's timestamps."""
+    was converted from, per-step times from a streamer's timestamps; then adapter_rows of the same model
+    for adapter_configs ({name: CacheConfig})."""
     try:
         import transformers
         from transformers import AutoModelForCausalLM
