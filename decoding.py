@@ -60,23 +60,77 @@ def cloned(fn, *args):
     return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
 
 
+class RecompileError(RuntimeError):
+    """A compiled step that compiles again call after call: something it reads changes every step."""
+
+
 def compiled_step(device, fn):
     """`fn` as one fullgraph graph; a CUDA graph on CUDA. Inductor by default drops a 16-bit round trip
     inside a fused kernel (x.to(float16).float() stays fp32); the quantizer picks its codes against the
     16-bit zero and scale it stores (quant.py's least-squares fit), so without emulate_precision_casts
-    the compiled least-squares fit stores other zeros than eager's."""
+    the compiled least-squares fit stores other zeros than eager's. A recompilation storm is an error
+    (`recompile_guard`)."""
     options = {"emulate_precision_casts": True}
     if device.type == "cuda":
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (mode and options exclude each other)
     compiled = torch.compile(fn, fullgraph=True, options=options)
-    if device.type != "cpu":
-        return compiled
+    if device.type == "cpu":
+        compiled = with_cpp_kernel_args_capped(compiled)
+    return recompile_guard(compiled, fn)
 
-    @functools.wraps(fn)
+
+def with_cpp_kernel_args_capped(compiled):
+    @functools.wraps(compiled)
     def step(*args, **kw):  # (it compiles inside its first call)
         with cpp_kernel_args_capped(128):
             return compiled(*args, **kw)
     return step
+
+
+def recompile_guard(compiled, fn, storm: int = 3):
+    """`compiled` that raises RecompileError when `storm` calls in a row each compile a new graph (the
+    first call's compilation aside), or when dynamo's recompile_limit is hit, naming the guard that
+    failed. A decode step is one static graph: a graph per step means a Python value it reads changes
+    each step (an int position, a counter, a new object) and every step would pay a compilation.
+    A new cache configuration recompiles once (tools/eval.py's methods), which is not a storm; 3, not
+    2, so that two new configurations in a row that run one step each (--max-new-tokens 2) are not one."""
+    import torch._dynamo
+    from torch._dynamo import utils as dynamo_utils
+    counters = dynamo_utils.counters
+    guard_failures = getattr(dynamo_utils, "guard_failures", {})  # {code: [reason, ...]}; a torch without it: no reason
+    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())  # (fullgraph=True past the limit)
+    code = inner_code(fn)
+    state = {"calls": 0, "in_a_row": 0}
+
+    def failure(why, seen):
+        """The error, with the guard of the newest graph that failed in this call (dynamo records one
+        reason per graph it tried, newest first)."""
+        reasons = guard_failures.get(code, [])[seen:] or ["(none recorded: rerun with TORCH_LOGS=recompiles)"]
+        reason = " ".join(reasons[0].splitlines()[0].split())
+        return RecompileError(f"the compiled step {getattr(fn, '__name__', fn)!r} {why}; the guard that failed: {reason}")
+
+    @functools.wraps(fn)
+    def step(*args, **kw):
+        before, seen = counters["stats"]["unique_graphs"], len(guard_failures.get(code, ()))
+        try:
+            out = compiled(*args, **kw)
+        except limit_hit as e:
+            raise failure(f"hit torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit})", seen) from e
+        new = counters["stats"]["unique_graphs"] > before and state["calls"] > 0
+        state["calls"] += 1
+        state["in_a_row"] = state["in_a_row"] + 1 if new else 0
+        if state["in_a_row"] >= storm:
+            raise failure(f"compiled a new graph on {storm} calls in a row (a recompilation every step)", seen)
+        return out
+    return step
+
+
+def inner_code(fn):
+    """The code object dynamo compiles for fn (a function, a functools.partial of one, or a module)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "forward", fn)
+    return getattr(fn, "__code__", None)
 
 
 @contextlib.contextmanager

@@ -167,13 +167,14 @@ WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "M
 
 def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                 synced_gpus=False, streamer=None, cache_config="specache", prefill_chunk=2048, stream=None,
-                **model_kwargs):
+                compile=False, **model_kwargs):
     """The decode loop for `model.generate(input_ids, custom_generate=generate.hf_generate, cache_config=NAME,
     ...)`: generate() over fresh caches of `cache_config` (a config.CacheConfig or its name, e.g.
     "specache-1bit-best", "kivi-2bit", "full") inside the transformers model (hf.HFModel). Honours
     max_new_tokens/max_length, eos_token_id, greedy decoding and sampling's temperature/top-k/top-p/min-p;
     other logits processors and stopping criteria raise hf.HFError. transformers 5.23 hands a custom_generate
-    callable only the keyword arguments its own loop does not take: pass the streamer as `stream=`. -> [B, P + N] ids"""
+    callable only the keyword arguments its own loop does not take: pass the streamer as `stream=`.
+    compile=True: the decode step as one fullgraph graph, as --compile (Steps.compiled). -> [B, P + N] ids"""
     import hf
 
     config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
@@ -202,8 +203,9 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
                         eos_check_every=1 if streamer is not None else Decoding.eos_check_every)
     try:
         warped = generation_config.do_sample and len(logits_processor or [])
+        steps = Steps().compiled(input_ids.device, config.policy.resync) if compile else Steps()
         out, _ = generate(hf.Warped(view, logits_processor) if warped else view, input_ids, decoding,
-                          Steps(prefill=functools.partial(prefill, chunk=prefill_chunk)), on_step)
+                          replace(steps, prefill=functools.partial(prefill, chunk=prefill_chunk)), on_step)
     finally:
         model.set_attn_implementation(prev)
     if streamer is not None:
@@ -284,8 +286,8 @@ def check_args(a):
         raise ValueError("--sample-top-k needs --temperature > 0 (greedy decoding ignores it)")
     if a.hf and a.checkpoint:
         raise ValueError("--hf DIR and --checkpoint DIR both name the model: give one")
-    if a.hf and (a.compile or a.compile_prefill):
-        raise ValueError("--compile is not available with --hf (the transformers forward runs eagerly)")
+    if a.hf and a.compile_prefill:
+        raise ValueError("--compile-prefill is not available with --hf (--compile compiles its decode step)")
 
 
 def load(a, device, dtype):

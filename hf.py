@@ -7,6 +7,7 @@
                             max_new_tokens=64)          # on any transformers model of a supported family
 
     python generate.py --hf DIR --cache specache --bits 1 --k 64 --prompt "..."       # the CLI
+    python generate.py --hf DIR --preset best --compile --prompt "..."    # the decode step as one graph
     python tools/eval.py niah --hf DIR --quick --out results/hf-niah
 
 How the pieces fit (transformers >= 5.23, < 6):
@@ -111,11 +112,17 @@ def _cache_class():
         """A transformers Cache over the project's caches. `mode` and `input_pos` of the next forward
         are set by HFModel.forward (`begin`); a forward without them (model(ids, past_key_values=
         cache)) is a prefill when it has more than one token or nothing is stored yet, else a
-        one-token decode step, at the positions after the tokens stored so far (`seen`)."""
+        one-token decode step, at the positions after the tokens stored so far (`seen()`).
+
+        A compiled step reads no Python number that changes from step to step (each would be a
+        guard, and a recompilation every step): an announced forward's cache length is its first
+        position (a tensor), and it only records which positions it stored (`stored`); the count is
+        read, with a host sync, by a forward nobody announced."""
 
         def __init__(self, slots, capacity):
             super().__init__(layers=[_CacheLayer(s, capacity) for s in slots])
-            self.seen, self.mode, self.input_pos = 0, None, None
+            self.mode = self.input_pos = None
+            self.stored = None  # (input_pos, kept) of the last forward that stored tokens: input_pos[:kept]
             self.inferred = None  # tokens of a forward whose step update() inferred (ends after the last layer)
             self.pending = None  # (layer, key) of the last update(): the attention call that belongs to it
 
@@ -123,17 +130,20 @@ def _cache_class():
             self.mode, self.input_pos = mode, input_pos
 
         def end(self, kept):
-            self.seen += kept
+            if kept:
+                self.stored = (self.input_pos, kept)
             self.mode = self.input_pos = None
 
-        def get_seq_length(self, layer_idx: int = 0) -> int:
-            return self.seen
+        def seen(self) -> int:
+            return 0 if self.stored is None else int(self.stored[0][self.stored[1] - 1]) + 1
+
+        def get_seq_length(self, layer_idx: int = 0):
+            return self.input_pos[0] if self.input_pos is not None else self.seen()
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if layer_idx == 0 and self.mode is None:  # a forward that nobody announced: infer its step
-                T = key_states.shape[2]
-                mode = "prefill" if T > 1 or self.seen == 0 else "decode"
-                self.begin(mode, torch.arange(self.seen, self.seen + T, device=key_states.device))
+                T, seen = key_states.shape[2], self.seen()
+                self.begin("prefill" if T > 1 or seen == 0 else "decode", torch.arange(seen, seen + T, device=key_states.device))
                 self.inferred = T
             self.pending = (layer_idx, key_states)
             return key_states, value_states
@@ -258,7 +268,7 @@ class HFModel(nn.Module):
         """make_cache(i) per layer (model.Transformer.setup_caches)."""
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = make_cache(i)
-        self.cache.seen = 0
+        self.cache.stored = None
         return [layer.attention.kv_cache for layer in self.layers]
 
     def forward(self, idx, input_pos, mode="decode"):

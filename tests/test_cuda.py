@@ -276,6 +276,24 @@ def test_compiled_step_equals_eager_with_one_graph(cache):
         assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+@pytest.mark.parametrize("family,cache", [("llama", "specache-1bit-best"), ("gemma3", "kivi-1bit-g32-r32")])
+def test_hf_adapter_compiled_step_equals_eager_with_one_graph(family, cache):
+    """A transformers model through hf.py (hf_generate(compile=True)): the compiled step (a CUDA graph;
+    the preset's pre-decoding too) gives the eager tokens, one graph per step function, none skipped."""
+    pytest.importorskip("transformers", reason="hf.py needs transformers (requirements-test.txt)")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from tests.test_hf import adapter, prompt, tiny, tiny_gemma3
+    model, ids = (tiny("llama") if family == "llama" else tiny_gemma3()).to(DEV), prompt().to(DEV)
+    eager = adapter(model, ids, cache)
+    torch._dynamo.reset()
+    counters.clear()
+    assert adapter(model, ids, cache, compile=True) == eager
+    assert counters["stats"]["unique_graphs"] == (2 if CacheConfig.from_name(cache).policy.resync else 1)
+    if ON_GPU:
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
 # ---- the default model through the CLI -------------------------------------------------------------
 @pytest.mark.parametrize("cache", ["full", "kivi", "specache", "best"])  # best: `--preset best`
 def test_default_model_generate_compile(cache, capsys):

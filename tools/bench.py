@@ -6,7 +6,7 @@
     python tools/bench.py --model Llama-3.1-8B --random-weights --layers 4 --contexts 32768 --compile --attn-path gluon
     python tools/bench.py --kernels --model Llama-3.1-8B --random-weights --contexts 32768          # per-kernel GB/s
     python tools/bench.py --compile --contexts 2048 --kv-budget-gb 0.5 --max-run-batch 4           # Table 3 on a KV budget
-    python tools/bench.py --compile --contexts 4096 --caches full,kivi,specache --hf                # side by side with HF
+    python tools/bench.py --compile --contexts 4096 --caches full,kivi,specache --hf                # side by side with HF (+ hf.py)
     python tools/bench.py --floors --contexts 32768 --batch-sizes 1,16                              # byte floors, nothing runs
     python tools/bench.py --floors --model Llama-3.1-70B --tp 8 --contexts 131072                   # per rank of 8 (docs/tp.md)
     torchrun --nproc-per-node 8 tools/bench.py --model Llama-3.1-70B --random-weights --compile     # tensor parallel
@@ -572,7 +572,8 @@ def main(argv=None):
         for c in ("full", "kivi", "specache"):
             runner(c, a.hf_context, 1)
         res["hf_context"] = a.hf_context
-        res["hf"] = bench_hf.hf_rows(a, ids[:a.hf_context], dtype, device)
+        res["hf"] = bench_hf.hf_rows(a, ids[:a.hf_context], dtype, device,  # + the same caches through hf.py
+                                     {c: bench_config(c, a)[0] for c in ("full", "kivi", "specache")})
     res["grid"] = list(runner.rows.values())
     text = report(res)
     if tp.rank() > 0:  # one rank reports

@@ -1,6 +1,7 @@
 """transformers' own generate() on the weights our checkpoint was converted from, timed beside this
-project's caches (tools/bench.py --hf): the dynamic cache, and the static cache (compiled with --compile).
-Per-step times come from a streamer's timestamps."""
+project's caches (tools/bench.py --hf): the dynamic cache, and the static cache (compiled with --compile),
+per-step times from a streamer's timestamps; then the same transformers model through hf.py with this
+project's caches, eager steps (and the compiled step with --compile), timed at generate()'s step hook."""
 import statistics
 import time
 
@@ -9,9 +10,10 @@ import torch
 from tools import measure
 
 
-def hf_rows(a, ids, dtype, device) -> list[dict]:
+def hf_rows(a, ids, dtype, device, adapter_configs=None) -> list[dict]:
     """generate() with the dynamic cache and the static cache (+ compile), on the GGUF our checkpoint
-    was converted from; per-step times from a streamer's timestamps."""
+    was converted from, per-step times from a streamer's timestamps; then adapter_rows of the same model
+    for adapter_configs ({name: CacheConfig})."""
     try:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -53,4 +55,35 @@ def hf_rows(a, ids, dtype, device) -> list[dict]:
         med = statistics.median(steps)
         rows.append({"name": name, "prefill_s": clock.t[1] - clock.t[0], "step_ms_median": 1e3 * med,
                      "step_ms_min": 1e3 * min(steps), "tok_s": 1 / med, "tokens": out[0, len(ids):].tolist()})
+    return rows + adapter_rows(a, model, ids, device, adapter_configs or {})
+
+
+def adapter_rows(a, model, ids, device, configs: dict) -> list[dict]:
+    """The transformers model through hf.py with this project's caches ({name: CacheConfig}): eager steps,
+    and with --compile the compiled step too (generate.py --hf --compile's); per-step times at generate()'s
+    step hook, as tools/bench.py's own rows. The model's attention implementation is put back after."""
+    import generate
+    import hf
+    prev, rows = model.config._attn_implementation, []
+    prompt, n_new = torch.tensor([ids], device=device), a.warmup + a.steps + 1
+    try:
+        view = hf.HFModel(model)
+        for name, cfg in configs.items():
+            for compiled in (False, True) if a.compile else (False,):
+                steps = generate.Steps()
+                if compiled:
+                    torch._dynamo.reset()  # one graph per configuration, as tools/bench.py's rows
+                    steps = steps.compiled(device, pre_decode=cfg.policy.resync)
+                marks = measure.StepMarks(device)
+                generate.setup_caches(view, cfg, 1, len(ids) + n_new + 2)
+                with torch.no_grad():
+                    out, stats = generate.generate(view, prompt, generate.Decoding(n_new), steps,
+                                                   lambda *_: marks.mark())
+                times = marks.durations()[a.warmup:a.warmup + a.steps]
+                med = statistics.median(times)
+                rows.append({"name": f"hf.py {name} {'compiled' if compiled else 'eager'}", "prefill_s": stats["prefill_s"],
+                             "step_ms_median": 1e3 * med, "step_ms_min": 1e3 * min(times), "tok_s": 1 / med,
+                             "tokens": out[0].tolist()})
+    finally:
+        model.set_attn_implementation(prev)
     return rows

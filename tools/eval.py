@@ -542,8 +542,6 @@ def parse_args(argv=None):
             raise SystemExit("error: --length must be >= 1 and --depth in [0, 1]")
         return a
     if a.hf:
-        if a.compile:
-            raise SystemExit("error: --compile is not available with --hf (the transformers forward runs eagerly)")
         a.checkpoint = a.hf  # its name labels the results
     for name, value in {**DEFAULTS[a.cmd], **(QUICK[a.cmd] if a.quick else {})}.items():
         if getattr(a, name, None) is None:
