@@ -368,7 +368,7 @@ def check_press_runs(name: str, model_type: str, n_compressed: int, n_heads: int
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if need > free:
             raise CellError(f"press {name} cannot run on {n_compressed} compressed tokens here: its score needs eager "
-                            f"attention, whose weights take {need / 2 ** 30:.1f} GiB in a layer ({free / 2 ** 30:.1f} GiB free)")
+                            f"attention: {need / 2 ** 30:.1f} GiB of weights with copies ({free / 2 ** 30:.1f} GiB free)")
     if name in ("snapkv", "pyramidkv") and n_compressed <= SNAPKV_WINDOW:
         raise CellError(f"press {name} cannot run on {n_compressed} compressed tokens: it scores them with the "
                         f"attention of the last {SNAPKV_WINDOW} (its window) and needs more than {SNAPKV_WINDOW}")
