@@ -280,9 +280,8 @@ class SharedPrefill:
 
     Two forwards: the context ids[:at] (what a press compresses unless question-aware; the same
     forward as `run`'s prefill), then the question ids[at:] appended. A question-aware cell sees the
-    two chunks joined: the same hidden states, K/V and (causal) attention rows as one forward over the
-    whole prompt, up to rounding. The recording cache keeps every entry of every layer; a sliding
-    layer's mask still applies its window, and each cell's own cache keeps only the window."""
+    two chunks joined (one forward's hidden states, K/V and causal attention rows, up to rounding). The
+    recording cache keeps every entry (a sliding layer's mask still applies its window)."""
 
     def __init__(self, model, ids, at, pressed):
         import torch
@@ -525,10 +524,8 @@ def cmd_run(a):
 
 
 def cmd_cells(a):
-    """Many cells on one prompt from one shared prefill per attention implementation (eager for the
-    presses that score with attention weights, sdpa for the rest): one JSON line per finished cell (with
-    its `tag`); a cell that cannot run prints its `error:` line with its tag and the others go on; exit 1
-    if any failed."""
+    """Cells on one prompt from one shared prefill per attention implementation (eager for H2O): a JSON line
+    per finished cell (with its `tag`); one that cannot run prints its tagged `error:` line; exit 1 if any did."""
     try:
         cells = json.loads(a.cells.read_text())
     except (OSError, ValueError) as e:
@@ -544,13 +541,16 @@ def cmd_cells(a):
         for cell in group:
             try:
                 check_cell(cell["press"], cell.get("ratio"), cell.get("match_bytes"), cell.get("question_aware", False))
-                if cell["press"] in PRESSES:  # before the prefill: one that does not fit fails here, not in it
-                    check_press_runs(cell["press"], prompt.c.model_type, len(prompt.ids), prompt.c.num_attention_heads,
-                                     prompt.itemsize, held)
-                if shared is None:
-                    shared = SharedPrefill(prompt.model, prompt.ids, prompt.at, prompt.pressed)
-                row = prompt.run_cell(cell["press"], cell.get("ratio"), cell.get("match_bytes"),
-                                      cell.get("question_aware", False), shared=shared, held=held)
+                own = False  # True: kept weights would not fit (or the press cannot run): a prefill of its own, if any
+                if cell["press"] in PRESSES:
+                    try:
+                        check_press_runs(cell["press"], prompt.c.model_type, len(prompt.ids), prompt.c.num_attention_heads,
+                                         prompt.itemsize, held)
+                    except CellError:
+                        own = True
+                shared = shared or (None if own else SharedPrefill(prompt.model, prompt.ids, prompt.at, prompt.pressed))
+                row = prompt.run_cell(cell["press"], cell.get("ratio"), cell.get("match_bytes"), cell.get("question_aware", False),
+                                      shared=None if own else shared, held=0 if own else held)
             except CellError as e:
                 failed += 1
                 print(f"error: {cell.get('tag', cell['press'])}: {e}", file=sys.stderr, flush=True)
