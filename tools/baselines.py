@@ -199,20 +199,23 @@ def encode(tok, text: str, form: str, question_start):
     return ids, at
 
 
-class Pressing:
-    """The press's forward hook on the pressed layers' attention modules, for one prefill (what
-    kvpress's `press(model)` does, minus the sliding layers it presses on Gemma 3's text model)."""
+def attention_module(model, i):
+    """Layer i's attention module, handed the model's rotary embedding (some presses re-rotate queries)."""
+    attn = model.model.layers[i].self_attn
+    attn.rotary_emb = model.model.rotary_emb
+    return attn
 
-    def __init__(self, model, press, layers):
-        self.model, self.press, self.layers, self.hooks = model, press, layers, []
+
+class Hooked:
+    """`hook` as a forward hook on the pressed layers' attention modules, for one prefill. With a press's
+    hook it is what kvpress's `press(model)` does, minus the sliding layers it presses on Gemma 3's text model."""
+
+    def __init__(self, model, hook, layers):
+        self.model, self.hook, self.layers, self.hooks = model, hook, layers, []
 
     def __enter__(self):
-        inner = self.model.model
-        self.press.post_init_from_model(self.model)
-        for i in self.layers:
-            attn = inner.layers[i].self_attn
-            attn.rotary_emb = inner.rotary_emb  # some presses re-rotate queries
-            self.hooks.append(attn.register_forward_hook(self.press.forward_hook, with_kwargs=True))
+        self.hooks = [attention_module(self.model, i).register_forward_hook(self.hook, with_kwargs=True)
+                      for i in self.layers]
         return self
 
     def __exit__(self, *exc):
@@ -289,28 +292,18 @@ class SharedPrefill:
         self.model, self.ids, self.at, self.pressed = model, ids, at, pressed
         self.full = transformers.DynamicCache()  # no config: full layers, every entry kept
         self.chunks = {i: [] for i in pressed}
-        inner = model.model
 
         def hook(module, args, kwargs, output):
             self.chunks[module.layer_idx].append((kwargs["hidden_states"], kwargs["position_embeddings"], output[1]))
-        hooks = []
-        for i in pressed:
-            attn = inner.layers[i].self_attn
-            attn.rotary_emb = inner.rotary_emb  # some presses re-rotate queries (as Pressing)
-            hooks.append(attn.register_forward_hook(hook, with_kwargs=True))
         self.logits = []  # the last position's logits after the context, and after the whole prompt
         t0 = time.perf_counter()
-        try:
-            with torch.no_grad():
-                for lo, hi in ((0, at), (at, len(ids))):
-                    if hi > lo:
-                        p = torch.arange(lo, hi)
-                        self.logits.append(model(input_ids=torch.tensor([ids[lo:hi]]), past_key_values=self.full,
-                                                 position_ids=p[None], cache_position=p, use_cache=True,
-                                                 logits_to_keep=1).logits[0, -1])
-        finally:
-            for h in hooks:
-                h.remove()
+        with torch.no_grad(), Hooked(model, hook, pressed):
+            for lo, hi in ((0, at), (at, len(ids))):
+                if hi > lo:
+                    p = torch.arange(lo, hi)
+                    self.logits.append(model(input_ids=torch.tensor([ids[lo:hi]]), past_key_values=self.full,
+                                             position_ids=p[None], cache_position=p, use_cache=True,
+                                             logits_to_keep=1).logits[0, -1])
         self.seconds = time.perf_counter() - t0
 
     def inputs(self, i, n):
@@ -340,10 +333,9 @@ class SharedPrefill:
             for i, layer in enumerate(self.full.layers):
                 cache.layers[i].update(layer.keys[:, :, :n], layer.values[:, :, :n])
             if press is not None:
-                press.post_init_from_model(self.model)
                 for i in self.pressed:
                     hs, k, v, attn, kwargs = self.inputs(i, n)
-                    module = self.model.model.layers[i].self_attn
+                    module = attention_module(self.model, i)
                     cache.layers[i].keys, cache.layers[i].values = press.compress(module, hs, k, v, attn, kwargs)
         return cache
 
@@ -457,6 +449,7 @@ class Prompt:
         if name in PRESSES:
             check_press_runs(name, c.model_type, n_compressed, c.num_attention_heads, self.itemsize, held)
             press = make_press(self.kvpress, name)
+            press.post_init_from_model(model)
             if match_bytes is not None:
                 n = kept_for_bytes(match_bytes, self.windows, len(ids), n_compressed, max_new, self.entry)
                 ratio = (pyramid_ratio_for(press, n * len(self.pressed), self.pressed, n_compressed, c)
@@ -468,7 +461,8 @@ class Prompt:
         try:
             if shared is None:
                 t0, cache = time.perf_counter(), self.make_cache(name)()
-                with torch.no_grad(), Pressing(model, press, self.pressed) if press else contextlib.nullcontext():
+                hooked = Hooked(model, press.forward_hook, self.pressed) if press else contextlib.nullcontext()
+                with torch.no_grad(), hooked:
                     logits = model(input_ids=torch.tensor([ids[:n_compressed]]), past_key_values=cache, use_cache=True,
                                    logits_to_keep=1).logits[0, -1]  # the prefill, pressed by kvpress's own hook
             else:

@@ -24,14 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tools.baselines import KVPRESS_PYTHON, PRESSES, QUANTIZED, split_at  # noqa: E402
+from tools.baselines import KVPRESS_PYTHON, PRESSES, QUANTIZED, fail, split_at  # noqa: E402
 
 DEFAULT_PRESSES = "no_press,streaming_llm,h2o,snapkv,snapkv+qa,pyramidkv,knorm,quantized-2bit,quantized-4bit"
 DEFAULT_MATCH = "specache-1bit,specache-1bit-best,specache-2bit-best"
-
-
-def fail(msg):
-    raise SystemExit(f"error: {msg}")
 
 
 def project_bytes(model, name: str, n_prompt: int, max_new: int) -> int:
@@ -203,8 +199,10 @@ def load_rows(a):
         from config import CacheConfig
         model, _ = hf.load(a.hf or ROOT / "checkpoints" / project[0]["model"])
         short = {CacheConfig.from_name(m).name: m for m in DEFAULT_MATCH.split(",")}  # the presets by their short names
+        sized = {}  # one cache setup per (method, prompt length, new tokens): the depths share their lengths
         for r in project:
-            r["kv_device_bytes"] = project_bytes(model, r["method"], r["prompt_tokens"], r["max_new"])
+            key = r["method"], r["prompt_tokens"], r["max_new"]
+            r["kv_device_bytes"] = sized[key] = sized.get(key) or project_bytes(model, *key)
             r["method"] = short.get(r["method"], r["method"])
     return rows + project
 
