@@ -24,6 +24,15 @@ from config import NO_FETCH, CacheConfig, FetchPolicy
 from lowbit import Fetched, LowBitKV, Residual
 from prefetch import Prefetcher
 
+def check_fits(input_pos, max_seq_len: int):
+    """A prefill chunk (eager) past the positions the cache was set up for is an error, not a wrap or
+    an overrun of its buffers."""
+    end = int(input_pos[-1]) + 1
+    if end > max_seq_len:
+        raise ValueError(f"a sequence of {end} tokens does not fit caches set up for {max_seq_len} positions "
+                         f"(setup_caches' max_seq_len)")
+
+
 def exact_attention(q, k, v, input_pos, key_pos, window=None):
     """Softmax attention of queries at input_pos over keys at key_pos, causal (and windowed). The mask
     takes two comparisons per element: prefill builds one for every layer and chunk."""
@@ -79,6 +88,7 @@ class FullCache(nn.Module):
         self.register_buffer("key_pos", torch.full((self.capacity,), self.EMPTY, device=device), persistent=False)
         self.register_buffer("length", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.sliding_window, self.meter = sliding_window, meter or MemoryMeter()
+        self.max_seq_len = max_seq_len
 
     def forward(self, q, k, v, input_pos, mode="decode"):
         if mode == "prefill":
@@ -90,7 +100,8 @@ class FullCache(nn.Module):
         """A chunk attends to the earlier positions the cache holds and to itself, then is stored.
         Eager: without a ring over the filled slots only; with one, over the ring's slots and the
         chunk side by side (a chunk longer than the ring would overwrite the rows it still needs)."""
-        if not self.ring:
+        if not self.ring:  # (a ring takes any position: it keeps the window)
+            check_fits(input_pos, self.max_seq_len)
             self.append_prefill(k, v, input_pos)
             end = int(input_pos[-1]) + 1
             return exact_attention(q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], input_pos,
@@ -154,6 +165,7 @@ class LowBitCache(nn.Module):
         self.group_v = min(self.group, head_dim)
         self.sm_scale = head_dim ** -0.5
         R = self.residual
+        self.max_seq_len = max_seq_len
         self.capacity = -(-max_seq_len // R) * R  # quantized slots, scratch block after
         n_slots = self.capacity + R
         B, H, D = batch, n_kv_heads, head_dim
@@ -228,6 +240,7 @@ class LowBitCache(nn.Module):
         """Exact attention of the chunk over every earlier position and itself, then the chunk into
         the cache. The fp K/V built here are transient: the meter counts them while this layer runs."""
         p0, held = int(input_pos[0]), int(self.n_quant) + int(self.res_len)
+        check_fits(input_pos, self.max_seq_len)
         if p0 != held:
             raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {held} tokens")
         earlier_k, earlier_v = self.earlier_kv(p0)

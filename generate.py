@@ -171,7 +171,8 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     """The decode loop for `model.generate(input_ids, custom_generate=generate.hf_generate, cache_config=NAME,
     ...)`: generate() over fresh caches of `cache_config` (a config.CacheConfig or its name, e.g.
     "specache-1bit-best", "kivi-2bit", "full") inside the transformers model (hf.HFModel). Honours
-    max_new_tokens/max_length, eos_token_id, greedy decoding and sampling's temperature/top-k/top-p/min-p;
+    max_new_tokens/max_length, eos_token_id, a left-padded batch's attention_mask (each row its own
+    caches: hf.HFModel.setup_rows), greedy decoding and sampling's temperature/top-k/top-p/min-p;
     other logits processors and stopping criteria raise hf.HFError. transformers 5.23 hands a custom_generate
     callable only the keyword arguments its own loop does not take: pass the streamer as `stream=`.
     compile=True: the decode step as one fullgraph graph, as --compile (Steps.compiled). -> [B, P + N] ids"""
@@ -186,15 +187,17 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     if other or generation_config.num_beams > 1 or generation_config.return_dict_in_generate:
         raise hf.HFError(f"custom_generate=generate.hf_generate does greedy decoding or plain sampling; not "
                          f"supported here: {', '.join(other) or 'beams / return_dict_in_generate'}")
-    if model_kwargs.get("attention_mask") is not None and not bool(model_kwargs["attention_mask"].all()):
-        raise hf.HFError("padded batches are not supported by this project's caches: give prompts of one length")
+    B, P = input_ids.shape
+    pad = hf.left_padding(model_kwargs.get("attention_mask"), B, P)  # None: no padding
     prev = model.config._attn_implementation
     view = hf.HFModel(model)
-    B, P = input_ids.shape
     new = generation_config.max_length - P
     eos = generation_config.eos_token_id
     eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
-    setup_caches(view, config, B, P + new + 1)
+    if pad is None:
+        setup_caches(view, config, B, P + new + 1)
+    else:  # a left-padded batch: each row caches of its own, at its own positions
+        view.setup_rows(lambda: setup_caches(view, config, 1, P + new + 1), pad)
     if streamer is None and stream is not None:
         streamer = stream
         streamer.put(input_ids.cpu())  # what generate() does before the loop for its own `streamer`

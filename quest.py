@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import FullCache, KVCaches, MemoryMeter, exact_attention, plan_layers
+from cache import FullCache, KVCaches, MemoryMeter, check_fits, exact_attention, plan_layers
 from config import NO_FETCH, CacheConfig
 from prefetch import Prefetcher
 
@@ -145,6 +145,7 @@ class QuestCache(nn.Module):
         p0 = int(input_pos[0])
         if p0 != int(self.length):
             raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {int(self.length)} tokens")
+        check_fits(input_pos, self.max_seq_len)
         earlier_k, earlier_v = self.prefetcher.host_prefix(self.layer_idx, p0)
         k_all, v_all = torch.cat([earlier_k, k], 2), torch.cat([earlier_v, v], 2)
         with self.meter.holding(k_all, v_all):

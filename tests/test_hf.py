@@ -178,7 +178,7 @@ def test_gemma3_host_store_and_fetches_cover_the_global_layers_only():
     assert caches.host_bytes() == 2 * 1 * 2 * 200 * D * 4
 
 
-def test_sampling_streamer_eos_and_padding():
+def test_sampling_streamer_eos_and_errors():
     model = tiny()
     ids = prompt()
     greedy = adapter(model, ids, "specache-1bit-g32-r32")
@@ -202,9 +202,9 @@ def test_sampling_streamer_eos_and_padding():
     out = model.generate(ids, custom_generate=generate.hf_generate, cache_config="specache-1bit-g32-r32", max_new_tokens=NEW,
                          eos_token_id=eos, pad_token_id=0)[0, P:].tolist()
     assert out == greedy[:greedy.index(eos) + 1]  # stops at the first eos (one row: nothing to pad)
-    with pytest.raises(hf.HFError, match="padded batches"):
+    with pytest.raises(hf.HFError, match="row 1 is right-padded"):  # padded batches: tests/test_hf_padding.py
         mask = torch.ones(2, P, dtype=torch.long)
-        mask[1, :3] = 0
+        mask[1, -3:] = 0
         model.generate(ids.repeat(2, 1), attention_mask=mask, custom_generate=generate.hf_generate, max_new_tokens=2)
     with pytest.raises(hf.HFError, match="RepetitionPenaltyLogitsProcessor"):
         model.generate(ids, custom_generate=generate.hf_generate, max_new_tokens=2, repetition_penalty=1.3)
