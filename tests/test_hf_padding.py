@@ -145,3 +145,12 @@ def test_errors():
         generate.setup_caches(view, "full", 2, 64)
         with pytest.raises(hf.HFError, match="a padded batch runs with caches per row"):
             model(ids, attention_mask=mask, past_key_values=view.cache)  # a forward HFModel did not announce
+
+
+@pytest.mark.full
+def test_padded_batch_compiled_with_inductor():
+    """hf_generate(compile=True) over a padded batch (inductor, the public entry point): the eager tokens."""
+    model = tiny("llama")
+    ids, mask = padded([prompt(1, 100), prompt(2, 20), prompt(3, 57)])
+    for cache in ["kivi-1bit-g32-r32", "specache-1bit-best"]:
+        assert batch_tokens(model, ids, mask, cache, compile=True) == batch_tokens(model, ids, mask, cache), cache
