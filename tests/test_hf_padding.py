@@ -154,3 +154,28 @@ def test_padded_batch_compiled_with_inductor():
     ids, mask = padded([prompt(1, 100), prompt(2, 20), prompt(3, 57)])
     for cache in ["kivi-1bit-g32-r32", "specache-1bit-best"]:
         assert batch_tokens(model, ids, mask, cache, compile=True) == batch_tokens(model, ids, mask, cache), cache
+
+
+def test_bench_replays_each_row_as_its_own_prefill():
+    """tools/bench_hf.py times a padded batch from prompts prefilled alone and replayed into each row's
+    caches: the tokens of the padded batch prefilled for real."""
+    from tools.bench_hf import padded_batch, replayed
+    from tools.eval import PrefillReplay
+    model = tiny("llama")
+    view = hf.HFModel(model)
+    prompts = [prompt(1, 100), prompt(2, 20), prompt(3, 57)]
+    recs = []
+    for p in prompts:
+        generate.setup_caches(view, "full", 1, p.shape[1] + 1)
+        replay = PrefillReplay(2048)
+        with torch.no_grad():
+            replay(view, p)
+        recs.append(([r.recording() for r in replay.recorded], replay.logits))
+    ids, pad = padded_batch(prompts, pad_id=0)
+    assert pad.tolist() == [0, 80, 43] and ids[1, :80].eq(0).all() and ids[1, 80:].equal(prompts[1][0])
+    cache = "specache-1bit-g32-r32"
+    view.setup_rows(lambda: generate.setup_caches(view, cache, 1, ids.shape[1] + NEW + 1), pad)
+    fill = replayed([r[0] for r in recs], torch.cat([r[1] for r in recs]))
+    out, _ = generate.generate(view, ids, Decoding(NEW), generate.Steps(prefill=fill))
+    mask = (torch.arange(ids.shape[1])[None] >= pad[:, None]).long()
+    assert out.tolist() == batch_tokens(model, ids, mask, cache)
