@@ -2,15 +2,8 @@
 # The baselines' grid on Gemma 3 270M (base, completion prompts), fp32, 2 threads, this 2-core CPU, one
 # step at a time, in priority order. From the repository root after `make gemma`, `make venv-kvpress`.
 # Every step resumes (a rerun skips the cells already in its results.jsonl).
-set -euo pipefail
-G=checkpoints/gemma-3-270m
-D=results/baselines/2026-11-26-gemma
-export OMP_NUM_THREADS=2
-E=".venv/bin/python tools/eval.py"
-B=".venv/bin/python tools/baselines_grid.py"
-CACHES=full,kivi-1bit,kivi-2bit,specache-1bit,specache-1bit-best,specache-2bit-best,quest-p16-k64,quest-p8-k64
+source results/baselines/2026-11-26-gemma/common.sh
 RULER=niah_single_2,niah_multikey_1
-step() { local name=$1; shift; echo "$(date -u +%FT%TZ) start $name"; /usr/bin/time -f "$name: %e s wall, %M KB peak" "$@" > $D/logs/$name.log 2>&1; echo "$(date -u +%FT%TZ) done $name"; }
 mkdir -p $D/logs
 # 1. the project's caches on the NIAH prompts (8k and 16k x 5 depths); 2. the presses on the same prompts
 step project-niah $E niah --hf $G --prompt-form completion --threads 2 --methods $CACHES --lengths 8000,16000 \
