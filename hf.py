@@ -242,15 +242,6 @@ class RowCaches(nn.Module):
             outs.append(out)
         return torch.cat(outs)
 
-    def device_bytes(self) -> int:
-        return sum(c.device_bytes() for c in self.rows)
-
-    def host_bytes(self) -> int:
-        return sum(c.host_bytes() for c in self.rows)
-
-    def read_bytes(self, step_tokens: int = 1) -> int:
-        return sum(c.read_bytes(step_tokens) for c in self.rows)
-
 
 # transformers is optional: its subclasses are made, and the attention registered with it (a registry:
 # from_pretrained(attn_implementation=NAME) looks the function up there), on first use.

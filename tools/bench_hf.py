@@ -156,6 +156,7 @@ def side_by_side(a, view, tok, n: int) -> list[dict]:
     adapter's eager and compiled steps at batch 1 and (for --batch-caches) the padded batch."""
     import generate
     import hf
+    from config import CacheConfig
     device = view.tok_embeddings.weight.device
     recs = recorded_prompts(view, tok, n, a.batch, a.prefill_chunk)
     view.hf.set_attn_implementation("sdpa")  # transformers' own attention for its own generate()
@@ -175,7 +176,7 @@ def side_by_side(a, view, tok, n: int) -> list[dict]:
                 torch._dynamo.reset()
                 steps = generate.Steps(prefill=fill)
                 if compiled:
-                    steps = steps.compiled(device, pre_decode=generate.CacheConfig.from_name(name).policy.resync)
+                    steps = steps.compiled(device, pre_decode=CacheConfig.from_name(name).policy.resync)
                 if batch == 1:
                     generate.setup_caches(view, name, 1, ids.shape[1] + n_new + 2)
                 else:
