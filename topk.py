@@ -24,7 +24,7 @@ import triton.language as tl
 from lowbit import (Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
                     interpreter_upcast, key_logits, op_inputs, planes_for_keys)
 from tiles import LOG2E, key_group, key_scores, load_codes, plane_key_scores, tile_channels
-from transfer import host_row, record_rows, record_rows_tile, transfer_rows_ref, write_new_rows
+from transfer import host_row, record_rows, record_rows_tile, square_tile_warps, transfer_rows_ref, write_new_rows
 
 
 # =============================================================================================
@@ -205,9 +205,10 @@ def best_row(p, offs_g, g_ok, R: tl.constexpr):
 # every key > T and the first (k - #keys > T) keys == T. Each round is a launch over the same
 # (kv head, chunk) grid, adding its chunks' histograms with atomics: no host sync, a static grid.
 RADIX = tl.constexpr(256)
-# One warp per program for the rounds, the collect and the order: each program's fixed work (the
-# threshold from the histograms, the ranks) is not repeated per warp (docs/kernels.md; not timed).
-ROUND_WARPS, COLLECT_WARPS, ORDER_WARPS = 1, 1, 1
+# One warp per program for the rounds and the collect: each program's fixed work (the threshold from
+# the histograms) is not repeated per warp (docs/kernels.md; not timed). The order's [K, K] ranks:
+# transfer.square_tile_warps.
+ROUND_WARPS, COLLECT_WARPS = 1, 1
 HIST_ROW = tl.constexpr(4 * 256 + 2)  # per kv head: the 4 rounds' histograms, then the two collect counters
 
 
@@ -306,7 +307,8 @@ def radix_select_triton(keys, k: int, chunk: int, hist=None):
     _radix_collect_kernel[grid](keys, hist, sel_key, sel_pos, S_PAD, k, CHUNK=chunk, BLOCK_K=BLOCK_K, num_warps=COLLECT_WARPS)
     top_score = torch.empty(BH, k, dtype=torch.float32, device=keys.device)
     top_idx = torch.empty(BH, k, dtype=torch.int64, device=keys.device)
-    _radix_order_kernel[(BH,)](sel_key, sel_pos, top_score, top_idx, k, BLOCK_K=BLOCK_K, num_warps=ORDER_WARPS)
+    _radix_order_kernel[(BH,)](sel_key, sel_pos, top_score, top_idx, k, BLOCK_K=BLOCK_K,
+                               num_warps=square_tile_warps(BLOCK_K))
     return top_score, top_idx
 
 
@@ -402,6 +404,9 @@ def select(q_rows, lse_rows, fetched: Optional[Fetched] = None, *, store: LowBit
 # ranks the candidates and lays the winners out (record_rows: rows the ring holds stay); one per
 # candidate writes a winner the ring lacks. Bus bytes per layer and kv head: N*k keys + at most k values.
 RERANK_WARPS = 1  # one candidate per program: more warps only repeat its fixed cost (static count; not timed)
+# The layout launch ranks a kv head's candidates in one [C, C] tile: ptxas took 8-39 s at 512 and 170 s at
+# 1,024 (sm_90/sm_80, the CPU compile gate), so the GPU path stops at 256 (rerank x k; the reference has no limit).
+RERANK_MAX_CANDIDATES = 256
 
 
 def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
@@ -501,6 +506,9 @@ def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, cand, keys, target, new_
 
 def rerank_scratch(B, Hkv, C, D, dtype, device):
     """Device scratch of the re-ranking launches: the candidates' fp keys, their scores and ring slots."""
+    if C > RERANK_MAX_CANDIDATES:
+        raise ValueError(f"re-ranking {C} candidates a kv head (rerank x k) on the GPU: at most {RERANK_MAX_CANDIDATES} "
+                         "(one [C, C] tile ranks them); use a smaller k or rerank")
     return (torch.empty(B, Hkv, C, D, dtype=dtype, device=device),
             torch.empty(B, Hkv, C, dtype=torch.float32, device=device),
             torch.empty(B, Hkv, C, dtype=torch.int32, device=device))
@@ -528,7 +536,8 @@ def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, c
         HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
     _rerank_layout_kernel[(B * Hkv,)](cand, score, fetch_idx, fetch_valid.view(torch.int8), target, C, K,
                                       ring_k.shape[2], ring_off, BLOCK_C=triton.next_power_of_2(C),
-                                      BLOCK_K=triton.next_power_of_2(K), num_warps=8)  # ([C, C] ranks)
+                                      BLOCK_K=triton.next_power_of_2(K),
+                                      num_warps=max(8, square_tile_warps(triton.next_power_of_2(C))))  # ([C, C] ranks)
     _rerank_pick_kernel[(B * Hkv, C + 1)](
         host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, pos, S, C, D, ring_k.shape[2], ring_off,
         HAS_NEW=has_new, BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)

@@ -67,7 +67,17 @@ def record_rows_tile(fetch_idx, fetch_valid, slots, slot_ok, rows, row_ok, rank,
 # =============================================================================================
 # staging: the main stream's part of a fetch (CUDA: one launch; CPU: copies)
 # =============================================================================================
-STAGE_WARPS = 1  # one program per kv head: its copies and record_rows' [K, K] tile on one warp (static count; not timed)
+# record_rows inside the staging launch up to k 128; a larger k's [k, k] tile is torch's ops on the main
+# stream (a few launches more): in one program a 512 x 512 tile took ptxas 85 s for sm_80 even on 32 warps.
+RECORD_IN_KERNEL_MAX = 128
+
+
+def square_tile_warps(block: int) -> int:
+    """Warps for a program whose work is one [block, block] tile (record_rows' slots x rows, the top-k's
+    ranks): one warp up to 64 x 64 (its fixed work is not repeated per warp; static count, not timed),
+    then about 64 elements a thread, at most 32 warps. On one warp a 512 x 512 tile is 8,192 elements a
+    thread and ptxas ran for over 6 minutes on it (seen on an H100 and in the sm_90 compile here)."""
+    return 1 if block <= 64 else min(32, block * block // 2048)
 
 
 @triton.jit
@@ -121,6 +131,8 @@ def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None
     B, H, K = s_idx.shape
     D = s_k.shape[-1]
     any_t = s_idx
+    if record is not None and K > RECORD_IN_KERNEL_MAX:  # torch's record_rows, on this stream too
+        idx, record = record_rows(idx, *record), None
     if record is not None:
         valid, fetch_idx, fetch_valid, off = record
         assert idx is not None and fetch_idx.is_contiguous() and fetch_valid.is_contiguous()
@@ -147,7 +159,8 @@ def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None
                             *rec, *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
                             HAS_RECORD=record is not None, HAS_RERANK=rerank is not None, R=R, RQ=RQ,
                             BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
-                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M), num_warps=STAGE_WARPS)
+                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M),
+                            num_warps=square_tile_warps(triton.next_power_of_2(K)) if record is not None else 1)
 
 
 def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):

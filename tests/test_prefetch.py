@@ -245,6 +245,20 @@ def test_rerank_on_the_side_stream_lands_late_and_reads_staged_inputs():
         p.start_rerank(0, [t.clone() for t in p.rings[0]], *args, 0.5)
 
 
+def test_the_gpu_rerank_refuses_more_candidates_than_its_rank_tile():
+    """rerank x k above RERANK_MAX_CANDIDATES would be ranked in one tile that ptxas takes minutes on:
+    a clear error when the scratch is made (the Prefetcher makes it at set-up on CUDA)."""
+    topk.rerank_scratch(1, 2, topk.RERANK_MAX_CANDIDATES, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="re-ranking 512 candidates a kv head.*at most 256"):
+        topk.rerank_scratch(1, 2, 512, 16, torch.float32, "cpu")
+
+
+def test_square_tiles_get_warps_by_their_size():
+    """One warp up to the paper's k 64 (unchanged launches), then about 64 elements a thread, at most 32
+    warps: a 512 x 512 tile on one warp kept ptxas busy for minutes."""
+    assert [transfer.square_tile_warps(b) for b in (16, 64, 128, 256, 512, 1024)] == [1, 1, 8, 32, 32, 32]
+
+
 @needs_interpreter
 @pytest.mark.parametrize("with_new,R,off", [(True, 1, 4), (False, 2, 0)])
 def test_triton_rerank_matches_reference(with_new, R, off):
@@ -295,11 +309,14 @@ def test_triton_rerank_matches_reference(with_new, R, off):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("R", [0, 1, 2])
-def test_triton_staging_copies_the_transfer_inputs(R):
+@pytest.mark.parametrize("R,record_in_kernel", [(0, True), (0, False), (1, True), (2, True)])
+def test_triton_staging_copies_the_transfer_inputs(R, record_in_kernel, monkeypatch):
     """One launch stages the transfer's inputs; the step's K/V and (re-ranking, R query tokens) the
     selecting query rows are slices of the step's tensors, read through their strides. Without
-    re-ranking the same launch records idx and valid in fetch_idx/fetch_valid after the sinks."""
+    re-ranking the same launch records idx and valid in fetch_idx/fetch_valid after the sinks (or,
+    for k above RECORD_IN_KERNEL_MAX, torch's record_rows before it)."""
+    if not record_in_kernel:
+        monkeypatch.setattr(transfer, "RECORD_IN_KERNEL_MAX", 4)
     g = torch.Generator().manual_seed(0)
     step_k, step_v = torch.randn(2, 3, 2, 40, generator=g), torch.randn(2, 3, 2, 40, generator=g)
     idx, new_k, new_v = torch.randint(0, 99, (2, 3, 8), generator=g), step_k[:, :, :1], step_v[:, :, :1]

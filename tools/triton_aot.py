@@ -384,7 +384,25 @@ def cases(quick=False):
                                    torch.zeros(1, 8, 2, D, dtype=dtype), torch.zeros(1, 8, 2)))
         return run
 
-    out = []
+    def large_k_case(dtype, D, K=512):
+        def run():  # k 512 (tests/test_cuda.py fetches every row with it) and the largest re-ranking tile
+            idx, valid = torch.zeros(1, 2, K, dtype=torch.long), torch.ones(1, 2, K, dtype=torch.bool)
+            staging = [torch.zeros(1, 2, K, dtype=torch.long), torch.zeros(1, 2, 1, D, dtype=dtype),
+                       torch.zeros(1, 2, 1, D, dtype=dtype), torch.zeros((), dtype=torch.long)]
+            for k in (transfer.RECORD_IN_KERNEL_MAX, K):  # record_rows in the launch, then torch's
+                record = (valid[..., :k], torch.zeros(1, 2, k, dtype=torch.long), torch.zeros(1, 2, k, dtype=torch.bool), 0)
+                transfer.stage_triton(idx[..., :k], None, None, None, staging[0][..., :k].contiguous(), *staging[1:],
+                                      record=record)
+            topk.radix_select_triton(torch.zeros(2, 4096, dtype=torch.int32), K, 1024)
+            C = topk.RERANK_MAX_CANDIDATES
+            host = [torch.zeros(1, 2, 4096, D, dtype=dtype) for _ in range(2)]
+            ring = [torch.zeros(1, 2, C // 2, D, dtype=dtype) for _ in range(2)] + \
+                [torch.zeros(1, 2, C // 2, dtype=torch.long), torch.zeros(1, 2, C // 2, dtype=torch.bool)]
+            topk.rerank_rows_triton(*host, *ring, torch.zeros(1, 2, C, dtype=torch.long), torch.ones(1, 2, C, dtype=torch.bool),
+                                    torch.zeros(1, 8, 1, D, dtype=dtype), torch.zeros(1, 8, 1), 0.125)
+        return run
+
+    out = [("k512 and the largest re-ranking tile bfloat16", large_k_case(torch.bfloat16, 128))]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         dn = str(dtype).replace("torch.", "")
         for bits in (1, 2, 4, 8):
