@@ -29,6 +29,7 @@ import transfer  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from generate import Decoding, Steps, compile_step, decode_step, setup_caches  # noqa: E402
 from tests.helpers import DEFAULT_CKPT, run_generate, tiny_model  # noqa: E402
+from tests.test_attn_gluon import model_rounding_error  # noqa: E402
 from tests.test_kernels import CASES, assert_same_topk, make_case, tol  # noqa: E402
 
 DEV = torch.device(DEVICE)
@@ -89,7 +90,10 @@ def test_gluon_plane_kernel_matches_the_reference(case):
     assert attn_gluon.fits(c.store, c.q.shape[-1], M, c.q.dtype)
     want = kernels.attention_lowbit_ref(*c.args())
     got = kernels.attention_lowbit_triton(*on(c).args(), attn_path="gluon")
-    torch.testing.assert_close(got[0].cpu(), want[0], **tol(want[0].dtype, 1e-5))
+    # the 16-bit tolerance plus what the kernel's own rounding (q * scale once to bf16/fp16) moves by
+    # design: 0.048 in the bf16 G8-T2 case, which failed the bare tolerance on an H100 (2026-11-26)
+    t = tol(want[0].dtype, 1e-5)
+    torch.testing.assert_close(got[0].cpu(), want[0], atol=t["atol"] + model_rounding_error(c), rtol=t["rtol"])
     torch.testing.assert_close(got[1].cpu(), want[1], atol=2e-2, rtol=2e-2)
 
 
