@@ -51,11 +51,12 @@ RESERVE_S = 8  # kept back for the last packing
 MODEL, CONTEXT, LAYERS = "Llama-3.1-8B", 32768, 4
 STEP_CACHES = [("fp16", "full"), ("KIVI 1-bit", "kivi"), ("SpeCache 1-bit paper", "specache"),
                ("preset", "specache-1bit-best")]
-# Seconds each step is expected to take on an H100 (docs/gpu.md, from results/gpu-h100-2026-11-22, -23 and -23b:
-# 42 CUDA tests 113 s, a full-depth 8B step at 32k 210-240 s to its first step, nearly all compile); the
-# 4-layer steps, the quick sweep and the small Table 3 are estimates (not yet run). The dry run spends these.
-EXPECTED_S = {"environment": 5, "imports": 10, "collect": 10, "tests-planes": 45, "tests-kernels": 60, "tests-rest": 90,
-              "step": 40, "step-preset": 55, "sweep": 90, "table3": 180, "full-depth": 240}
+# Seconds each step is expected to take on an H100 (docs/gpu.md: the first gpu-check, 2026-11-26: the two
+# kernel test processes 82 and 70 s, 4-layer steps 25-42 s, the preset's 47-72 s, the sweep 46 of 54 rows in 44 s;
+# earlier runs: 42 CUDA tests 113 s, a full-depth 8B step at 32k 210-240 s to its first step, nearly all compile;
+# Table 3 is an estimate, not yet run). The dry run spends these.
+EXPECTED_S = {"environment": 5, "imports": 10, "collect": 10, "tests-planes": 80, "tests-kernels": 70, "tests-rest": 120,
+              "step": 35, "step-preset": 60, "sweep": 55, "table3": 180, "full-depth": 240}
 
 
 # ---- sub-runs --------------------------------------------------------------------------------------------------
