@@ -114,13 +114,12 @@ def model_rounding_error(c) -> float:
             st = c.store._replace(**{f: getattr(c.store, f)[b:b + 1, h:h + 1] for f in
                                      ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")})
             qg = c.q[b, h * G:(h + 1) * G].float().reshape(G * T, D)
-            exact = lowbit.key_logits(qg[None, None], st)[0, 0][:, :n].double()
+            st = st._replace(v_chan=None)  # (the models leave ZipCache's channel scale out: so does this)
+            keep = torch.arange(st.k_codes.shape[2]) < n
+            exact = torch.where(keep, lowbit.key_logits(qg[None, None], st)[0, 0], float("-inf"))
             p_exact = torch.softmax(exact * c.sm_scale, -1)
             p_model = torch.softmax(model_logits(qg, st, c.q.dtype)[:, :n] * c.sm_scale, -1)
-            vcodes = lowbit._codes(st, "v")[0, 0, :n].double()
-            gv = min(st.group_v, D)
-            out = torch.cat([(p_exact * st.v_scale[0, 0, :n, g].double()) @ vcodes[:, g * gv:(g + 1) * gv]
-                             + (p_exact @ st.v_zero[0, 0, :n, g].double())[:, None] for g in range(D // gv)], 1)
+            out = lowbit.value_sum(p_exact[None, None], st, keep[None, None])[0, 0]
             worst = max(worst, (model_values(p_model.float(), st, c.q.dtype) - out).abs().max().item())
     return worst
 
