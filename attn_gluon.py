@@ -158,13 +158,14 @@ def _value_group(acc, p, ps_scale, zv, alpha_t, vbytes, V4: gl.constexpr, LA: gl
 
 @gluon.jit
 def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_chan, n_quant_ptr, f_idx, f_valid,
-                       out_part, lse_part, qk_scale, S, D, M, K, SPLIT_LEN, NS,
+                       out_part, lse_part, logits, qk_scale, S, D, T, M, K, SPLIT_LEN, NS,
                        BITS: gl.constexpr, GROUP_K: gl.constexpr, NGV: gl.constexpr, HAS_FETCH: gl.constexpr,
                        HAS_CHAN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_K: gl.constexpr,
-                       NW: gl.constexpr):
+                       NW: gl.constexpr, SEL: gl.constexpr = 0):
     """Grid (B*Hkv, n_splits): program `split` attends to quantized slots [split*SPLIT_LEN, +SPLIT_LEN) below
     n_quant (SPLIT_LEN a multiple of NW*GROUP_K), warp w to key groups w, w + NW, ...; writes the
-    (out, lse) partial `split` of the kv head's M query rows (of NS partials per kv head)."""
+    (out, lse) partial `split` of the kv head's M query rows (of NS partials per kv head); SEL > 0: the last SEL
+    tokens' scores of the quantized slots to `logits` (as tiles.store_logits, straight from the MMA's registers)."""
     bh = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
     dt: gl.constexpr = q.dtype.element_ty
@@ -229,6 +230,10 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
         fidx = gl.load(f_idx + bh * K + fk, mask=fok, other=-1)
         fidx = gl.expand_dims(gl.where(gl.load(f_valid + bh * K + fk, mask=fok, other=0) != 0, fidx, -1), 0)  # [1, BLOCK_K]
         fw = gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, FL)), 1)  # [NW, 1]
+    if SEL > 0:  # [1, BLOCK_M, 1]: each query row's logits row (tiles.logits_rows), and which rows select
+        st = sm % T
+        lrows = logits + (bh * (M // T) * SEL + (sm // T) * SEL + st - (T - SEL)) * S
+        lrows_ok = (sm < M) & (st >= T - SEL)
     lo = split * SPLIT_LEN
     hi = gl.minimum(gl.minimum(lo + SPLIT_LEN, gl.load(n_quant_ptr).to(gl.int32)), S)
     m_i = gl.full([NW, BLOCK_M], -float("inf"), gl.float32, SL)
@@ -271,6 +276,8 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
             word = gl.reduce(hit, 1, _or)  # [NW]
             word = gl.expand_dims(gl.expand_dims(gl.convert_layout(word, gl.SliceLayout(1, SL)), 1), 2)  # [NW, 1, 1]
             keep = keep & (((word >> sn.to(gl.int64)) & 1) == 0)
+        if SEL > 0:  # the selecting rows' scores, for the selection after this attention (topk.select_triton)
+            gl.store(lrows + tok, s, mask=keep & lrows_ok)
         s = gl.where(keep, s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, 2))
         m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -333,7 +340,8 @@ def _or(a, b):
     return a | b
 
 
-def launch(q, store, k_codes, v_codes, fetched, out_part, lse_part, sm_scale_log2, n_splits, split_len, NS):
+def launch(q, store, k_codes, v_codes, fetched, out_part, lse_part, logits, sm_scale_log2, n_splits, split_len, NS,
+           select=0):
     """The quantized programs (bh, split < n_splits) of one attention step; kernels.py launches the rest."""
     B, H, T, D = q.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
@@ -344,10 +352,10 @@ def launch(q, store, k_codes, v_codes, fetched, out_part, lse_part, sm_scale_log
     _attn_planes_gluon[(B * Hkv, n_splits)](
         q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero), c(store.v_chan),
         c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q, out_part, lse_part,
-        sm_scale_log2, S, D, M, K, split_len, NS,
+        logits, sm_scale_log2, S, D, T, M, K, split_len, NS,
         BITS=store.bits, GROUP_K=store.group_k, NGV=D // min(store.group_v, D), HAS_FETCH=f is not None,
         HAS_CHAN=store.v_chan is not None, BLOCK_M=8 if M <= 8 else 16, BLOCK_D=D,
-        BLOCK_K=max(32, triton.next_power_of_2(max(K, 1))), NW=WARPS, num_warps=WARPS)
+        BLOCK_K=max(32, triton.next_power_of_2(max(K, 1))), NW=WARPS, SEL=select, num_warps=WARPS)
 
 
 WARPS = 2  # each warp its own key group: more warps add groups in flight, not registers per thread

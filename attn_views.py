@@ -12,20 +12,21 @@ import triton.language as tl
 
 from lowbit import code_layout, dot_precision, interpreter_upcast
 from tiles import (fetched_hits, fetched_positions, key_group, key_scores, load_codes, query_rows,
-                   softmax_start, store_partial, word_block)
+                   logits_rows, softmax_start, store_logits, store_partial,
+                   word_block)
 
 
 @triton.jit
 def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale, v_zero, n_quant_ptr,
-                       f_idx, f_valid, out_part, lse_part, k_ref, v_ref, ref_map, qk_scale, S, K, D, M, SPLIT_LEN,
-                       N_REF, NPARTS, BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr,
+                       f_idx, f_valid, out_part, lse_part, logits, k_ref, v_ref, ref_map, qk_scale, S, K, D, T, M,
+                       SPLIT_LEN, N_REF, NPARTS, BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr,
                        GROUP_K: tl.constexpr, NGV: tl.constexpr, HAS_FETCH: tl.constexpr, DOT: tl.constexpr,
                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SEL: tl.constexpr = 0):
     """Grid (B*Hkv, n_splits): program `split` attends to quantized slots [split*SPLIT_LEN, +SPLIT_LEN)
     below n_quant and writes (out, lse) partial `split` of NPARTS, as kernels._attn_split_kernel's
     quantized programs do, reading the codes with tiles.load_codes (HIER: the INT8 view; RB > 0: the
-    refinement rows of ref_map)."""
+    refinement rows of ref_map); SEL > 0: the selecting rows' scores to `logits`, as that kernel does."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -39,6 +40,8 @@ def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
     m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     if HAS_FETCH:
         fidx = fetched_positions(f_idx, f_valid, bh, K, BLOCK_K)
+    if SEL > 0:
+        lrows, lrows_ok = logits_rows(logits, bh, offs_m, m_ok, T, M, S, SEL)
     lo = split * SPLIT_LEN
     hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
     UNITS: tl.constexpr = 16 if HIER else 2 if RB > 0 else 1  # (integer_units, for the value scales)
@@ -55,13 +58,15 @@ def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
             keep = keep & (fetched_hits(offs_n, fidx) == 0)
         cv = load_codes(v_codes, v_lo, rows, n_ok, offs_d, D, v_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS, GROUP_K,
                         BLOCK_D).to(dt)
-        m_i, l_i, acc = word_block(key_scores(qt, sk, zk, ck, dt, DOT), keep, cv, m_i, l_i, acc, v_scale, v_zero, rows,
-                                   n_ok, offs_d, D, dt, NGV, DOT, UNITS)
+        s = key_scores(qt, sk, zk, ck, dt, DOT)
+        if SEL > 0:
+            store_logits(lrows, lrows_ok, offs_n, keep, s)
+        m_i, l_i, acc = word_block(s, keep, cv, m_i, l_i, acc, v_scale, v_zero, rows, n_ok, offs_d, D, dt, NGV, DOT, UNITS)
     store_partial(out_part, lse_part, (bh * NPARTS + split) * M + offs_m, m_ok, offs_d, d_ok, D, acc, m_i, l_i)
 
 
-def launch(q, store, fetched, out_part, lse_part, qk_scale, n_splits: int, split_len: int, NS: int, BLOCK_M: int,
-           BLOCK_K: int, **launch):
+def launch(q, store, fetched, out_part, lse_part, logits, qk_scale, n_splits: int, split_len: int, NS: int, BLOCK_M: int,
+           BLOCK_K: int, select: int = 0, **launch):
     """The quantized programs (bh, split < n_splits) of one attention step; kernels.py launches the rest."""
     B, H, T, D = q.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
@@ -71,9 +76,9 @@ def launch(q, store, fetched, out_part, lse_part, qk_scale, n_splits: int, split
     _attn_views_kernel[(B * Hkv, n_splits)](
         q, k_codes, c(k_lo), c(store.k_scale), c(store.k_zero), v_codes, c(v_lo), c(store.v_scale), c(store.v_zero),
         c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q,
-        out_part, lse_part, c(k_ref), c(v_ref), c(store.ref_map), qk_scale, S, f.k.shape[2] if f else 0, D,
-        (H // Hkv) * T, split_len, store.n_ref, NS,
+        out_part, lse_part, logits, c(k_ref), c(v_ref), c(store.ref_map), qk_scale, S, f.k.shape[2] if f else 0, D,
+        T, (H // Hkv) * T, split_len, store.n_ref, NS,
         BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
         WORDS=words, GROUP_K=store.group_k, NGV=D // min(store.group_v, D), HAS_FETCH=f is not None,
         DOT=dot_precision(q.dtype), UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-        BLOCK_K=BLOCK_K, **launch)
+        BLOCK_K=BLOCK_K, SEL=select, **launch)

@@ -291,11 +291,12 @@ class LowBitCache(nn.Module):
         self.k_res.index_copy_(2, rows, k)
         self.v_res.index_copy_(2, rows, v)
 
-    def attend(self, q, fetched: Optional[Fetched] = None):
+    def attend(self, q, fetched: Optional[Fetched] = None, select: int = 0):
         """Attention of the step's T query tokens (already appended to the residual) over
-        quantized + residual (+ fetched fp rows replacing their quantized copies)."""
+        quantized + residual (+ fetched fp rows replacing their quantized copies); select > 0: also the
+        last `select` tokens' logits, which the selection reads (kernels.attention_lowbit)."""
         return kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale,
-                                        use_op=self.custom_ops, attn_path=self.config.attn_path)
+                                        use_op=self.custom_ops, attn_path=self.config.attn_path, select=select)
 
     def commit_step(self, keep: int = 1):
         """Static-shape end of a decode step: the first `keep` step tokens stay; a full residual is
@@ -378,13 +379,16 @@ class SpeCache(LowBitCache):
             self.prefetcher.keep_sinks([self.ring_k, self.ring_v, self.fetch_valid], k, v, row0 == 0, self.sinks)
 
     # ---- selection ---------------------------------------------------------------------------------
-    def selection(self) -> dict:
-        """What topk.select reads of this layer besides the selecting rows: its codes, how many rows
-        (re-ranking: how many candidates), the sinks it skips, and for the oracle the host's fp keys."""
-        return dict(store=self.stored(), k=self.n_fetch, sm_scale=self.sm_scale, first=self.sinks,
-                    use_op=self.custom_ops, attn_path=self.config.attn_path,
-                    keys=self.prefetcher.host_keys(self.layer_idx) if self.policy.exact else None,
-                    candidates=self.n_cand if self.rerank > 1 else None)
+    def pick(self, q_rows, lse_rows, logits) -> "topk.Selection | topk.Picked":
+        """What this layer fetches, for Prefetcher.start: the top-k of the selecting rows' logits (re-ranking:
+        of its N*k candidates, then by their fp keys), below `sinks` never; the oracle: the exact top-k of the
+        host's fp keys."""
+        if self.policy.exact:
+            score, idx = topk.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
+                                         self.n_fetch, self.sm_scale, first=self.sinks)
+            return topk.Picked(idx, score >= 0)
+        rerank = (q_rows, lse_rows, self.sm_scale) if self.rerank > 1 else None
+        return topk.Selection(logits, lse_rows, self.n_quant, self.n_cand if rerank else self.n_fetch, self.sinks, rerank)
 
     # ---- a decode step ----------------------------------------------------------------------------
     def forward(self, q, k, v, input_pos, mode="decode"):
@@ -400,29 +404,28 @@ class SpeCache(LowBitCache):
 
     def attend_then_fetch(self, q, keep, real):
         """Algorithm 3: q [B,H,T,D]; the step's last token selects (T=1: the real token itself, `lag`),
-        or both tokens do (`union`)."""
+        or both tokens do (`union`). The attention writes the selecting rows' logits as it computes them."""
         self.prefetcher.wait(self.layer_idx, self.fetch_bufs())  # this layer's fetch only
-        fetched = self.fetched()
-        out, lse = self.attend(q, fetched)
+        R = q.shape[2] if self.policy.selects == "both" else 1
+        out, lse, logits = self.attend(q, self.fetched(), select=R)
         if keep:
             self.commit_step(keep=1)  # only the real token's KV stays
-        # The selecting row picks the next step's rows among the quantized positions as they are
-        # after the flush; the transfer overlaps the remaining layers of the step.
-        rows = slice(None) if self.policy.selects == "both" else slice(-1, None)
-        idx, valid, rerank_by = topk.select(q[:, :, rows], lse[:, :, rows], fetched, **self.selection())
-        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), idx, valid, *real, rerank_by=rerank_by)
+        # The selecting rows pick the next step's rows among the quantized positions as they are after
+        # the flush (a flushed block scores by the fp rows it was attended with); the transfer overlaps
+        # the remaining layers of the step.
+        pick = self.pick(q[:, :, -R:], lse[:, :, -R:], logits)
+        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), pick, *real)
         return out
 
     def fetch_then_attend(self, q, keep, real):
         """Table 4: pick rows with the real token itself, fetch and wait, then attend."""
-        _, lse = self.attend(q, self.fetched() if self.sinks else None)
-        idx, valid, rerank_by = topk.select(q[:, :, :1], lse[:, :, :1], **self.selection())
-        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), idx, valid, rerank_by=rerank_by)
+        _, lse, logits = self.attend(q[:, :, :1], self.fetched() if self.sinks else None, select=1)
+        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), self.pick(q[:, :, :1], lse, logits))
         self.prefetcher.wait(self.layer_idx, self.fetch_bufs(), now=True)
         out, _ = self.attend(q, self.fetched())
         if keep:
             self.commit_step(keep=1)
-            self.prefetcher.start(self.layer_idx, self.fetch_bufs(), None, None, *real)
+            self.prefetcher.start(self.layer_idx, self.fetch_bufs(), None, *real)
         return out
 
     # ---- bytes ---------------------------------------------------------------------------------
@@ -430,12 +433,12 @@ class SpeCache(LowBitCache):
         return self.prefetcher.host_bytes_per_layer()
 
     def read_bytes(self, step_tokens: int = 1) -> int:
-        """LowBitCache's, plus the fp rows (sinks and fetched), plus the top-k pass of the selecting
-        token over the quantized keys (the CUDA kernels read them a second time; the CPU path reuses them).
-        Re-ranking's candidate keys cross the bus into registers (topk.rerank_rows): bus bytes,
+        """LowBitCache's, plus the fp rows (sinks and fetched), plus the selection's pass over the logits the
+        attention wrote (4 bytes per position and selecting query row; the speculative token's: G rows a kv
+        head). Re-ranking's candidate keys cross the bus into registers (topk.rerank_rows): bus bytes,
         not device reads."""
-        keys_again = lowbit.lowbit_read_bytes(self.stored(), int(self.n_quant), values=False)
-        return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + keys_again
+        logits = 4 * self.k_res.shape[0] * self.prefetcher.query_heads * int(self.n_quant)
+        return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + logits
 
 
 # ---- a model's caches ------------------------------------------------------------------------------
@@ -526,7 +529,7 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
         prefetcher = Prefetcher(len(fetching), batch, args.n_kv_heads, max_seq_len, args.head_dim, n_fetch, dtype,
                                 device, impl=config.fetch_impl, key_rows=min(config.rerank * n_fetch, max_seq_len),
                                 select_rows=(args.n_heads, 2 if config.policy.selects == "both" else 1)
-                                if config.rerank > 1 else None)
+                                if config.rerank > 1 else None, query_heads=args.n_heads)
     # SpeCache over another quantizer's store: the same fetch, that store's codes (Python's MRO
     # runs SpeCache's methods, then the store's, then LowBitCache's)
     fetching_cache = SpeCache if store is LowBitCache else type(f"SpeCache_{store.__name__}", (SpeCache, store), {})

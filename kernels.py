@@ -32,16 +32,18 @@ import attn_views
 from lowbit import (DEFAULT_ATTN_PATH, Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision,
                     from_op_inputs, has_views, interpreted, interpreter_upcast, key_logits, op_inputs, plane_codes_mode,
                     planes_fit, replaced_mask, take_planes, value_sum)
-from tiles import (LOG2E, codes_tile, fetched_hits, fetched_mask, fetched_positions, key_scores, online_softmax,
-                   plane_codes, plane_key_scores, query_rows, softmax_start, store_partial, tile_channels, word_block)
+from tiles import (LOG2E, codes_tile, fetched_hits, fetched_mask, fetched_positions, key_scores, logits_rows,
+                   online_softmax, plane_codes, plane_key_scores, query_rows, softmax_start, store_logits, store_partial,
+                   tile_channels, word_block)
 
 
 # =============================================================================================
 # torch references (the CPU path)
 # =============================================================================================
-def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale):
+def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, select=0):
     """Softmax attention of the T query tokens over three parts: the quantized slots [0, n_quant)
-    without the fetched positions, the fetched fp rows, and the residual rows (causal)."""
+    without the fetched positions, the fetched fp rows, and the residual rows (causal). select > 0:
+    also the last `select` tokens' logits for the selection (selection_logits)."""
     B, H, T, D = q.shape
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, dev = (H // Hkv) * T, q.device
@@ -68,7 +70,28 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
         out = out + pi @ torch.where(rows_ok.expand(B, Hkv, -1)[..., None], v.float(), 0.0)
     out = out / torch.where(l > 0, l, 1.0)
     lse = (m + torch.log(l)).squeeze(-1)
-    return out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
+    out, lse = out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
+    if not select:
+        return out, lse
+    rows = (torch.arange(M, device=dev) % T >= T - select).nonzero().squeeze(-1)  # static: the selecting rows
+    quantized = key_logits(qg[:, :, rows], store)  # (eq. 1's replaced slots: their fp rows' scores)
+    if fetched is not None:
+        safe = torch.where(fetched.valid, fetched.idx, S - 1)[:, :, None].expand(-1, -1, len(rows), -1)
+        exact = torch.where(fetched.valid[:, :, None], scores[2][:, :, rows], quantized.gather(-1, safe))
+        quantized = quantized.scatter(-1, safe, exact)
+    return out, lse, selection_logits(quantized, scores[1][:, :, rows], store.n_quant, residual.length)
+
+
+def selection_logits(quantized, res_scores, n_quant, res_len):
+    """What the attention kernels write for the selection, in log2 units [B,Hkv,rows,S]: the quantized
+    slots' scores (fetched positions: their fp rows'), and residual row r's at slot n_quant + r."""
+    B, Hkv, Mr, S = quantized.shape
+    R = res_scores.shape[-1]
+    pos = torch.arange(S, device=quantized.device)
+    r = (pos - n_quant).clamp(0, R - 1)
+    in_res = (pos >= n_quant) & (pos < n_quant + res_len)
+    logits = torch.where(in_res, res_scores.gather(-1, r.expand(B, Hkv, Mr, S)), quantized)
+    return logits * LOG2E.value
 
 
 # =============================================================================================
@@ -89,12 +112,13 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
 
 @triton.jit
 def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, f_idx, f_valid, f_k, f_v,
-                       r_k, r_v, res_len_ptr, out_part, lse_part, qk_scale, S, R, K, D, T, M, SPLIT_LEN, SPLIT0, NPARTS,
+                       r_k, r_v, res_len_ptr, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, SPLIT_LEN, SPLIT0,
+                       NPARTS,
                        BITS: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr, NGV: tl.constexpr,
                        HAS_FETCH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr,
                        PLANES: tl.constexpr = False, RG: tl.constexpr = 1, CODES: tl.constexpr = 0,
-                       CODE_OFF: tl.constexpr = 0.0, QUANT: tl.constexpr = True):
+                       CODE_OFF: tl.constexpr = 0.0, QUANT: tl.constexpr = True, SEL: tl.constexpr = 0):
     """Grid (B*Hkv, n_splits + 1). Program `split` < n_splits attends to quantized slots
     [split*SPLIT_LEN, +SPLIT_LEN) below n_quant; the last one to the fetched and residual fp rows.
     Each writes (out, lse) partial `split` of NPARTS for the kv head's G*T query rows m = g*T + t.
@@ -103,7 +127,11 @@ def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
     PLANES (the bit-plane path, for the quantized slots): the tile's columns are channels in
     plane-major order (tiles.plane_codes), and its rows hold RG copies of the query rows, copy g taking
     the values' channel group g: one value dot serves every channel group (each with its own
-    per-token scale), and the copies fill the MMA's 16 rows that M = 8 query rows would leave empty."""
+    per-token scale), and the copies fill the MMA's 16 rows that M = 8 query rows would leave empty.
+    SEL > 0: the last SEL tokens select the next step's rows (Algorithm 3's ArgTopK over the attention they
+    just computed): their scores go to `logits` (tiles.store_logits), for every position the step attended
+    that can be fetched: a quantized slot's low-bit score, a fetched row's exact one at its position (eq. 1's
+    replacement), and residual row r's at position n_quant + r (the block a flush quantizes next)."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1) + SPLIT0
     n_splits = NPARTS - 1
@@ -121,6 +149,8 @@ def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
     m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     if HAS_FETCH:
         fidx = fetched_positions(f_idx, f_valid, bh, K, BLOCK_K)
+    if SEL > 0:  # (row copy 0 of each query row: the plane path's copies hold the same scores)
+        lrows, lrows_ok = logits_rows(logits, bh, offs_m, m_ok & (offs_r < MR), T, M, S, SEL)
     if QUANT and split < n_splits:
         lo = split * SPLIT_LEN
         hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
@@ -136,6 +166,8 @@ def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
                 keep = n_ok
                 if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
                     keep = keep & ~fetched_mask(n0, fidx, GROUP_K)
+                if SEL > 0:
+                    store_logits(lrows, lrows_ok, offs_n, keep, s)
                 s = tl.where(keep[None, :], s, -float("inf"))
                 m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
                 # values: row copy g folds channel group g's per-token scale/zero into p
@@ -161,6 +193,8 @@ def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
                 keep = n_ok
                 if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
                     keep = keep & (fetched_hits(offs_n, fidx) == 0)
+                if SEL > 0:
+                    store_logits(lrows, lrows_ok, offs_n, keep, s)
                 cv = codes_tile(v_codes, rows, n_ok, offs_d, D, BITS, WORDS, GROUP_K, BLOCK_D).to(dt)
                 m_i, l_i, acc = word_block(s, keep, cv, m_i, l_i, acc, v_scale, v_zero, rows, n_ok, offs_d, D, dt, NGV,
                                            DOT)
@@ -180,6 +214,9 @@ def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
                 kt = tl.load(f_k + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
                 vt = tl.load(f_v + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
                 s = tl.where(f_ok[None, :], tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
+                if SEL > 0:  # a fetched row scores at its position with its fp key (Algorithm 3's A)
+                    fpos = tl.load(f_idx + bh * K + f, mask=f_ok, other=0)
+                    store_logits(lrows, lrows_ok, fpos, f_ok, s)
                 m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
                 acc += tl.dot(p.to(dt), vt, input_precision=DOT)
         # residual rows [0, res_len); query row m (token t = m % T) sees rows < res_len - T + t + 1
@@ -193,6 +230,9 @@ def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
             vt = tl.load(r_v + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
             causal = r_ok[None, :] & (r[None, :] < limit[:, None])
             s = tl.where(causal, tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
+            if SEL > 0:  # residual row r at position n_quant + r: where a flush after this step quantizes it
+                pos = tl.load(n_quant_ptr) + r
+                store_logits(lrows, lrows_ok, pos, r_ok & (pos < S), s)
             m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
             acc += tl.dot(p.to(dt), vt, input_precision=DOT)
     if RG > 1:  # each row copy keeps its own channel group (their softmax statistics are the same)
@@ -258,7 +298,7 @@ def _planes_layout(store: LowBitKV, D: int, M: int, dtype, attn_path=None):
 
 
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
-                            n_splits=None, attn_path=None, **launch):
+                            n_splits=None, attn_path=None, select=0, **launch):
     B, H, T, D = q.shape
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
@@ -290,31 +330,33 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     K = f.k.shape[2] if f is not None else 0
     out_part = torch.empty(BH, NS, M, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(BH, NS, M, dtype=torch.float32, device=q.device)
+    logits = torch.empty(B, Hkv, G * select, S, dtype=torch.float32, device=q.device) if select else out_part
     qk_scale = float(sm_scale) * LOG2E.value
     BLOCK_K = max(16, triton.next_power_of_2(max(K, 1)))
     decode = DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}
     if gluon:
-        attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, qk_scale, n_splits, split_len, NS)
+        attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS,
+                          select)
     if views:
-        attn_views.launch(q, store, f, out_part, lse_part, qk_scale, n_splits, split_len, NS, BLOCK_M, BLOCK_K,
-                          **{**decode, **launch})
+        attn_views.launch(q, store, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS, BLOCK_M, BLOCK_K,
+                          select, **{**decode, **launch})
     fp_rows_only = gluon or views  # (the program after the quantized ones: grid (BH, 1) from SPLIT0 = n_splits)
     _attn_split_kernel[(BH, 1 if fp_rows_only else NS)](
         q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero), c(store.n_quant),
         c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q, c(f.k) if f else q,
-        c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length), out_part, lse_part, qk_scale, S, R, K, D,
-        T, M, split_len,
+        c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length), out_part, lse_part, logits, qk_scale, S,
+        R, K, D, T, M, split_len,
         n_splits if fp_rows_only else 0, NS, BITS=store.bits, WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
         HAS_FETCH=f is not None, DOT=dot_precision(q.dtype), UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M,
         BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_F=64, PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF,
-        QUANT=not fp_rows_only, **{**decode, **(FP_ROWS_LAUNCH if gluon else {}), **launch})
+        QUANT=not fp_rows_only, SEL=select, **{**decode, **(FP_ROWS_LAUNCH if gluon else {}), **launch})
     if store.v_chan is not None and not gluon:  # zipcache.txt eq. 6: the quantized values times c (Gluon applies it)
         out_part[:, :n_splits] *= store.v_chan.float().reshape(BH, 1, 1, D)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,
                                   BLOCK_S=triton.next_power_of_2(NS), BLOCK_D=BLOCK_D)
-    return out, lse
+    return (out, lse, logits) if select else (out, lse)
 
 
 # =============================================================================================
@@ -323,21 +365,29 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
 # The ops take the tuples' tensors flat (custom ops take tensors, not tuples): lowbit.op_inputs / from_op_inputs.
 @torch.library.custom_op("specache::attention_lowbit", mutates_args=())
 def _attention_lowbit_op(q: Tensor, tensors: list[Tensor], ints: list[int], optional: list[Optional[Tensor]],
-                         sm_scale: float, attn_path: Optional[str] = None) -> tuple[Tensor, Tensor]:
-    return attention_lowbit_triton(q, *from_op_inputs(tensors, ints, optional), sm_scale, attn_path=attn_path)
+                         sm_scale: float, attn_path: Optional[str] = None, select: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    out = attention_lowbit_triton(q, *from_op_inputs(tensors, ints, optional), sm_scale, attn_path=attn_path,
+                                  select=select)
+    return out if select else (*out, q.new_empty(0, dtype=torch.float32))
 
 
 @_attention_lowbit_op.register_fake
-def _(q, tensors, ints, optional, sm_scale, attn_path=None):
+def _(q, tensors, ints, optional, sm_scale, attn_path=None, select=0):
     # contiguous, like the real op (which makes q contiguous first), whatever q's strides
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    B, H, T, _ = q.shape
+    Hkv, S = tensors[0].shape[1:3]
+    logits = q.new_empty((B, Hkv, H // Hkv * select, S) if select else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), logits
 
 
-def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None, attn_path=None):
-    """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores).
+def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None,
+                     attn_path=None, select=0):
+    """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores), and with
+    select > 0 the last `select` tokens' logits [B,Hkv,G*select,S] for topk.select (selection_logits).
     use_op: run the Triton kernel behind its custom op (default: on CUDA); True on CPU tensors gives a
     compiled CPU step the CUDA step's graph, the kernel interpreted (TRITON_INTERPRET=1, tests). attn_path: ATTN_PATHS."""
     if q.is_cuda if use_op is None else use_op:
         tensors, ints, optional = op_inputs(store, residual, fetched)
-        return _attention_lowbit_op(q, list(tensors), list(ints), list(optional), float(sm_scale), attn_path)
-    return attention_lowbit_ref(q, store, residual, fetched, sm_scale)
+        out = _attention_lowbit_op(q, list(tensors), list(ints), list(optional), float(sm_scale), attn_path, select)
+        return out if select else out[:2]
+    return attention_lowbit_ref(q, store, residual, fetched, sm_scale, select)

@@ -6,27 +6,23 @@ fetched rows ring_k/ring_v [B, Hkv, sinks + k, D] and which positions they hold,
 The layer's SpeCache module registers them as its buffers, so a compiled step sees them as static
 inputs (a CUDA graph replays on fixed addresses).
 
-One transfer per layer and step, `start(layer, bufs, idx, valid, new_k, new_v, new_pos)` (bufs: the
-layer's ring and its fetch_idx/fetch_valid, which record idx and valid): write the step's real
-token to the host store and gather the selected host rows into the ring (transfer.transfer_rows).
-`idx=None` only writes the token; `new_k=None` only gathers. With re-ranking (name part rrN,
-rerank_by), idx are the low-bit candidates: the side stream gets them and the selecting query rows,
-and topk.rerank_rows picks the k rows by their fp keys; the main stream only stages its inputs.
+One transfer per layer and step, `start(layer, bufs, pick, new_k, new_v, new_pos)` (bufs: the layer's
+ring and its fetch_idx/fetch_valid): write the step's real token to the host store and gather the rows
+`pick` names into the ring (transfer.transfer_rows); rows the ring already holds stay in their slots and
+do not cross the bus again (transfer.record_rows). `pick` is a topk.Selection (the speculative path: the
+top-k of the logits the attention kernel wrote), a topk.Picked (rows chosen already: the oracle) or None
+(the token only). With re-ranking (name part rrN) the picked rows are low-bit candidates and
+topk.rerank_rows picks the k of them by their fp keys, on the side stream.
 
-The selected indices' route on the async path, from selection to the ring: the functions that return
-them or take them (SpeCache.forward calls the first two; _owner finds the op's Prefetcher and _run_side
-runs a closure on the side stream, neither sees them):
-  topk.select -> Prefetcher.start -> _fetch_start_op (the custom op) -> Prefetcher._start_async
-  -> transfer.stage (main stream: staging) -> Prefetcher._transfer (side stream) -> transfer.transfer_rows
-and with re-ranking: ... _rerank_start_op -> Prefetcher._start_async -> transfer.stage -> Prefetcher._rerank
--> topk.rerank_rows.
-
-On CUDA the transfer runs on a side stream and overlaps the rest of the step:
-  main stream: copy idx and the token's K/V into this layer's staging buffers and record idx and
-               valid in fetch_idx/fetch_valid (one launch), record consumed[l]
-  side stream: wait consumed[l], run the kernel (it reads pinned host memory through unified
-               virtual addressing, so the indices never leave the device and nothing syncs),
-               record fetched[l].
+On CUDA, from the selection to the ring (every function the rows pass through, launches included):
+  main stream: Prefetcher.start -> _select_fetch_op (the custom op) -> Prefetcher._start_async
+               -> Prefetcher._stage -> topk.select_triton -> topk._select_kernel: ONE launch picks
+               the rows, lays them out in the ring (fetch_idx/fetch_valid), writes the transfer's
+               host row per slot and stages the token's K/V; then record consumed[l]
+  side stream: wait consumed[l] -> Prefetcher._transfer -> transfer.transfer_rows_triton
+               -> transfer._transfer_rows_kernel (it reads pinned host memory through unified virtual
+               addressing, so the indices never leave the device and nothing syncs); record fetched[l]
+With re-ranking the side stream runs topk.rerank_rows_triton's three launches instead.
 The side stream reads only memory this module owns (staging, host store) and writes only the
 layer's ring buffers (`new_ring`, or `register_ring`'s; with re-ranking also fetch_idx and
 fetch_valid), so graph-internal temporaries that a compiled step frees and reuses while the side
@@ -49,8 +45,8 @@ from typing import Optional
 
 import torch
 
-from topk import rerank_rows, rerank_scratch
-from transfer import record_rows, stage, transfer_rows, transfer_rows_ref
+from topk import Picked, Selection, rerank_rows_ref, rerank_rows_triton, rerank_scratch, select_ref, select_triton
+from transfer import keep_sink_rows, keep_sinks_triton, record_rows, transfer_rows_ref, transfer_rows_triton
 
 Tensor = torch.Tensor
 # The custom ops below run outside the graph and need the Prefetcher (its streams, events, staging).
@@ -74,26 +70,30 @@ def _owner(bufs: list[Tensor]) -> "Prefetcher":
 # They "mutate" each layer's registered buffers (the ring, fetch_idx, fetch_valid), which the
 # transfer writes; that orders them against the attention that reads those buffers inside one
 # fullgraph step; join mutates every layer's, so no fetch can be scheduled after it.
-@torch.library.custom_op("specache::fetch_start", mutates_args=("bufs",))
-def _fetch_start_op(bufs: list[Tensor], idx: Optional[Tensor], valid: Optional[Tensor], new_k: Optional[Tensor],
-                    new_v: Optional[Tensor], new_pos: Optional[Tensor], layer: int) -> None:
-    _owner(bufs)._start_async(layer, bufs, idx, valid, new_k, new_v, new_pos)
+@torch.library.custom_op("specache::select_fetch", mutates_args=("bufs",))
+def _select_fetch_op(bufs: list[Tensor], logits: Tensor, lse: Tensor, n_quant: Tensor, k: int, first: int,
+                     q_rows: Optional[Tensor], sm_scale: float, new_k: Optional[Tensor], new_v: Optional[Tensor],
+                     new_pos: Optional[Tensor], layer: int) -> None:
+    rerank = (q_rows, lse, sm_scale) if q_rows is not None else None
+    _owner(bufs)._start_async(layer, bufs, Selection(logits, lse, n_quant, k, first, rerank), new_k, new_v, new_pos)
 
 
-@_fetch_start_op.register_fake
-def _(bufs, idx, valid, new_k, new_v, new_pos, layer):
+@_select_fetch_op.register_fake
+def _(bufs, logits, lse, n_quant, k, first, q_rows, sm_scale, new_k, new_v, new_pos, layer):
     return None
 
 
-@torch.library.custom_op("specache::rerank_start", mutates_args=("bufs",))
-def _rerank_start_op(bufs: list[Tensor], cand: Tensor, cand_valid: Tensor, q_rows: Tensor, lse_rows: Tensor,
-                     new_k: Optional[Tensor], new_v: Optional[Tensor], new_pos: Optional[Tensor], sm_scale: float,
-                     layer: int) -> None:
-    _owner(bufs)._start_async(layer, bufs, cand, cand_valid, new_k, new_v, new_pos, rerank=(q_rows, lse_rows, sm_scale))
+@torch.library.custom_op("specache::fetch_start", mutates_args=("bufs",))
+def _fetch_start_op(bufs: list[Tensor], idx: Optional[Tensor], valid: Optional[Tensor], q_rows: Optional[Tensor],
+                    lse_rows: Optional[Tensor], sm_scale: float, new_k: Optional[Tensor], new_v: Optional[Tensor],
+                    new_pos: Optional[Tensor], layer: int) -> None:
+    rerank = (q_rows, lse_rows, sm_scale) if q_rows is not None else None
+    pick = Picked(idx, valid, rerank) if idx is not None else None
+    _owner(bufs)._start_async(layer, bufs, pick, new_k, new_v, new_pos)
 
 
-@_rerank_start_op.register_fake
-def _(bufs, cand, cand_valid, q_rows, lse_rows, new_k, new_v, new_pos, sm_scale, layer):
+@_fetch_start_op.register_fake
+def _(bufs, idx, valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos, layer):
     return None
 
 
@@ -117,20 +117,11 @@ def _(bufs):
     return None
 
 
-def keep_sink_rows(bufs: list[Tensor], k: Tensor, v: Tensor, first: Tensor, n: int) -> None:
-    """Where `first` (0-d bool: the first block was just quantized), copy the first n rows of
-    k, v [B,H,>=n,D] into ring slots [0, n) and mark them valid. bufs: [ring_k, ring_v, fetch_valid]."""
-    ring_k, ring_v, valid = bufs
-    for ring, x in ((ring_k, k), (ring_v, v)):
-        ring[:, :, :n] = torch.where(first, x[:, :, :n].to(ring.dtype), ring[:, :, :n])
-    valid[:, :, :n] |= first
-
-
 # A graph that wrote the ring itself would hand the transfer ops a functionalized copy of it
 # (the ring check refuses that), so on the async path this write is an op too.
 @torch.library.custom_op("specache::keep_sinks", mutates_args=("bufs",))
 def _keep_sinks_op(bufs: list[Tensor], k: Tensor, v: Tensor, first: Tensor, n: int) -> None:
-    keep_sink_rows(bufs, k, v, first, n)
+    (keep_sinks_triton if _owner(bufs).triton else keep_sink_rows)(bufs, k, v, first, n)
 
 
 @_keep_sinks_op.register_fake
@@ -143,16 +134,18 @@ def _(bufs, k, v, first, n):
 # =============================================================================================
 class Prefetcher:
     def __init__(self, n_layers, batch, n_kv_heads, max_seq_len, head_dim, k, dtype, device, impl="uva",
-                 join_each_step=True, async_ops=None, key_rows=None, select_rows=None):
+                 join_each_step=True, async_ops=None, key_rows=None, select_rows=None, query_heads=None):
         if impl not in ("uva", "staged"):
             raise ValueError(f"unknown fetch impl {impl!r} (uva, staged)")
         device = torch.device(device)
         self.device, self.impl, self.k, self.join_each_step = device, impl, k, join_each_step
         self.key_rows = k if key_rows is None else key_rows  # keys read per layer and kv head (re-ranking: N*k candidates)
         self.select_rows = select_rows  # re-ranking: (query heads, tokens) of the selecting query, staged per layer
+        self.query_heads = query_heads or n_kv_heads  # the model's (the selection reads G = query / kv heads rows)
         self.n_layers = n_layers
         self.on_cuda = device.type == "cuda"
         self.async_ops = self.on_cuda if async_ops is None else async_ops
+        self.triton = self.on_cuda  # the selection's and the transfers' Triton kernels (True on CPU: interpreted, tests)
         shape = (n_layers, batch, n_kv_heads, max_seq_len, head_dim)
         host = dict(dtype=dtype, device="cpu", pin_memory=True) if self.on_cuda else dict(dtype=dtype, device=device)
         self.host_k, self.host_v = torch.zeros(shape, **host), torch.zeros(shape, **host)
@@ -179,7 +172,8 @@ class Prefetcher:
             self.stage_q = torch.zeros(L, B, Hq, R, D, dtype=dt, device=dev)
             self.stage_lse = torch.zeros(L, B, Hq, R, dtype=torch.float32, device=dev)
         self.dm = torch.get_device_module(dev.type)
-        self.side = self.dm.Stream(device=dev) if self.on_cuda else self.dm.Stream()
+        # high priority: the transfer's few blocks start as soon as an SM frees, not behind a GEMM's queued wave
+        self.side = self.dm.Stream(device=dev, priority=-1) if self.on_cuda else self.dm.Stream()
         self.consumed = [self.dm.Event() for _ in range(L)]
         self.fetched = [self.dm.Event() for _ in range(L)]
         if self.impl == "staged" and self.on_cuda:
@@ -236,35 +230,38 @@ class Prefetcher:
         return self.host_v[layer].to(self.device, non_blocking=True)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def start(self, layer, bufs, idx=None, valid=None, new_k=None, new_v=None, new_pos=None, rerank_by=None):
-        """Write the real token's K/V [B,Hkv,1,D] to host row new_pos (a 0-d device tensor) and fetch
-        host rows idx [B,Hkv,k] into the ring, asynchronously on the async path. bufs: the layer's
-        registered [ring_k, ring_v] or [ring_k, ring_v, fetch_idx, fetch_valid]; with the latter, idx
-        and valid (real rows) are recorded there (record_rows; on the async path by the main stream's
-        staging launch, so the compiled step has no copy kernels of its own for them). rerank_by =
-        (q_rows [B,H,R,D], lse_rows [B,H,R], sm_scale): idx are re-ranking's candidates [B,Hkv,N*k], and
-        the k whose fp keys score best for those query rows are fetched and recorded (topk.rerank_rows)."""
-        if self.async_ops and rerank_by is not None:
-            q_rows, lse_rows, sm_scale = rerank_by
-            torch.ops.specache.rerank_start(bufs, idx, valid, q_rows, lse_rows, new_k, new_v, new_pos, float(sm_scale),
-                                            layer)
+    def start(self, layer, bufs, pick=None, new_k=None, new_v=None, new_pos=None):
+        """Write the real token's K/V [B,Hkv,1,D] to host row new_pos (a 0-d device tensor) and fetch the
+        rows `pick` names into the layer's ring, asynchronously on the async path. bufs: the layer's
+        registered [ring_k, ring_v] or [ring_k, ring_v, fetch_idx, fetch_valid]; with the latter the rows
+        are recorded there (record_rows: a row the ring holds stays in its slot and is not copied again).
+        pick: a topk.Selection (the top-k of the attention's logits: the speculative path; on the async
+        path one launch selects, lays the ring out and stages the transfer's inputs), a topk.Picked (rows
+        chosen already: the oracle), or None (the token only). With `rerank` the picked rows are
+        candidates, and the k whose fp keys score best for its query rows are fetched (topk.rerank_rows)."""
+        if self.async_ops and isinstance(pick, Selection):
+            q_rows, _, sm_scale = pick.rerank or (None, None, 0.0)
+            torch.ops.specache.select_fetch(bufs, pick.logits, pick.lse, pick.n_quant, pick.k, pick.first, q_rows,
+                                            float(sm_scale), new_k, new_v, new_pos, layer)
         elif self.async_ops:
-            torch.ops.specache.fetch_start(bufs, idx, valid, new_k, new_v, new_pos, layer)
-        elif rerank_by is not None:
-            self._rerank(layer, bufs, idx, valid, *rerank_by, new_k, new_v, new_pos)
+            idx, valid, rerank = pick or (None, None, None)
+            q_rows, lse_rows, sm_scale = rerank or (None, None, 0.0)
+            torch.ops.specache.fetch_start(bufs, idx, valid, q_rows, lse_rows, float(sm_scale), new_k, new_v,
+                                           new_pos, layer)
+        elif pick is None:
+            self._transfer(layer, bufs[0], bufs[1], None, new_k, new_v, new_pos)
         else:
-            record = self._record(layer, bufs, idx, valid)
-            rows = record_rows(idx, *record) if record is not None else idx
-            self._transfer(layer, bufs[0], bufs[1], rows, new_k, new_v, new_pos)
+            idx, valid = select_ref(*pick[:5]) if isinstance(pick, Selection) else pick[:2]
+            if pick.rerank is not None:
+                self._rerank(layer, bufs, idx, valid, *pick.rerank, new_k, new_v, new_pos)
+            else:
+                record = self._record(layer, bufs, valid)
+                rows = record_rows(idx, *record) if record is not None else idx
+                self._transfer(layer, bufs[0], bufs[1], rows, new_k, new_v, new_pos)
 
-    def _record(self, layer, bufs, idx, valid):
-        """record_rows' arguments after idx, or None when there is nothing to record."""
-        return (valid, *bufs[2:], self.ring_offs[layer]) if idx is not None and len(bufs) > 2 else None
-
-    def start_rerank(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k=None, new_v=None,
-                     new_pos=None):
-        """`start` with rerank_by = (q_rows, lse_rows, sm_scale) for the candidates cand (cand_valid: real ones)."""
-        self.start(layer, bufs, cand, cand_valid, new_k, new_v, new_pos, rerank_by=(q_rows, lse_rows, sm_scale))
+    def _record(self, layer, bufs, valid):
+        """record_rows' arguments after idx, or None when the ring keeps no record (bufs without index buffers)."""
+        return (valid, *bufs[2:], self.ring_offs[layer]) if len(bufs) > 2 else None
 
     def wait(self, layer, bufs, now=False):
         """The main stream waits for this layer's fetch only (bufs: what it writes, see register_ring):
@@ -295,24 +292,27 @@ class Prefetcher:
 
     def _rerank(self, layer, bufs, cand, cand_valid, q_rows, lse_rows, sm_scale, new_k, new_v, new_pos):
         """Re-ranking and its transfer, on the current stream (the side stream on the async path)."""
-        if not self.on_cuda and new_k is not None:  # (the Triton kernel writes the token itself)
-            self._append_host(layer, new_k, new_v, new_pos)
-            new_k = new_v = new_pos = None
-        rerank_rows(self.host_k[layer], self.host_v[layer], *bufs, cand, cand_valid, q_rows, lse_rows, sm_scale,
-                    new_k, new_v, new_pos, self.ring_offs[layer], scratch=self.rerank_scratch)
+        if not self.triton:
+            if new_k is not None:  # (the Triton kernels write the token themselves)
+                self._append_host(layer, new_k, new_v, new_pos)
+            rerank_rows_ref(self.host_k[layer], self.host_v[layer], *bufs, cand, cand_valid, q_rows, lse_rows, sm_scale,
+                            ring_off=self.ring_offs[layer])
+        else:
+            rerank_rows_triton(self.host_k[layer], self.host_v[layer], *bufs, cand, cand_valid, q_rows, lse_rows,
+                               sm_scale, new_k, new_v, new_pos, self.ring_offs[layer], scratch=self.rerank_scratch)
 
     def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
         """The transfer itself, on the current stream (re-ranking's, `_rerank`, reads over UVA with
         either impl)."""
-        if not self.on_cuda:
+        if not self.triton:
             if new_k is not None:
                 self._append_host(layer, new_k, new_v, new_pos)
             if idx is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, None, None, None,
                                   self.ring_offs[layer])
         elif self.impl == "uva":
-            transfer_rows(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, new_k, new_v, new_pos,
-                          self.ring_offs[layer])
+            transfer_rows_triton(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, new_k, new_v, new_pos,
+                                 self.ring_offs[layer])
         else:  # staged: indices to the host (one sync: eager only), gather, one non_blocking copy
             if new_k is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, None, new_k, new_v, new_pos)
@@ -343,24 +343,47 @@ class Prefetcher:
             work()
             self.fetched[layer].record(self.side)
 
-    def _start_async(self, layer, bufs, idx, valid, new_k, new_v, new_pos, rerank=None):
-        """`start` on the async path (its custom ops): the inputs staged on the main stream in one launch
-        (they may be temporaries the graph reuses right after), then the transfer, or re-ranking
-        (rerank = (q_rows, lse_rows, sm_scale); idx: its candidates), on the side stream."""
+    def _start_async(self, layer, bufs, pick, new_k, new_v, new_pos):
+        """`start` on the async path (its custom ops): the main stream stages what the side stream reads
+        (the step's tensors are temporaries the graph reuses right after), then the transfer, or
+        re-ranking, runs on the side stream."""
         self._check_ring(layer, bufs)
-        s_idx, s_new = self.stage_idx[layer], (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer])
-        s_rerank = (self.stage_cand[layer], self.stage_cand_valid[layer], self.stage_q[layer],
-                    self.stage_lse[layer]) if rerank is not None else None
+        staged_new = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None else None
+        rerank = pick.rerank if pick is not None else None
         if rerank is not None:
-            stage(None, new_k, new_v, new_pos, s_idx, *s_new, (idx, valid, *rerank[:2]), s_rerank)
-        elif idx is not None or new_k is not None:
-            stage(idx, new_k, new_v, new_pos, s_idx, *s_new, record=self._record(layer, bufs, idx, valid))
-        s_new = s_new if new_k is not None else (None, None, None)
-        if rerank is not None:
-            self._run_side(layer, lambda: self._rerank(layer, bufs, *s_rerank, rerank[2], *s_new))
+            s_cand = (self.stage_cand[layer], self.stage_cand_valid[layer])
+            s_q = (self.stage_q[layer], self.stage_lse[layer])
+            self._stage(layer, bufs, pick, new_k, new_v, new_pos, staged_new, s_cand=s_cand, s_q=s_q)
+            self._run_side(layer, lambda: self._rerank(layer, bufs, *s_cand, *s_q, rerank[2], *(staged_new or (None,) * 3)))
         else:
-            s_idx = s_idx if idx is not None else None
-            self._run_side(layer, lambda: self._transfer(layer, bufs[0], bufs[1], s_idx, *s_new))
+            s_idx = self.stage_idx[layer] if pick is not None else None
+            self._stage(layer, bufs, pick, new_k, new_v, new_pos, staged_new, s_idx=s_idx)
+            self._run_side(layer, lambda: self._transfer(layer, bufs[0], bufs[1], s_idx, *(staged_new or (None,) * 3)))
+
+    def _stage(self, layer, bufs, pick, new_k, new_v, new_pos, staged_new, s_idx=None, s_cand=None, s_q=None):
+        """The main stream's part of a fetch: the transfer's inputs into buffers the side stream owns, and the
+        ring's record. A Selection on the Triton path is one launch (topk.select_triton); otherwise torch's
+        copies (the oracle's and the token-only writes, and the CPU reference of the same)."""
+        token = (new_k, new_v, new_pos, *staged_new) if staged_new is not None else None
+        if isinstance(pick, Selection) and self.triton:
+            record = None if s_idx is None or len(bufs) < 4 else (bufs[2], bufs[3], self.ring_offs[layer], s_idx)
+            assert s_cand is not None or record is not None, "a selection without re-ranking needs the ring's record"
+            select_triton(*pick[:5], out=s_cand, record=record,
+                          stage_q=(pick.rerank[0], *s_q) if s_q is not None else None, token=token)
+            return
+        if pick is not None:
+            idx, valid = select_ref(*pick[:5]) if isinstance(pick, Selection) else pick[:2]
+            if s_cand is not None:
+                s_cand[0].copy_(idx)
+                s_cand[1].copy_(valid)
+                s_q[0].copy_(pick.rerank[0])  # (one selecting token staged for two: broadcast, as the kernel's r % R)
+                s_q[1].copy_(pick.rerank[1])
+            else:
+                record = self._record(layer, bufs, valid)
+                s_idx.copy_(record_rows(idx, *record) if record is not None else idx)
+        if token is not None:
+            for dst, src in zip(staged_new, (new_k, new_v, new_pos.reshape(()))):
+                dst.copy_(src)
 
     def _wait_async(self, layer):
         self._main().wait_event(self.fetched[layer])

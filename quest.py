@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from cache import FullCache, KVCaches, MemoryMeter, check_fits, exact_attention, plan_layers
 from config import NO_FETCH, CacheConfig
 from prefetch import Prefetcher
+from topk import Picked
 
 EMPTY = FullCache.EMPTY  # position of a slot never written
 
@@ -170,7 +171,7 @@ class QuestCache(nn.Module):
         self.ring_pos.copy_(torch.where(valid, rows, EMPTY))
         bufs = [self.ring_k, self.ring_v]
         # the token to the host store; the selected rows (-1: not needed, the slot keeps its row) to the ring
-        self.prefetcher.start(self.layer_idx, bufs, torch.where(valid, rows, -1), None, k, v, pos)
+        self.prefetcher.start(self.layer_idx, bufs, Picked(torch.where(valid, rows, -1), valid), k, v, pos)
         self.prefetcher.wait(self.layer_idx, bufs, now=True)
         if self.layer_idx == self.prefetcher.n_layers - 1:
             self.prefetcher.end_step()

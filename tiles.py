@@ -155,6 +155,21 @@ def plane_key_scores(qt, k_codes, k_scale, k_zero, rows, grp, offs_c, offs_d, D,
 
 
 @triton.jit
+def logits_rows(logits, bh, offs_m, m_ok, T, M, S_L, SEL: tl.constexpr):
+    """Where the selection's logits of query rows offs_m go (once per program, outside the loops): the last SEL
+    of the step's T tokens select, and query row m = g*T + t is logits row g*SEL + t - (T - SEL) of the kv
+    head's (M // T) * SEL rows of S_L positions. -> (row pointers [BLOCK_M], which rows select)."""
+    t = offs_m % T
+    return logits + (bh * (M // T) * SEL + (offs_m // T) * SEL + t - (T - SEL)) * S_L, m_ok & (t >= T - SEL)
+
+
+@triton.jit
+def store_logits(rows, rows_ok, pos, ok, s):
+    """The selecting rows' scores s [BLOCK_M, N] (log2 units) at positions pos [N] where ok (logits_rows)."""
+    tl.store(rows[:, None] + pos[None, :], s, mask=rows_ok[:, None] & ok[None, :])
+
+
+@triton.jit
 def _or(a, b):
     return a | b
 

@@ -1,30 +1,30 @@
-"""Top-k selection: which quantized positions' fp16 rows to fetch (SpeCache §3.3, Algorithm 3's ArgTopK).
+"""Which quantized positions' fp16 rows to fetch (SpeCache §3.3, Algorithm 3's ArgTopK), and re-ranking.
 
-  topk_lowbit   the k positions with the largest attention probability under the selecting query
-                token(s), scored over the low-bit keys (the speculative token's row; several rows:
-                the best of them), summed over the query heads that share a kv head (GQA: one
-                fetch per kv head serves all its query heads); fetched positions score with their
-                fp rows.
-  topk_exact    the same top-k from full-precision keys (oracle fetch, hit rates).
+  select_ref / select_triton  the k positions with the largest attention probability under the selecting
+                token(s), from the logits the attention kernel wrote while it attended (kernels.py: the
+                quantized slots' low-bit scores, the fetched rows' exact ones, the residual's): the
+                probability summed over the query heads that share a kv head (GQA: one fetch per kv head
+                serves them all), the best of the selecting tokens. The Triton kernel is one launch per
+                layer: the radix selection, and what the transfer needs (the ring layout, staged inputs).
+  topk_lowbit_ref  the same top-k scored from the stored codes (tests and tools/probe.py).
+  topk_exact    the top-k from full-precision keys (the oracle fetch, hit rates).
   rerank_exact  the k best of N*k candidates by their fp keys (re-ranking's reference).
-  rerank_rows   re-ranking where the keys land: the candidates' fp keys read from the host store
-                score them, and the k best go to the ring (Triton on the side stream, prefetch.py).
-  select        what a SpeCache layer fetches: one of the above by its configuration, for
-                prefetch.Prefetcher.start.
+  rerank_rows   re-ranking where the keys land: the candidates' fp keys read from the host store score
+                them, and the k best go to the ring (Triton on the side stream, prefetch.py).
 
-A torch reference beside each Triton kernel; the public functions dispatch on the device as
-kernels.py's do (CUDA: Triton behind a custom op; CPU: the reference).
+A torch reference beside each Triton kernel; prefetch.Prefetcher runs them (CUDA: Triton; CPU: the references).
 """
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from lowbit import (Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision, from_op_inputs,
-                    interpreter_upcast, key_logits, op_inputs, planes_for_keys)
-from tiles import LOG2E, key_group, key_scores, load_codes, plane_key_scores, tile_channels
+from lowbit import Fetched, LowBitKV, key_logits
+from tiles import LOG2E
 from transfer import host_row, record_rows, record_rows_tile, square_tile_warps, transfer_rows_ref, write_new_rows
+
+Tensor = torch.Tensor
 
 
 # =============================================================================================
@@ -109,83 +109,53 @@ def rerank_exact(q_row, lse_row, keys, valid, k, sm_scale):
 
 
 # =============================================================================================
-# Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
+# the selection: the top-k of the scores the attention pass wrote (Algorithm 3's ArgTopK)
 # =============================================================================================
-@triton.jit
-def _topk_score_kernel(q, lse, k_codes, k_lo, k_scale, k_zero, n_quant_ptr, f_idx, f_valid, f_k, keys, hist,
-                       k_ref, ref_map, qk_scale, S, S_PAD, K, D, G, FIRST, N_REF, R: tl.constexpr,
-                       BITS: tl.constexpr, HIER: tl.constexpr, RB: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr,
-                       HAS_FETCH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-                       PLANES: tl.constexpr = False, CODES: tl.constexpr = 0, CODE_OFF: tl.constexpr = 0.0):
-    """Grid (B*Hkv, n_chunks). Scores one chunk of CHUNK quantized positions for the selecting query
-    tokens (R of them, rows m = g*R + r): score[p] = max_r sum_g 2^(q_gr.k'_p - lse_gr) (the
-    attention probability summed over the kv head's query heads, the best token's; fetched positions
-    use their fp rows). Writes each position's radix key (_radix_key) and adds the chunk's histogram
-    of the keys' top 8 bits to the kv head's round-0 histogram (the selection's first round, fused).
-    Positions below FIRST or past n_quant are never candidates (key 0).
-    PLANES (plain KIVI codes): the attention's bit-plane tiles (kernels.py: plane-major columns, codes
-    as CODE_OFF + c), and the fetched rows' exact keys written over the chunk's after the loop instead
-    of a [GROUP_K, K] comparison in it."""
-    bh = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_c = tl.arange(0, BLOCK_D)
-    offs_d = tile_channels(offs_c, BLOCK_D, BITS, PLANES)
-    g_ok = offs_g < G * R
-    d_ok = offs_d < D
-    dt = q.dtype.element_ty
-    if UPCAST:
-        dt = tl.float32
-    qt = tl.load(q + (bh * G * R + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
-                 other=0.0)
-    qt = qt.to(tl.float32) * qk_scale
-    lse_g = tl.load(lse + bh * G * R + offs_g, mask=g_ok, other=float("inf")).to(tl.float32) * LOG2E
-    offs_f = tl.arange(0, BLOCK_F)
-    if HAS_FETCH:  # exact probabilities of the fetched rows (Algorithm 3's A)
-        f_ok = offs_f < K
-        valid = tl.load(f_valid + bh * K + offs_f, mask=f_ok, other=0) != 0
-        fidx = tl.where(valid, tl.load(f_idx + bh * K + offs_f, mask=f_ok, other=-1), -1)
-        fk = tl.load(f_k + (bh * K + offs_f[:, None]) * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
-                     other=0.0).to(dt)
-        fs = tl.exp2(tl.dot(qt.to(dt), tl.trans(fk), input_precision=DOT) - lse_g[:, None])
-        f_exact = best_row(fs, offs_g, g_ok, R)  # [BLOCK_F]
-    lo = chunk * CHUNK
-    hi = tl.minimum(tl.load(n_quant_ptr), S)
-    if PLANES:
-        last = S // GROUP_K - 1
-        for n0 in range(0, CHUNK, GROUP_K):
-            offs_n = lo + n0 + tl.arange(0, GROUP_K)
-            n_ok = (offs_n < hi) & (offs_n >= FIRST)
-            grp = bh * (S // GROUP_K) + tl.minimum((lo + n0) // GROUP_K, last)  # (past S: any group, no key)
-            s = plane_key_scores(qt, k_codes, k_scale, k_zero, bh * S + tl.minimum(offs_n, S - 1), grp, offs_c, offs_d, D,
-                                 dt, BITS, BLOCK_D, CODES, CODE_OFF, DOT)
-            tl.store(keys + bh * S_PAD + offs_n, _radix_key(best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R), n_ok))
-        if HAS_FETCH:  # the fetched positions of this chunk: their fp rows' exact scores replace the low-bit ones
-            tl.debug_barrier()
-            mine = (fidx >= lo) & (fidx < lo + CHUNK)
-            tl.store(keys + bh * S_PAD + fidx, _radix_key(f_exact, (fidx < hi) & (fidx >= FIRST)), mask=mine)
-    else:
-        for n0 in range(0, CHUNK, GROUP_K):
-            offs_n = lo + n0 + tl.arange(0, GROUP_K)
-            n_ok = (offs_n < hi) & (offs_n >= FIRST)
-            rows = bh * S + offs_n
-            grp_ok = offs_d < tl.where(lo + n0 < hi, D, 0)  # (block & scalar-bool masks break the interpreter)
-            sk, zk, ref_rows, ref_ok = key_group(k_scale, k_zero, ref_map, rows, n_ok, bh * (S // GROUP_K) + (lo + n0) // GROUP_K,
-                                                  offs_d, grp_ok, D, N_REF, HIER, RB)
-            ck = load_codes(k_codes, k_lo, rows, n_ok, offs_d, D, k_ref, ref_rows, ref_ok, BITS, HIER, RB, WORDS,
-                            GROUP_K, BLOCK_D)
-            s = key_scores(qt, sk, zk, ck, dt, DOT)
-            prob = best_row(tl.exp2(s - lse_g[:, None]), offs_g, g_ok, R)
-            if HAS_FETCH:
-                hit = offs_n[:, None] == fidx[None, :]
-                exact = tl.sum(tl.where(hit, f_exact[None, :], 0.0), 1)
-                prob = tl.where(tl.max(hit.to(tl.int32), 1) > 0, exact, prob)
-            tl.store(keys + bh * S_PAD + offs_n, _radix_key(prob, n_ok))
-    tl.debug_barrier()  # the chunk's keys, written by all threads, are read back by all threads
-    key = tl.load(keys + bh * S_PAD + lo + tl.arange(0, CHUNK))
-    h = tl.histogram(key >> 24, RADIX)
-    tl.atomic_add(hist + bh * HIST_ROW + tl.arange(0, RADIX), h, mask=h > 0)
+class Selection(NamedTuple):
+    """What a layer's fetch picks its rows by (Prefetcher.start): the selecting tokens' logits that the
+    attention kernel wrote while it attended (kernels.attention_lowbit(select=R): quantized slots scored
+    by their low-bit keys, fetched positions by their fp rows, the residual at n_quant + r), so no kernel
+    reads the key codes a second time."""
+    logits: Tensor  # [B,Hkv,G*R,S] fp32, log2 units; row g*R + r: query head g of the kv head, selecting token r
+    lse: Tensor  # [B,H,R] the selecting tokens' logsumexp (natural log)
+    n_quant: Tensor  # 0-d: the candidates are positions [first, n_quant)
+    k: int  # rows to pick (re-ranking: its N*k candidates)
+    first: int = 0  # positions below it are kept in fp16 anyway (attention sinks)
+    rerank: Optional[tuple] = None  # re-ranking: (q_rows [B,H,R,D], lse, sm_scale) score the candidates' fp keys
+
+
+class Picked(NamedTuple):
+    """Rows chosen already (the oracle's exact top-k, or re-ranking's candidates): positions idx [B,Hkv,k]
+    where valid."""
+    idx: Tensor
+    valid: Tensor
+    rerank: Optional[tuple] = None  # re-ranking: (q_rows [B,H,R,D], lse_rows [B,H,R], sm_scale)
+
+
+def selection_scores(logits, lse_rows):
+    """logits [B,Hkv,G*R,S] (log2 units) and lse_rows [B,H,R] -> score [B,Hkv,S]: the attention probability
+    summed over the kv head's G query heads (one fetch per kv head serves them all), the best of the R tokens."""
+    B, Hkv, GR, S = logits.shape
+    R = lse_rows.shape[-1]
+    p = torch.exp2(logits - lse_rows.float().reshape(B, Hkv, GR, 1) * LOG2E.value)
+    return p.view(B, Hkv, GR // R, R, S).sum(2).amax(2)
+
+
+def select_ref(logits, lse_rows, n_quant, k: int, first: int = 0):
+    """-> (idx, valid) [B,Hkv,k]: the k positions of [first, n_quant) with the largest selection_scores, in
+    position order; of several positions with the k-th score the lowest get in (as the kernel decides:
+    deterministic). With fewer than k candidates the other slots are invalid (the lowest other positions)."""
+    score = selection_scores(logits, lse_rows)
+    B, Hkv, S = score.shape
+    pos = torch.arange(S, device=score.device)
+    score = torch.where((pos >= first) & (pos < n_quant), score, -1.0)
+    kth = score.topk(k, -1).values[..., -1:]
+    above, tie = score > kth, score == kth
+    take = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    slot = torch.where(take, take.cumsum(-1) - 1, k)  # (slot k: a bin for the positions not taken)
+    idx = torch.zeros(B, Hkv, k + 1, dtype=torch.long, device=score.device).scatter(-1, slot, pos.expand(B, Hkv, S))
+    idx = idx[..., :k]
+    return idx, score.gather(-1, idx) >= 0
 
 
 @triton.jit
@@ -197,19 +167,13 @@ def best_row(p, offs_g, g_ok, R: tl.constexpr):
     return best
 
 
-# ---- radix selection (FlashInfer's top_k, Quest's RAFT select): 8 bits per round ------------------
-# A score p >= 0 has the key bits(p) + 1 (the fp32 bits of a non-negative float order as integers);
-# a position that is no candidate has key 0. Keys fit 31 bits, so int32 shifts never sign-extend.
-# Round r histograms digit r (bits 31-8r down to 24-8r) of the keys whose higher digits equal the k-th
-# largest key's (found by rounds < r); after 4 rounds the k-th key T is known, and the selection is
-# every key > T and the first (k - #keys > T) keys == T. Each round is a launch over the same
-# (kv head, chunk) grid, adding its chunks' histograms with atomics: no host sync, a static grid.
+# ---- radix selection, 8 bits a round (FlashInfer's top_k, Quest's RAFT select), one program a kv head ----
+# A score p >= 0 has the key bits(p) + 1 (the fp32 bits of a non-negative float order as integers); a position
+# that is no candidate has key 0. Keys fit 31 bits, so int32 shifts never sign-extend. Round r histograms digit
+# r of the keys whose higher digits are the k-th largest key's; rounds stop as soon as the k-th key's bucket is
+# taken whole. Then one pass in position order takes every key above the prefix and the first ties on it.
 RADIX = tl.constexpr(256)
-# One warp per program for the rounds and the collect: each program's fixed work (the threshold from
-# the histograms) is not repeated per warp (docs/kernels.md; not timed). The order's [K, K] ranks:
-# transfer.square_tile_warps.
-ROUND_WARPS, COLLECT_WARPS = 1, 1
-HIST_ROW = tl.constexpr(4 * 256 + 2)  # per kv head: the 4 rounds' histograms, then the two collect counters
+SELECT_WARPS = 8  # one program streams a kv head's 32k scores: warps keep loads in flight (not timed on a GPU)
 
 
 @triton.jit
@@ -219,180 +183,180 @@ def _radix_key(score, ok):
 
 
 @triton.jit
-def _radix_threshold(hist_row, K, ROUNDS: tl.constexpr):
-    """From the histograms of rounds < ROUNDS -> (prefix, need): the ROUNDS high digits of the K-th
-    largest key, and how many of the keys with that prefix belong to the K largest."""
+def _bucket(h, need):
+    """Histogram h [RADIX] -> (the bucket holding the need-th largest key, how many of that bucket's keys
+    are among the need largest, how many keys it holds)."""
     bins = tl.arange(0, RADIX)
-    prefix = 0
-    need = K
-    for r in tl.static_range(ROUNDS):
-        h = tl.load(hist_row + r * RADIX + bins)
-        above = tl.sum(h, 0) - tl.cumsum(h, 0)  # keys in higher buckets
-        here = (above < need) & (above + h >= need)  # exactly one bucket holds the need-th key
-        b = tl.max(tl.where(here, bins, 0), 0)
-        need = need - tl.sum(tl.where(bins == b, above, 0), 0)
-        prefix = (prefix << 8) | b
-    return prefix, need
+    above = tl.sum(h, 0) - tl.cumsum(h, 0)  # keys in higher buckets
+    b = tl.max(tl.where((above < need) & (above + h >= need), bins, 0), 0)
+    at = bins == b
+    return b, need - tl.sum(tl.where(at, above, 0), 0), tl.sum(tl.where(at, h, 0), 0)
 
 
 @triton.jit
-def _radix_round_kernel(keys, hist, S_PAD, K, CHUNK: tl.constexpr, ROUND: tl.constexpr):
-    """Grid (B*Hkv, n_chunks): one chunk's histogram of digit ROUND over the keys that share the K-th
-    key's higher digits, added to the kv head's histogram of round ROUND (ROUND 0: every key, for keys
-    that did not come from _topk_score_kernel)."""
+def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, work, sel_idx, sel_ok, S, S_PAD, K, FIRST, G,
+                   Hkv, fetch_idx, fetch_valid, s_idx, RING, OFF,
+                   q, q_sb, q_sh, q_sr, q_sd, s_q, s_lse, new_k, new_v, n_sb, n_sh, n_sd, new_pos, s_k, s_v, s_pos, D,
+                   R: tl.constexpr, RS: tl.constexpr, RECORD: tl.constexpr, STAGE_Q: tl.constexpr,
+                   HAS_NEW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv,): the k rows of kv head bh that the next step fetches, and what the transfer needs, in one
+    program. Keys from the logits the attention wrote (score = max_r sum_g 2^(logit - lse), select_ref),
+    radix rounds over them, then the K selected positions in position order to sel_idx/sel_ok. RECORD (the
+    plain transfer): lay them out in the ring as transfer.record_rows does (a row the ring holds keeps its slot;
+    the others take the freed slots in order) into fetch_idx/fetch_valid [.., RING] from slot OFF, and give the
+    transfer its host row per ring slot, s_idx (-1: keep). STAGE_Q (re-ranking, whose candidates are
+    sel_idx/sel_ok): the query rows and their lse, RS rows a head from the R tokens, into s_q/s_lse. HAS_NEW:
+    the step's token new_k/new_v and new_pos into s_k/s_v/s_pos. The staged inputs are what the side stream
+    reads: the step's own tensors are graph temporaries."""
     bh = tl.program_id(0).to(tl.int64)
-    key = tl.load(keys + bh * S_PAD + tl.program_id(1) * CHUNK + tl.arange(0, CHUNK))
-    if ROUND == 0:
-        h = tl.histogram(key >> 24, RADIX)
-    else:
-        prefix, _ = _radix_threshold(hist + bh * HIST_ROW, K, ROUND)
-        h = tl.histogram((key >> (24 - 8 * ROUND)) & 255, RADIX, mask=(key >> (32 - 8 * ROUND)) == prefix)
-    tl.atomic_add(hist + bh * HIST_ROW + ROUND * RADIX + tl.arange(0, RADIX), h, mask=h > 0)
+    b, h = bh // Hkv, bh % Hkv
+    offs = tl.arange(0, CHUNK)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < G * R
+    lse_g = tl.load(lse + b * l_sb + (h * G + offs_g // R) * l_sh + (offs_g % R) * l_sr, mask=g_ok,
+                    other=float("inf")) * LOG2E
+    hi = tl.minimum(tl.load(n_quant_ptr), S)
+    row = logits + (bh * G * R + offs_g)[:, None] * S
+    # round 0: every position's key, and the histogram of its top digit
+    hist = tl.zeros([RADIX], tl.int32)
+    for c0 in range(0, S_PAD, CHUNK):
+        pos = c0 + offs
+        ok = (pos >= FIRST) & (pos < hi)
+        lg = tl.load(row + pos[None, :], mask=g_ok[:, None] & ok[None, :], other=-float("inf"))
+        key = _radix_key(best_row(tl.exp2(lg - lse_g[:, None]), offs_g, g_ok, R), ok)
+        tl.store(keys + bh * S_PAD + pos, key)
+        hist += tl.histogram(key >> 24, RADIX)
+    prefix, need, count = _bucket(hist, K)
+    shift = prefix * 0 + 24
+    for r in tl.static_range(1, 4):
+        if count > need:  # the k-th key's bucket is not taken whole: its next 8 bits decide
+            hist = tl.zeros([RADIX], tl.int32)
+            for c0 in range(0, S_PAD, CHUNK):
+                key = tl.load(keys + bh * S_PAD + c0 + offs)
+                hist += tl.histogram((key >> (24 - 8 * r)) & 255, RADIX, mask=(key >> (32 - 8 * r)) == prefix)
+            digit, need, count = _bucket(hist, need)
+            prefix = (prefix << 8) | digit
+            shift = shift * 0 + (24 - 8 * r)
+    # every key above the prefix, and the first `need` on it, in position order: one scan counts both (above
+    # in the low 16 bits, ties in the high: CHUNK < 2^16), the ties taken before a position are min(ties, left)
+    n_take = prefix * 0
+    n_tie = prefix * 0
+    for c0 in range(0, S_PAD, CHUNK):
+        pos = c0 + offs
+        key = tl.load(keys + bh * S_PAD + pos)
+        above = ((key >> shift) > prefix).to(tl.int32)
+        tie = ((key >> shift) == prefix).to(tl.int32)
+        both = above + (tie << 16)
+        before = tl.cumsum(both, 0) - both
+        ties_left = tl.maximum(need - n_tie, 0)
+        ties_before = tl.minimum(before >> 16, ties_left)
+        take = above | (tie & ((before >> 16) < ties_left).to(tl.int32))
+        slot = n_take + (before & 0xFFFF) + ties_before
+        put = (take != 0) & (slot < K)  # (exactly K are taken: a guard)
+        tl.store(sel_idx + bh * K + slot, pos.to(tl.int64), mask=put)
+        tl.store(sel_ok + bh * K + slot, (key > 0).to(tl.int8), mask=put)
+        total = tl.sum(both, 0)
+        n_take += (total & 0xFFFF) + tl.minimum(total >> 16, ties_left)
+        n_tie += total >> 16
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    if RECORD:
+        _record(keys + bh * S_PAD, work + bh * 2 * BLOCK_K, sel_idx + bh * K, sel_ok + bh * K,
+                fetch_idx + bh * RING + OFF, fetch_valid + bh * RING + OFF, s_idx + bh * K, offs_k, K, S_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    if STAGE_Q:  # query row m = g*RS + r of the kv head, from selecting token r % R
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < G * RS
+        head, tok = h * G + offs_m // RS, offs_m % RS % R
+        src = (b * q_sb + head * q_sh + tok * q_sr)[:, None] + offs_d[None, :] * q_sd
+        md = m_ok[:, None] & d_ok[None, :]
+        tl.store(s_q + (bh * G * RS + offs_m)[:, None] * D + offs_d[None, :], tl.load(q + src, mask=md), mask=md)
+        tl.store(s_lse + bh * G * RS + offs_m, tl.load(lse + b * l_sb + head * l_sh + tok * l_sr, mask=m_ok), mask=m_ok)
+    if HAS_NEW:
+        src = b * n_sb + h * n_sh + offs_d * n_sd
+        tl.store(s_k + bh * D + offs_d, tl.load(new_k + src, mask=d_ok), mask=d_ok)
+        tl.store(s_v + bh * D + offs_d, tl.load(new_v + src, mask=d_ok), mask=d_ok)
+        if bh == 0:
+            tl.store(s_pos, tl.load(new_pos))
 
 
 @triton.jit
-def _radix_collect_kernel(keys, hist, sel_key, sel_pos, S_PAD, K, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Grid (B*Hkv, n_chunks): the chunk's keys > T go to slots [0, K - need) and its keys == T to the
-    next free of slots [K - need, K) while any is left (which ties get in: the order the chunks
-    arrive). Slots are claimed with two atomic counters per kv head; unsorted."""
-    bh = tl.program_id(0).to(tl.int64)
-    row = hist + bh * HIST_ROW
-    t, need = _radix_threshold(row, K, 4)
-    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    key = tl.load(keys + bh * S_PAD + offs)
-    gt = (key > t).to(tl.int32)
-    eq = (key == t).to(tl.int32)
-    n_gt = tl.sum(gt, 0)
-    n_eq = tl.sum(eq, 0)
-    base_gt = tl.atomic_add(row + 4 * RADIX, n_gt, mask=n_gt > 0)
-    base_eq = tl.atomic_add(row + 4 * RADIX + 1, n_eq, mask=n_eq > 0)
-    slot = tl.where(gt != 0, base_gt + tl.cumsum(gt, 0) - gt, K - need + base_eq + tl.cumsum(eq, 0) - eq)
-    take = ((gt != 0) | (eq != 0)) & (slot < K)  # (slot < K always holds for keys > T: a guard)
-    tl.store(sel_key + bh * BLOCK_K + slot, key, mask=take)
-    tl.store(sel_pos + bh * BLOCK_K + slot, offs, mask=take)
+def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, s_idx, offs_k, K, S_PAD):
+    """transfer.record_rows for one kv head in O(k): `where` (the spent keys) maps a position to the ring slot
+    that holds it, checked against fetch_idx (entries the map never set hold stale keys); `work` [2, BLOCK_K]
+    holds which slots keep their row, then the free slots in order."""
+    kept, free_list = work, work + offs_k.shape[0]
+    k_ok = offs_k < K
+    tl.debug_barrier()  # (the selection's stores, read back below by other threads)
+    old = tl.load(fetch_idx + offs_k, mask=k_ok, other=-1)
+    old_ok = k_ok & (tl.load(fetch_valid + offs_k, mask=k_ok, other=0) != 0) & (old >= 0) & (old < S_PAD)
+    tl.store(where + old, offs_k, mask=old_ok)
+    tl.store(kept + offs_k, offs_k * 0, mask=k_ok)
+    tl.debug_barrier()
+    pos = tl.load(sel_idx + offs_k, mask=k_ok, other=0)
+    ok = k_ok & (tl.load(sel_ok + offs_k, mask=k_ok, other=0) != 0)
+    slot = tl.load(where + pos, mask=ok, other=-1)
+    ok_slot = ok & (slot >= 0) & (slot < K)
+    held = ok_slot & (tl.load(fetch_idx + slot, mask=ok_slot, other=-1) == pos) & \
+        (tl.load(fetch_valid + slot, mask=ok_slot, other=0) != 0)
+    tl.store(kept + slot, slot * 0 + 1, mask=held)
+    tl.debug_barrier()
+    free = k_ok & (tl.load(kept + offs_k, mask=k_ok, other=1) == 0)
+    free_i = free.to(tl.int32)
+    tl.store(free_list + tl.cumsum(free_i, 0) - free_i, offs_k, mask=free)
+    tl.store(fetch_idx + offs_k, pos * 0, mask=free)  # a freed slot holds nothing unless a new row lands there
+    tl.store(fetch_valid + offs_k, tl.zeros_like(free_i).to(tl.int8), mask=free)
+    tl.store(s_idx + offs_k, pos * 0 - 1, mask=k_ok)
+    tl.debug_barrier()
+    miss = ok & ~held
+    miss_i = miss.to(tl.int32)
+    to = tl.load(free_list + tl.cumsum(miss_i, 0) - miss_i, mask=miss, other=0)
+    tl.store(fetch_idx + to, pos, mask=miss)
+    tl.store(fetch_valid + to, miss_i.to(tl.int8), mask=miss)
+    tl.store(s_idx + to, pos, mask=miss)
 
 
-@triton.jit
-def _radix_order_kernel(sel_key, sel_pos, top_score, top_idx, K, BLOCK_K: tl.constexpr):
-    """Grid (B*Hkv,): the K selected keys in descending order (rank = keys ahead of it, ties by slot)
-    -> (score, position); a slot with key 0 (fewer than K candidates) gets score -1 and position 0."""
-    bh = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_K)
-    ok = offs < K
-    key = tl.load(sel_key + bh * BLOCK_K + offs, mask=ok, other=-1)
-    pos = tl.load(sel_pos + bh * BLOCK_K + offs, mask=ok, other=0)
-    ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (offs[None, :] < offs[:, None]))
-    rank = tl.sum(ahead.to(tl.int32), 1)
-    valid = key > 0
-    tl.store(top_score + bh * K + rank, tl.where(valid, (key - 1).to(tl.float32, bitcast=True), -1.0), mask=ok)
-    tl.store(top_idx + bh * K + rank, tl.where(valid, pos, 0).to(tl.int64), mask=ok)
-
-
-def radix_select_triton(keys, k: int, chunk: int, hist=None):
-    """keys [BH, S_PAD] int32 (_radix_key images; S_PAD a multiple of chunk) -> (score, position)
-    [BH, k] of the k largest, descending. `hist`: a [BH, HIST_ROW] int32 workspace whose round-0
-    histogram the producer of the keys already added (_topk_score_kernel); None: zeros, round 0 here.
-    The selection reads nothing but keys, so any producer of scores (e.g. an attention kernel that
-    writes the selecting row's probabilities) can hand them over."""
-    BH, S_PAD = keys.shape
-    grid = (BH, S_PAD // chunk)
-    first_round = 1
-    if hist is None:
-        hist, first_round = torch.zeros(BH, HIST_ROW.value, dtype=torch.int32, device=keys.device), 0
-    for r in range(first_round, 4):
-        _radix_round_kernel[grid](keys, hist, S_PAD, k, CHUNK=chunk, ROUND=r, num_warps=ROUND_WARPS)
-    BLOCK_K = max(16, triton.next_power_of_2(k))
-    sel_key = torch.empty(BH, BLOCK_K, dtype=torch.int32, device=keys.device)
-    sel_pos = torch.empty(BH, BLOCK_K, dtype=torch.int32, device=keys.device)
-    _radix_collect_kernel[grid](keys, hist, sel_key, sel_pos, S_PAD, k, CHUNK=chunk, BLOCK_K=BLOCK_K, num_warps=COLLECT_WARPS)
-    top_score = torch.empty(BH, k, dtype=torch.float32, device=keys.device)
-    top_idx = torch.empty(BH, k, dtype=torch.int64, device=keys.device)
-    _radix_order_kernel[(BH,)](sel_key, sel_pos, top_score, top_idx, k, BLOCK_K=BLOCK_K,
-                               num_warps=square_tile_warps(BLOCK_K))
-    return top_score, top_idx
-
-
-def topk_lowbit_triton(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
-                       first: int = 0, chunk: int = 1024, attn_path=None, **launch):
-    q_rows, lse_rows = as_rows(q_row, lse_row)
-    B, H, R, D = q_rows.shape
-    Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
+def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, record=None, stage_q=None, token=None,
+                  chunk: int = 1024):
+    """select_ref in one launch (_select_kernel), -> (idx, valid) [B,Hkv,k]; `out`: where to write them
+    (re-ranking: its staged candidates). record = (fetch_idx, fetch_valid, off, s_idx): lay the rows out in
+    the ring and give the transfer its host rows (record_rows); stage_q = (q_rows [B,H,R',D], s_q [B,H,RS,D],
+    s_lse [B,H,RS]); token = (new_k, new_v, new_pos, s_k, s_v, s_pos). Strided inputs are read in place."""
+    B, Hkv, GR, S = logits.shape
+    H, R = lse_rows.shape[1:]
+    G, BH, dev = H // Hkv, B * Hkv, logits.device
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
-    words, BLOCK_D, k_codes, _, k_lo, _, k_ref, _ = code_layout(store, D)
-    plane = planes_for_keys(store, D, q_row.dtype, attn_path)  # (CODES, CODE_OFF) of the bit-plane tiles, or None
-    if plane is not None:  # bytes, not words
-        k_codes = store.k_codes.contiguous()
-    chunk = max(min(chunk, triton.next_power_of_2(S)), store.group_k)
-    n_chunks = triton.cdiv(S, chunk)
-    BH, G, dev = B * Hkv, H // Hkv, q_row.device
-    f = fetched
-    K = f.k.shape[2] if f is not None else 0
-    keys = torch.empty(BH, n_chunks * chunk, dtype=torch.int32, device=dev)
-    hist = torch.zeros(BH, HIST_ROW.value, dtype=torch.int32, device=dev)
-    c = lambda x: x.contiguous() if x is not None else q_row  # noqa: E731
-    _topk_score_kernel[(BH, n_chunks)](
-        q_rows.contiguous(), lse_rows.contiguous(), k_codes, c(k_lo), c(store.k_scale), c(store.k_zero),
-        c(store.n_quant), c(f.idx) if f else q_row, f.valid.contiguous().view(torch.uint8) if f else q_row,
-        c(f.k) if f else q_row, keys, hist, c(k_ref), c(store.ref_map), float(sm_scale) * LOG2E.value, S,
-        n_chunks * chunk, K, D, G, first, store.n_ref, R,
-        BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
-        WORDS=words, GROUP_K=store.group_k, HAS_FETCH=f is not None,
-        DOT=dot_precision(q_row.dtype), UPCAST=interpreter_upcast(q_row.dtype), CHUNK=chunk,
-        BLOCK_G=max(16, triton.next_power_of_2(G * R)), BLOCK_D=BLOCK_D,
-        BLOCK_F=max(16, triton.next_power_of_2(max(K, 1))), PLANES=plane is not None,
-        CODES=plane[0] if plane else 0, CODE_OFF=plane[1] if plane else 0.0,
-        **{**({'num_warps': 2} if plane else {}), **launch})  # (planes: 2 warps, fewest instructions per position)
-    top_score, top_idx = radix_select_triton(keys, k, chunk, hist)
-    return top_score.view(B, Hkv, k), top_idx.view(B, Hkv, k)
-
-
-# =============================================================================================
-# the custom op (CUDA path, opaque to torch.compile) and the public dispatcher
-# =============================================================================================
-@torch.library.custom_op("specache::topk_lowbit", mutates_args=())
-def _topk_lowbit_op(q_row: Tensor, lse_row: Tensor, tensors: list[Tensor], ints: list[int],
-                    optional: list[Optional[Tensor]], k: int, sm_scale: float, first: int = 0,
-                    attn_path: Optional[str] = None) -> tuple[Tensor, Tensor]:
-    store, _, fetched = from_op_inputs(tensors, ints, optional)
-    return topk_lowbit_triton(q_row, lse_row, store, k, sm_scale, fetched, first, attn_path=attn_path)
-
-
-@_topk_lowbit_op.register_fake
-def _(q_row, lse_row, tensors, ints, optional, k, sm_scale, first=0, attn_path=None):
-    shape = (q_row.shape[0], tensors[0].shape[1], k)
-    return q_row.new_empty(shape, dtype=torch.float32), q_row.new_empty(shape, dtype=torch.int64)
-
-
-def topk_lowbit(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None, first: int = 0,
-                use_op=None, attn_path=None):
-    """-> (score [B,Hkv,k] fp32, idx [B,Hkv,k] int64), sorted by score; see topk_lowbit_ref for the
-    GQA reduction, several selecting tokens and `first`. Slots with score < 0 are invalid (fewer
-    than k candidate positions). use_op, attn_path: as kernels.attention_lowbit's."""
-    if q_row.is_cuda if use_op is None else use_op:
-        tensors, ints, optional = op_inputs(store, Residual(None, None, None), fetched)
-        return _topk_lowbit_op(q_row, lse_row, list(tensors[:7]), list(ints), list(optional), k, float(sm_scale), first,
-                               attn_path)
-    return topk_lowbit_ref(q_row, lse_row, store, k, sm_scale, fetched, first)
-
-
-# =============================================================================================
-# what a layer fetches
-# =============================================================================================
-def select(q_rows, lse_rows, fetched: Optional[Fetched] = None, *, store: LowBitKV, k: int, sm_scale, first: int = 0,
-           use_op=None, attn_path=None, keys: Optional[Tensor] = None, candidates: Optional[int] = None):
-    """The rows a SpeCache layer fetches for its selecting query token(s) q_rows [B,H,D] or [B,H,R,D]
-    (lse_rows: their softmax normalizers) -> (idx, valid [B,Hkv,k], rerank_by) for Prefetcher.start:
-    the top-k quantized positions (below `first`, the sinks: never) by low-bit attention (`fetched`:
-    the rows this step attended in fp score exactly, Algorithm 3's A), or by exact attention over the fp
-    `keys` (the oracle). With `candidates` (re-ranking), the low-bit top-`candidates` instead, and
-    rerank_by = (query rows, lse, sm_scale) that pick the k among them where their keys land (rerank_rows)."""
-    if keys is not None:
-        score, idx = topk_exact(q_rows, keys, store.n_quant, k, sm_scale, first=first)
-    else:
-        score, idx = topk_lowbit(q_rows, lse_rows, store, candidates or k, sm_scale, fetched, first=first, use_op=use_op,
-                                 attn_path=attn_path)
-    return idx, score >= 0, (*as_rows(q_rows, lse_rows), sm_scale) if candidates else None
+    assert logits.is_contiguous() and GR == G * R
+    chunk = min(chunk, triton.next_power_of_2(S))
+    S_PAD = triton.cdiv(S, chunk) * chunk
+    BLOCK_K = triton.next_power_of_2(k)
+    keys = torch.empty(BH, S_PAD, dtype=torch.int32, device=dev)
+    work = torch.empty(BH, 2, BLOCK_K, dtype=torch.int32, device=dev)
+    idx, ok = out if out is not None else (torch.empty(B, Hkv, k, dtype=torch.long, device=dev),
+                                           torch.empty(B, Hkv, k, dtype=torch.bool, device=dev))
+    assert idx.is_contiguous() and ok.is_contiguous() and idx.shape == ok.shape == (B, Hkv, k)
+    any_t = keys  # absent inputs: any valid pointer
+    fetch_idx, fetch_valid, off, s_idx = record if record is not None else (any_t, any_t, 0, any_t)
+    if record is not None:
+        assert fetch_idx.is_contiguous() and fetch_valid.is_contiguous() and s_idx.shape == (B, Hkv, k)
+        fetch_valid = fetch_valid.view(torch.int8)
+    q, s_q, s_lse = stage_q if stage_q is not None else (any_t, any_t, any_t)
+    q_strides, RS = (q.stride(), s_q.shape[2]) if stage_q is not None else ((0,) * 4, 1)
+    new_k, new_v, new_pos, s_k, s_v, s_pos = token if token is not None else (any_t,) * 6
+    new_strides = (new_k.stride(0), new_k.stride(1), new_k.stride(3)) if token is not None else (0,) * 3
+    assert token is None or new_v.stride() == new_k.stride()
+    D = s_k.shape[-1] if token is not None else s_q.shape[-1] if stage_q is not None else 1
+    _select_kernel[(BH,)](
+        logits, lse_rows, *lse_rows.stride(), n_quant, keys, work, idx, ok.view(torch.int8), S, S_PAD, k, first, G,
+        Hkv, fetch_idx, fetch_valid, s_idx, fetch_idx.shape[-1] if record is not None else 0, off,
+        q, *q_strides, s_q, s_lse, new_k, new_v, *new_strides, new_pos, s_k, s_v, s_pos, D,
+        R=R, RS=RS, RECORD=record is not None, STAGE_Q=stage_q is not None, HAS_NEW=token is not None, CHUNK=chunk,
+        BLOCK_G=max(2, triton.next_power_of_2(G * R)), BLOCK_K=BLOCK_K, BLOCK_M=max(2, triton.next_power_of_2(G * RS)),
+        BLOCK_D=triton.next_power_of_2(D), num_warps=SELECT_WARPS)
+    return idx, ok
 
 
 # =============================================================================================

@@ -1,9 +1,7 @@
 """The kernels that move fp16 KV rows between the host store and the device (specache.txt §3.3).
-prefetch.py decides when they run (the side stream, its staging and events); this file is what
-they do, a torch reference beside each Triton kernel.
+prefetch.py decides when they run (the side stream and its events); the selection that picks the rows
+and stages the transfer's inputs is topk.py's one launch. A torch reference beside each Triton kernel.
 
-  stage          the main stream's part of a fetch: one launch copies the transfer's inputs into
-                 buffers the side stream owns (and records which rows the ring will hold).
   transfer_rows  one launch per layer and step, K and V together, on a small persistent grid: write
                  the step's real token (new_k/new_v [B,Hkv,1,D]) to host row new_pos, and gather
                  host rows idx [B,Hkv,k] into the layer's ring (a row equal to new_pos comes from
@@ -64,119 +62,12 @@ def record_rows_tile(fetch_idx, fetch_valid, slots, slot_ok, rows, row_ok, rank,
     return put
 
 
-# =============================================================================================
-# staging: the main stream's part of a fetch (CUDA: one launch; CPU: copies)
-# =============================================================================================
-# record_rows inside the staging launch up to k 128; a larger k's [k, k] tile is torch's ops on the main
-# stream (a few launches more): in one program a 512 x 512 tile took ptxas 85 s for sm_80 even on 32 warps.
-RECORD_IN_KERNEL_MAX = 128
-
-
 def square_tile_warps(block: int) -> int:
-    """Warps for a program whose work is one [block, block] tile (record_rows' slots x rows, the top-k's
-    ranks): one warp up to 64 x 64 (its fixed work is not repeated per warp; static count, not timed),
-    then about 64 elements a thread, at most 32 warps. On one warp a 512 x 512 tile is 8,192 elements a
-    thread and ptxas ran for over 6 minutes on it (seen on an H100 and in the sm_90 compile here)."""
+    """Warps for a program whose work is one [block, block] tile (re-ranking's ranks and record_rows_tile): one
+    warp up to 64 x 64 (its fixed work is not repeated per warp; static count, not timed), then about 64
+    elements a thread, at most 32 warps. On one warp a 512 x 512 tile is 8,192 elements a thread and ptxas
+    ran for over 6 minutes on it (seen on an H100 and in the sm_90 compile here)."""
     return 1 if block <= 64 else min(32, block * block // 2048)
-
-
-@triton.jit
-def _stage_kernel(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, K, D, H, n_sb, n_sh, n_sd,
-                  valid, rec_idx, rec_valid, RING, OFF,
-                  cand, cand_valid, q, lse, s_cand, s_cand_valid, s_q, s_lse, C, M, q_sb, q_sh, q_sr, q_sd,
-                  l_sb, l_sh, l_sr, HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, HAS_RECORD: tl.constexpr,
-                  HAS_RERANK: tl.constexpr, R: tl.constexpr, RQ: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Grid (B*Hkv,): copy one layer's transfer inputs into the prefetcher's staging buffers, one
-    launch on the main stream instead of up to eight copies. new_k/new_v [B,Hkv,1,D] and the query
-    rows q [B,Hq,RQ,D] / lse [B,Hq,RQ] are read through their strides (slices of the step's tensors:
-    no .contiguous() copies) into staging of R rows per head; kv head bh's query rows are heads
-    bh*G .. bh*G+G-1, row m = g*R + r, read from token r % RQ (one token staged for two: twice, as the
-    CPU path's broadcasting copy does; the union policy's pre-decoding has one selecting token).
-    HAS_RECORD: also record idx and valid in the cache's fetch_idx/fetch_valid [.., RING] from slot OFF."""
-    bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // H, bh % H
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    if HAS_IDX:
-        offs_k = tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        i = tl.load(idx + bh * K + offs_k, mask=k_ok, other=0)
-        if HAS_RECORD:  # record_rows: rows the ring holds stay in their slots; copy only the others
-            new_ok = tl.load(valid + bh * K + offs_k, mask=k_ok, other=0) != 0
-            put = record_rows_tile(rec_idx, rec_valid, bh * RING + OFF + offs_k, k_ok, i, new_ok, i, BY_RANK=False)
-            i = tl.where(tl.max(put.to(tl.int32), 1) > 0, tl.sum(tl.where(put, i[None, :], 0), 1), -1)
-        tl.store(s_idx + bh * K + offs_k, i, mask=k_ok)
-    if HAS_NEW:
-        src = b * n_sb + h * n_sh + offs_d * n_sd
-        tl.store(s_k + bh * D + offs_d, tl.load(new_k + src, mask=d_ok), mask=d_ok)
-        tl.store(s_v + bh * D + offs_d, tl.load(new_v + src, mask=d_ok), mask=d_ok)
-        if bh == 0:
-            tl.store(s_pos, tl.load(new_pos))
-    if HAS_RERANK:
-        offs_c = tl.arange(0, BLOCK_C)
-        c_ok = offs_c < C
-        tl.store(s_cand + bh * C + offs_c, tl.load(cand + bh * C + offs_c, mask=c_ok), mask=c_ok)
-        tl.store(s_cand_valid + bh * C + offs_c, tl.load(cand_valid + bh * C + offs_c, mask=c_ok), mask=c_ok)
-        offs_m = tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
-        head, r = h * (M // R) + offs_m // R, offs_m % R
-        q_src = (b * q_sb + head * q_sh + (r % RQ) * q_sr)[:, None] + offs_d[None, :] * q_sd
-        md = m_ok[:, None] & d_ok[None, :]
-        tl.store(s_q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], tl.load(q + q_src, mask=md), mask=md)
-        tl.store(s_lse + bh * M + offs_m, tl.load(lse + b * l_sb + head * l_sh + (r % RQ) * l_sr, mask=m_ok), mask=m_ok)
-
-
-def stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
-    B, H, K = s_idx.shape
-    D = s_k.shape[-1]
-    any_t = s_idx
-    if record is not None and K > RECORD_IN_KERNEL_MAX:  # torch's record_rows, on this stream too
-        idx, record = record_rows(idx, *record), None
-    if record is not None:
-        valid, fetch_idx, fetch_valid, off = record
-        assert idx is not None and fetch_idx.is_contiguous() and fetch_valid.is_contiguous()
-        rec = (valid.contiguous().view(torch.int8), fetch_idx, fetch_valid.view(torch.int8), fetch_idx.shape[2], off)
-    else:
-        rec = (any_t,) * 3 + (0, 0)
-    if rerank is not None:
-        cand, cand_valid, q, lse = rerank
-        s_cand, s_cand_valid, s_q, s_lse = s_rerank
-        C, R, RQ = cand.shape[2], s_q.shape[2], q.shape[2]  # (the staging's rows per head; the query's)
-        M = s_q.shape[1] // H * R
-        assert cand.is_contiguous() and cand_valid.is_contiguous() and q.dtype == s_q.dtype and lse.dtype == s_lse.dtype
-        assert s_q.is_contiguous() and s_lse.is_contiguous() and q.shape[1] == s_q.shape[1] and R % RQ == 0
-        rr = (cand, cand_valid.view(torch.int8), q, lse, s_cand, s_cand_valid.view(torch.int8), s_q, s_lse, C, M,
-              *q.stride(), *lse.stride())
-    else:
-        R, RQ, C, M = 1, 1, 1, 1
-        rr = (any_t,) * 8 + (1, 1) + (0,) * 7
-    n_strides = (new_k.stride(0), new_k.stride(1), new_k.stride(3)) if new_k is not None else (0, 0, 0)
-    assert new_k is None or new_v.stride() == new_k.stride()
-    _stage_kernel[(B * H,)](idx.contiguous() if idx is not None else any_t,
-                            new_k if new_k is not None else any_t, new_v if new_v is not None else any_t,
-                            new_pos if new_pos is not None else any_t, s_idx, s_k, s_v, s_pos, K, D, H, *n_strides,
-                            *rec, *rr, HAS_IDX=idx is not None, HAS_NEW=new_k is not None,
-                            HAS_RECORD=record is not None, HAS_RERANK=rerank is not None, R=R, RQ=RQ,
-                            BLOCK_K=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D),
-                            BLOCK_C=triton.next_power_of_2(C), BLOCK_M=triton.next_power_of_2(M),
-                            num_warps=square_tile_warps(triton.next_power_of_2(K)) if record is not None else 1)
-
-
-def stage(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank=None, s_rerank=None, record=None):
-    """s_* = the transfer's inputs (staging buffers of one layer), on the current stream; with
-    re-ranking also rerank = (candidates, their validity, query rows, lse) into s_rerank; with
-    record = (valid, fetch_idx, fetch_valid, off), idx and valid into the cache's fetch_idx/fetch_valid."""
-    if s_idx.is_cuda:
-        return stage_triton(idx, new_k, new_v, new_pos, s_idx, s_k, s_v, s_pos, rerank, s_rerank, record)
-    if idx is not None:
-        s_idx.copy_(record_rows(idx, *record) if record is not None else idx)
-    if new_k is not None:
-        s_k.copy_(new_k)
-        s_v.copy_(new_v)
-        s_pos.copy_(new_pos.reshape(()))
-    for dst, src in zip(s_rerank or (), rerank or ()):
-        dst.copy_(src)
 
 
 # =============================================================================================
@@ -199,6 +90,41 @@ def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos
             rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D).to(ring.dtype)
             slots = ring[:, :, ring_off:] if ring_off else ring
             slots.copy_(torch.where(idx[..., None] >= 0, rows, slots))
+
+
+# =============================================================================================
+# the attention sinks: their fp rows kept in the ring's first slots once the first block is quantized
+# =============================================================================================
+def keep_sink_rows(bufs, k, v, first, n: int) -> None:
+    """Where `first` (0-d bool: the first block was just quantized), copy the first n rows of
+    k, v [B,H,>=n,D] into ring slots [0, n) and mark them valid. bufs: [ring_k, ring_v, fetch_valid]."""
+    ring_k, ring_v, valid = bufs
+    for ring, x in ((ring_k, k), (ring_v, v)):
+        ring[:, :, :n] = torch.where(first, x[:, :, :n].to(ring.dtype), ring[:, :, :n])
+    valid[:, :, :n] |= first
+
+
+@triton.jit
+def _keep_sinks_kernel(k, v, sb, sh, sn, sd, first, ring_k, ring_v, valid, H, N, RING, D, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv,): keep_sink_rows in one launch (a decode step calls it every step; `first` holds once)."""
+    bh = tl.program_id(0).to(tl.int64)
+    if tl.load(first) != 0:
+        offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+        ok = (offs_n < N)[:, None] & (offs_d < D)[None, :]
+        src = (bh // H) * sb + (bh % H) * sh + offs_n[:, None] * sn + offs_d[None, :] * sd
+        dst = (bh * RING + offs_n)[:, None] * D + offs_d[None, :]
+        tl.store(ring_k + dst, tl.load(k + src, mask=ok).to(ring_k.dtype.element_ty), mask=ok)
+        tl.store(ring_v + dst, tl.load(v + src, mask=ok).to(ring_v.dtype.element_ty), mask=ok)
+        tl.store(valid + bh * RING + offs_n, (offs_n >= 0).to(tl.int8), mask=offs_n < N)
+
+
+def keep_sinks_triton(bufs, k, v, first, n: int) -> None:
+    ring_k, ring_v, valid = bufs
+    B, H, RING, D = ring_k.shape
+    assert ring_k.is_contiguous() and ring_v.is_contiguous() and valid.is_contiguous() and v.stride() == k.stride()
+    _keep_sinks_kernel[(B * H,)](k, v, *k.stride(), first.view(torch.uint8), ring_k, ring_v, valid.view(torch.int8), H, n, RING, D,
+                                 BLOCK_N=triton.next_power_of_2(n), BLOCK_D=triton.next_power_of_2(D), num_warps=1)
 
 
 # (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)

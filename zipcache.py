@@ -121,8 +121,8 @@ class ZipCache(LowBitCache):
             for buf in (self.sal_acc, self.sal_cnt):
                 buf.index_fill_(2, rows, 0.0)
 
-    def attend(self, q, fetched: Optional[Fetched] = None):
-        out, lse = super().attend(q, fetched)
+    def attend(self, q, fetched: Optional[Fetched] = None, select: int = 0):
+        out = super().attend(q, fetched, select)
         if self.mixed:  # the real token is a saliency probe (a policy attending twice counts it twice: same ratio)
-            self.accumulate_saliency(q[:, :, :1], lse[:, :, :1])
-        return out, lse
+            self.accumulate_saliency(q[:, :, :1], out[1][:, :, :1])
+        return out

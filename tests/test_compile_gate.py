@@ -42,10 +42,9 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90(gate_rows):
     assert r.returncode == 0 and rows and not failed, (r.stdout[-3000:] + r.stderr[-3000:])
     assert {row["arch"] for row in rows} == archs
     kernels = {row["kernel"] for row in rows}
-    assert {"_attn_split_kernel", "_attn_combine_kernel", "_topk_score_kernel", "_radix_round_kernel",
-            "_radix_collect_kernel", "_radix_order_kernel", "_transfer_rows_kernel", "_stage_kernel",
+    assert {"_attn_split_kernel", "_attn_combine_kernel", "_select_kernel", "_transfer_rows_kernel",
             "_rerank_score_kernel", "_rerank_layout_kernel", "_rerank_pick_kernel"} <= kernels, kernels
-    # a kernel ptxas takes minutes on is a hang on the GPU (k 512's stage launch on one warp: over 6 min)
+    # a kernel ptxas takes minutes on is a hang on the GPU (a k 512 x 512 tile on one warp: over 6 min)
     slow = [(row["kernel"], row["variant"], row["compile_s"]) for row in rows if row["compile_s"] > 60]
     assert not slow, slow
 

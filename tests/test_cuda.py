@@ -30,7 +30,7 @@ from config import CacheConfig  # noqa: E402
 from generate import Decoding, Steps, compile_step, decode_step, setup_caches  # noqa: E402
 from tests.helpers import DEFAULT_CKPT, run_generate, tiny_model  # noqa: E402
 from tests.test_attn_gluon import model_rounding_error  # noqa: E402
-from tests.test_kernels import CASES, assert_same_topk, make_case, tol  # noqa: E402
+from tests.test_kernels import CASES, assert_same_selection, assert_same_topk, logits_written, make_case, tol  # noqa: E402
 
 DEV = torch.device(DEVICE)
 
@@ -106,35 +106,51 @@ def llama_case(bits, S):
 @pytest.mark.parametrize("attn_path", ["words", "planes", "gluon"])
 @pytest.mark.parametrize("bits", [1, 2])
 def test_attention_kernel_at_llama8b_shapes(bits, attn_path):
+    """Every attention path at Llama-3.1-8B shapes, with the speculative token's logits for the selection."""
     if attn_path == "gluon" and not ON_GPU:
         pytest.skip("Gluon kernels run on a GPU only")
     S = 32768 if ON_GPU else 1024
     c = llama_case(bits, S)
     dc = on(c)
-    want = kernels.attention_lowbit_ref(*dc.args())  # the reference, on the same device
-    got = kernels.attention_lowbit_triton(*dc.args(), attn_path=attn_path)
+    want = kernels.attention_lowbit_ref(*dc.args(), select=1)  # the reference, on the same device
+    got = kernels.attention_lowbit_triton(*dc.args(), attn_path=attn_path, select=1)
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=2e-3)
+    w = logits_written(c).to(DEV)
+    finite = torch.isfinite(want[2][..., w])
+    assert torch.equal(torch.isinf(got[2][..., w]), torch.isinf(want[2][..., w]))
+    torch.testing.assert_close(got[2][..., w][finite], want[2][..., w][finite], atol=5e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("attn_path", [None, "planes"])
+@pytest.mark.parametrize("attn_path", [None, "planes", "gluon"])
 @pytest.mark.parametrize("bits,S,dtype", [(2, 256, torch.float32), (1, 256, torch.float32), (1, None, torch.bfloat16)])
-def test_topk_kernel_matches_the_reference(bits, S, dtype, attn_path):
+def test_fused_selection_matches_the_reference(bits, S, dtype, attn_path):
+    """The attention's logits and the one-launch selection (with the ring's record) at up to 32k positions: the
+    rows the separate top-k over the codes picks (near-ties aside), exactly the rows select_ref picks from the
+    same logits, and the ring layout of transfer.record_rows."""
     S = S or (32768 if ON_GPU else 1024)
+    if attn_path == "gluon" and (not ON_GPU or dtype == torch.float32):
+        pytest.skip("Gluon kernels take 16-bit launches on a GPU only")
     c = make_case(B=1, Hkv=8 if S > 256 else 2, G=4, T=1, D=128, S=S, n_quant=S - 64, R=66, res_len=40, bits=bits,
                   gk=64, gv=64, fetch=64, dtype=dtype)
     dc = on(c)
-    _, lse = kernels.attention_lowbit_ref(*dc.args())
-    args = (dc.q[:, :, 0], lse[:, :, 0], dc.store, 64, dc.sm_scale, dc.fetched)
-    if attn_path:  # the bit-plane score tiles (compiled PTX unpacking: not yet the GPU default)
-        got = topk.topk_lowbit_triton(*args, attn_path=attn_path)
-    else:
-        got = (topk.topk_lowbit if ON_GPU else topk.topk_lowbit_triton)(*args)
+    if attn_path == "planes" and not lowbit.planes_fit(dc.store, 128, 4):
+        pytest.skip("the bit-plane path does not take this layout")
+    _, lse, logits = kernels.attention_lowbit_triton(*dc.args(), attn_path=attn_path, select=1)
+    Hkv = dc.store.k_codes.shape[1]
+    ring = [torch.full((1, Hkv, 4 + 64), -1, device=DEV), torch.zeros(1, Hkv, 4 + 64, dtype=torch.bool, device=DEV)]
+    want_ring = [t.clone() for t in ring]
+    s_idx = torch.empty(1, Hkv, 64, dtype=torch.long, device=DEV)
+    got = topk.select_triton(logits, lse, dc.store.n_quant, 64, 4, record=(*ring, 4, s_idx))
+    want = topk.select_ref(logits, lse, dc.store.n_quant, 64, 4)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(s_idx, transfer.record_rows(*want, *want_ring, 4)) and torch.equal(ring[0], want_ring[0])
     # the reference in fp32 over the same (16-bit) values: a bf16 reference rounds the dequantized keys
     # and the logits to 8 bits, and at 32k positions near-ties around the k-th then swap (seen on an H100)
     c32 = on(c, float_dtype=torch.float32)
-    want = topk.topk_lowbit_ref(c32.q[:, :, 0], lse[:, :, 0], c32.store, 64, c32.sm_scale, c32.fetched)
-    assert_same_topk([x.cpu() for x in got], [x.cpu() for x in want], rtol=1e-5 if dtype == torch.float32 else 2e-2)
+    score, pos = topk.topk_lowbit_ref(c32.q[:, :, 0], lse[:, :, 0].float(), c32.store, S, c32.sm_scale, c32.fetched, 4)
+    by_pos = torch.full_like(score, -1.0).scatter_reduce(-1, pos, score, "amax")
+    assert_same_selection([x.cpu() for x in got], by_pos.cpu(), 64, rtol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("with_new", [True, False])

@@ -453,84 +453,85 @@ def test_triton_attention_split_counts(n_splits):
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("G,n_quant,hier,k", [(1, 160, False, 16), (3, 96, False, 16), (4, 256, True, 32),
-                                              (3, 32, False, 64)])
-def test_triton_topk_matches_reference(G, n_quant, hier, k):
-    t = topk_inputs(G=G, n_quant=n_quant, hier=hier, k=k)
-    want = topk.topk_lowbit_ref(*t)
-    got = topk.topk_lowbit_triton(*t, attn_path=planes_where_they_fit(t.store, 64))
-    assert got[0].shape == want[0].shape and got[1].dtype == torch.int64
-    assert_same_topk(got, want)
+# ---- the selection's logits, written by the attention, and the one-launch top-k over them -------------
+def logits_written(c: Case):
+    """[S] bool: the positions whose logits the attention writes (quantized slots and residual rows)."""
+    S = c.store.k_codes.shape[2]
+    return torch.arange(S) < min(S, int(c.store.n_quant) + int(c.residual.length))
 
 
 @needs_interpreter
-@pytest.mark.parametrize("attn_path", ["words", "planes"])
-def test_triton_topk_word_and_plane_paths_match_reference(attn_path):
-    t = topk_inputs(G=3, n_quant=96, k=16)
-    f = fetched_rows(t)
-    assert_same_topk(topk.topk_lowbit_triton(*t, f, attn_path=attn_path), topk.topk_lowbit_ref(*t, f))
+@pytest.mark.parametrize("case,select", [("G3-T2-2bit", 1), ("G3-T2-fetch", 2), ("G4-T1-1bit-fetch-zip", 1),
+                                         ("G3-T8-hier-fetch", 1), ("G3-T2-mixed-2/4-zip-fetch", 2),
+                                         ("B2-D48-4bit", 2), ("G3-T2-fp16", 1), ("G4-T1-bf16", 1)])
+def test_triton_attention_writes_the_reference_logits(case, select):
+    """With `select`, every attention path (words, planes, the views of QuantSpec and ZipCache, bytes) writes
+    the last `select` tokens' logits: a quantized slot's low-bit score, a fetched row's exact score at its
+    position, residual row r's at n_quant + r (-inf where causality hides it), as the reference; split over
+    programs. The output and lse are those of the attention without `select`."""
+    c = make_case(**CASES[case])
+    want_out, want_lse, want = kernels.attention_lowbit_ref(*c.args(), select=select)
+    path = planes_where_they_fit(c.store, c.q.shape[-1], rows(c))
+    out, lse, got = kernels.attention_lowbit_triton(*c.args(), attn_path=path, select=select, n_splits=3)
+    plain = kernels.attention_lowbit_triton(*c.args(), attn_path=path, n_splits=3)
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+    B, Hkv = c.store.k_codes.shape[:2]
+    assert got.shape == want.shape == (B, Hkv, c.q.shape[1] // Hkv * select, c.store.k_codes.shape[2])
+    w = logits_written(c)
+    assert torch.equal(torch.isinf(got[..., w]), torch.isinf(want[..., w]))
+    finite = torch.isfinite(want[..., w])
+    rel = 1e-5 if c.q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[..., w][finite], want[..., w][finite], atol=rel * 10, rtol=rel)
+
+
+def assert_same_selection(got, want_scores, k, rtol=1e-5):
+    """got (idx, valid) in position order against the reference's score of every position [B,Hkv,S] (-1: no
+    candidate): as many valid rows, and every position scored clear of the k-th by more than the tolerance
+    on the one side is picked on the other (near-ties may swap)."""
+    idx, valid = got
+    assert torch.equal(idx, idx.sort(-1).values)  # position order
+    for i, v, sc in zip(idx.flatten(0, 1), valid.flatten(0, 1), want_scores.flatten(0, 1)):
+        kth = sc.topk(k).values[-1]
+        assert int(v.sum()) == int((sc >= 0).sum().clamp(max=k))
+        chosen = set(i[v].tolist())
+        assert set(((sc >= 0) & (sc > kth * (1 + 2 * rtol) + 1e-6)).nonzero().flatten().tolist()) <= chosen
+        assert all(float(sc[p]) >= float(kth) * (1 - 2 * rtol) - 1e-6 for p in chosen)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("S,n_quant", [(1024, 960), (800, 640)])
-def test_triton_topk_over_many_chunks(S, n_quant):
-    """32 and 25 chunks of 32 positions (33 of 1,024 at 32k), a partial last one included: every
-    chunk adds to the radix rounds' histograms and claims its selected slots."""
-    t = topk_inputs(G=3, n_quant=n_quant, S=S, k=16)
-    f = fetched_rows(t)
-    assert_same_topk(topk.topk_lowbit_triton(*t, f, chunk=32, attn_path=planes_where_they_fit(t.store, 64)),
-                     topk.topk_lowbit_ref(*t, f))
-
-
-@needs_interpreter
-@pytest.mark.parametrize("bits,mixed", [(2, (4, 13)), (1, (2, 8))])
-def test_triton_topk_mixed_precision_matches_reference(bits, mixed):
-    t = topk_inputs(G=3, n_quant=96, k=16, bits=bits, mixed=mixed)
-    f = fetched_rows(t)
-    assert_same_topk(topk.topk_lowbit_triton(*t, f, attn_path=planes_where_they_fit(t.store, 64)), topk.topk_lowbit_ref(*t, f))
-
-
-@needs_interpreter
-def test_triton_topk_with_fetched_rows_matches_reference():
-    t = topk_inputs(G=3, n_quant=96, k=16)
-    f = fetched_rows(t)
-    assert_same_topk(topk.topk_lowbit_triton(*t, f, attn_path=planes_where_they_fit(t.store, 64)), topk.topk_lowbit_ref(*t, f))
-
-
-@needs_interpreter
-def test_triton_topk_of_two_tokens_with_first_matches_reference():
-    c, lse = two_row_inputs()
-    f = fetched_rows(TopkCase(c.q[:, :, 0], lse[:, :, 0], c.store, 16, c.sm_scale))
-    args = (c.q, lse, c.store, 16, c.sm_scale, f, 32)
-    assert_same_topk(topk.topk_lowbit_triton(*args, attn_path=planes_where_they_fit(c.store, 64)), topk.topk_lowbit_ref(*args))
-
-
-@needs_interpreter
-def test_triton_topk_ties_fill_exactly_k():
-    """All-equal scores: the threshold ties must fill exactly k distinct slots."""
-    t = topk_inputs(G=1, n_quant=64, k=16)
-    t = t._replace(q_row=torch.zeros_like(t.q_row))  # every logit 0: every position ties
-    score, idx = topk.topk_lowbit_triton(*t, attn_path=planes_where_they_fit(t.store, 64))
-    want, _ = topk.topk_lowbit_ref(*t)
-    torch.testing.assert_close(score, want)
-    assert all(len(set(row.tolist())) == 16 for row in idx.flatten(0, 1))
+@pytest.mark.parametrize("G,T,n_quant,kw,k,first", [(1, 1, 160, {}, 16, 0), (3, 1, 96, dict(fetch=6), 16, 0),
+                                                     (4, 1, 256, dict(hier=True, fetch=6), 32, 0), (3, 1, 32, {}, 64, 0),
+                                                     (3, 2, 96, dict(fetch=6), 16, 32),
+                                                     (3, 1, 96, dict(bits=1, mixed=(2, 8), fetch=6), 16, 0),
+                                                     (3, 2, 96, dict(fetch=6, dtype=torch.float16), 16, 4)])
+def test_fused_selection_equals_the_separate_topk(G, T, n_quant, kw, k, first):
+    """The attention's logits and one top-k launch pick what the top-k scored from the codes again picked
+    (topk_lowbit_ref, the separate pass this replaces: fetched rows scored exactly, the best of T selecting
+    tokens, nothing below `first`), ties aside; and exactly what select_ref picks from the same logits."""
+    c = make_case(G=G, T=T, S=256, n_quant=n_quant, seed=1, **kw)
+    path = planes_where_they_fit(c.store, c.q.shape[-1], rows(c))
+    _, lse, logits = kernels.attention_lowbit_triton(*c.args(), attn_path=path, select=T)
+    got = topk.select_triton(logits, lse, c.store.n_quant, k, first, chunk=64)
+    ref = topk.select_ref(logits, lse, c.store.n_quant, k, first)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    S = c.store.k_codes.shape[2]
+    score, pos = topk.topk_lowbit_ref(c.q.float(), lse, c.store, S, c.sm_scale, c.fetched, first)
+    by_pos = torch.full_like(score, -1.0).scatter_reduce(-1, pos, score, "amax")  # (non-candidates: -1 at 0)
+    assert_same_selection(got, by_pos, k, rtol=1e-5 if c.q.dtype == torch.float32 else 2e-2)
 
 
 @needs_interpreter
 def test_triton_custom_ops_opcheck():
-    """Schema, fake (meta) kernels and the real launch agree (run on CPU through the interpreter)."""
+    """Schema, fake (meta) kernels and the real launch agree (run on CPU through the interpreter), with and
+    without the selection's logits."""
     c = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
     tensors, ints, optional = lowbit.op_inputs(c.store, c.residual, c.fetched)
     got = kernels._attention_lowbit_op(c.q, list(tensors), list(ints), list(optional), c.sm_scale)
-    torch.testing.assert_close(got, kernels.attention_lowbit_ref(*c.args()), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[:2], kernels.attention_lowbit_ref(*c.args()), atol=1e-4, rtol=1e-4)
     tests = ("test_schema", "test_faketensor")
-    torch.library.opcheck(kernels._attention_lowbit_op, (c.q, list(tensors), list(ints), list(optional), c.sm_scale),
-                          test_utils=tests)
-    t = topk_inputs(G=3, n_quant=64, S=128)
-    tensors, ints, optional = lowbit.op_inputs(t.store, Residual(None, None, None), None)
-    torch.library.opcheck(topk._topk_lowbit_op, (t.q_row, t.lse_row, list(tensors[:7]), list(ints), list(optional),
-                                                    t.k, t.sm_scale), test_utils=tests)
+    for select in (0, 2):
+        torch.library.opcheck(kernels._attention_lowbit_op, (c.q, list(tensors), list(ints), list(optional),
+                                                             c.sm_scale, None, select), test_utils=tests)
 
 
 @needs_interpreter
@@ -561,11 +562,11 @@ def test_kernels_interpreted_in_fresh_process():
 
 # ---- torch.compile (CPU path: the references inline) ----------------------------------------------
 def decode_step(c: Case, k: int):
-    out, lse = kernels.attention_lowbit(*c.args())
-    score, idx = topk.topk_lowbit(c.q[:, :, -1], lse[:, :, -1], c.store, k, c.sm_scale)
+    out, lse, logits = kernels.attention_lowbit(*c.args(), select=1)
+    idx, valid = topk.select_ref(logits, lse[:, :, -1:], c.store.n_quant, k)
     ring_k, ring_v = (torch.empty(*idx.shape, c.residual.k.shape[3]) for _ in range(2))
     transfer.transfer_rows(c.residual.k, c.residual.v, ring_k, ring_v, torch.remainder(idx, c.residual.length))
-    return out, lse, score, idx, ring_k
+    return out, lse, valid, idx, ring_k
 
 
 def _compile_inputs():

@@ -15,6 +15,7 @@ from cache import LowBitCache, SpeCache
 from config import CacheConfig
 from generate import decode_step
 from prefetch import Prefetcher
+from topk import Picked
 from tests.helpers import run_generate, setup, tiny_model
 
 needs_interpreter = pytest.mark.skipif(type(transfer._transfer_rows_kernel).__name__ != "InterpretedFunction",
@@ -121,6 +122,11 @@ def fake_async(prefetcher: Prefetcher, delay=0.02, join_each_step=False):
     return log
 
 
+def picked(idx):
+    """Rows chosen already, all valid."""
+    return Picked(idx, torch.ones_like(idx, dtype=torch.bool))
+
+
 def make_prefetcher(L=2, B=1, H=2, S=32, D=4, k=3, **kw):
     p = Prefetcher(L, B, H, S, D, k, torch.float32, CPU, **kw)
     p.host_k.copy_(torch.randn_like(p.host_k))
@@ -137,7 +143,7 @@ def test_transfer_writes_the_token_and_gathers_rows():
     ring_k, ring_v = p.rings[1]
     idx = torch.tensor([[[5, 0, 31], [7, 7, 2]]])
     new_k, new_v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
-    p.start(1, [ring_k, ring_v], idx, None, new_k, new_v, torch.tensor(7))
+    p.start(1, [ring_k, ring_v], picked(idx), new_k, new_v, torch.tensor(7))
     assert torch.equal(p.host_k[1, :, :, 7], new_k[:, :, 0]) and torch.equal(p.host_v[1, :, :, 7], new_v[:, :, 0])
     assert torch.equal(ring_k[0, 0], p.host_k[1, 0, 0, idx[0, 0]])
     assert torch.equal(ring_k[0, 1, 0], new_k[0, 1, 0]) and torch.equal(ring_v[0, 1, 1], new_v[0, 1, 0])
@@ -167,6 +173,22 @@ def test_triton_transfer_matches_reference(with_idx, with_new, programs):
         assert torch.equal(a, b)
     if with_idx:
         assert torch.equal(ref[1][0][0, 1, 2:4], ring[0][0, 1, 2:4])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("first", [True, False])
+def test_the_sinks_launch_is_keep_sink_rows(first):
+    """The attention sinks' rows into the ring's first slots (one launch a step; it writes only when the first
+    block was just quantized), from a strided slice of the residual, as the torch reference does."""
+    g = torch.Generator().manual_seed(0)
+    res_k, res_v = torch.randn(2, 3, 34, 40, generator=g), torch.randn(2, 3, 34, 40, generator=g)
+    bufs = [torch.randn(2, 3, 12, 40, generator=g), torch.randn(2, 3, 12, 40, generator=g),
+            torch.rand(2, 3, 12, generator=g) > 0.5]
+    want = [t.clone() for t in bufs]
+    transfer.keep_sink_rows(want, res_k[:, :, :32], res_v[:, :, :32], torch.tensor(first), 4)
+    transfer.keep_sinks_triton(bufs, res_k[:, :, :32], res_v[:, :, :32], torch.tensor(first), 4)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, want))
+    assert torch.equal(bufs[0][:, :, :4], res_k[:, :, :4]) == first
 
 
 def test_record_rows_keeps_held_rows_in_place():
@@ -207,7 +229,7 @@ def test_rerank_transfer_keeps_the_best_candidates():
     valid = torch.tensor([[[True, True, True, True, True], [True, True, True, False, False]]])
     q, lse = torch.randn(1, 4, 1, 4), torch.randn(1, 4, 1).abs() + 3
     new_k, new_v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
-    p.start_rerank(1, bufs, cand, valid, q, lse, 0.5, new_k, new_v, torch.tensor(7))
+    p.start(1, bufs, Picked(cand, valid, (q, lse, 0.5)), new_k, new_v, torch.tensor(7))
     keys = p.host_k[1, 0].clone()  # [Hkv, S, D], the token's row now written
     assert torch.equal(keys[:, 7], new_k[0, :, 0]) and torch.equal(p.host_v[1, 0, :, 7], new_v[0, :, 0])
     for h in range(2):
@@ -231,9 +253,9 @@ def test_rerank_on_the_side_stream_lands_late_and_reads_staged_inputs():
     log = fake_async(p, delay=0.05)
     cand = torch.tensor([[[5, 0, 31, 9, 7], [7, 3, 2, 11, 12]]])
     args = [cand, torch.ones(1, 2, 5, dtype=torch.bool), torch.randn(1, 4, 1, 4), torch.randn(1, 4, 1).abs() + 3]
-    ref.start_rerank(0, ref.rings[0], *args, 0.5)
+    ref.start(0, ref.rings[0], Picked(args[0], args[1], (args[2], args[3], 0.5)))
     mine = [a.clone() for a in args]
-    p.start_rerank(0, p.rings[0], *mine, 0.5)
+    p.start(0, p.rings[0], Picked(mine[0], mine[1], (mine[2], mine[3], 0.5)))
     before = [t.clone() for t in p.rings[0]]
     for a in mine:
         a.zero_()
@@ -242,7 +264,7 @@ def test_rerank_on_the_side_stream_lands_late_and_reads_staged_inputs():
     assert all(torch.equal(a, b) for a, b in zip(before, make_rerank_prefetcher().rings[0]))  # nothing landed early
     assert all(torch.equal(a, b) for a, b in zip(p.rings[0], ref.rings[0]))
     with pytest.raises(RuntimeError, match="copy of its ring"):
-        p.start_rerank(0, [t.clone() for t in p.rings[0]], *args, 0.5)
+        p.start(0, [t.clone() for t in p.rings[0]], Picked(args[0], args[1], (args[2], args[3], 0.5)))
 
 
 def test_the_gpu_rerank_refuses_more_candidates_than_its_rank_tile():
@@ -309,80 +331,27 @@ def test_triton_rerank_matches_reference(with_new, R, off):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("R,record_in_kernel", [(0, True), (0, False), (1, True), (2, True)])
-def test_triton_staging_copies_the_transfer_inputs(R, record_in_kernel, monkeypatch):
-    """One launch stages the transfer's inputs; the step's K/V and (re-ranking, R query tokens) the
-    selecting query rows are slices of the step's tensors, read through their strides. Without
-    re-ranking the same launch records idx and valid in fetch_idx/fetch_valid after the sinks (or,
-    for k above RECORD_IN_KERNEL_MAX, torch's record_rows before it)."""
-    if not record_in_kernel:
-        monkeypatch.setattr(transfer, "RECORD_IN_KERNEL_MAX", 4)
-    g = torch.Generator().manual_seed(0)
-    step_k, step_v = torch.randn(2, 3, 2, 40, generator=g), torch.randn(2, 3, 2, 40, generator=g)
-    idx, new_k, new_v = torch.randint(0, 99, (2, 3, 8), generator=g), step_k[:, :, :1], step_v[:, :, :1]
-    pos = torch.tensor(41)
-    staged = [torch.zeros(2, 3, 8, dtype=torch.long), torch.zeros(2, 3, 1, 40), torch.zeros(2, 3, 1, 40),
-              torch.zeros((), dtype=torch.long)]
-    rerank = s_rerank = record = None
-    valid = torch.rand(2, 3, 8, generator=g) > 0.3
-    fetch_idx, fetch_valid = torch.full((2, 3, 11), -1), torch.zeros(2, 3, 11, dtype=torch.bool)
-    if not R:
-        record = (valid, fetch_idx, fetch_valid, 3)
-    else:
-        q, lse = torch.randn(2, 9, 3, 40, generator=g), torch.randn(2, 9, 3, generator=g)
-        rerank = (torch.randint(0, 99, (2, 3, 16), generator=g), torch.rand(2, 3, 16, generator=g) > 0.3,
-                  q[:, :, -R:], lse[:, :, -R:])
-        s_rerank = (torch.zeros(2, 3, 16, dtype=torch.long), torch.zeros(2, 3, 16, dtype=torch.bool),
-                    torch.zeros(2, 9, R, 40), torch.zeros(2, 9, R))
-    transfer.stage_triton(None if R else idx, new_k, new_v, pos, *staged, rerank, s_rerank, record)
-    for a, b in zip(staged[1:] + list(s_rerank or ()), (new_k, new_v, pos) + (rerank or ())):
-        assert torch.equal(a, b)
-    want_idx, want_valid = torch.full((2, 3, 11), -1), torch.zeros(2, 3, 11, dtype=torch.bool)
-    if R:
-        assert torch.equal(staged[0], torch.zeros_like(idx))
-    else:
-        assert torch.equal(staged[0], transfer.record_rows(idx, valid, want_idx, want_valid, 3))
-        assert (want_idx[:, :, :3] == -1).all() and torch.equal(want_valid[:, :, 3:].sum(-1), valid.sum(-1))
-    assert torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
-    if not R:  # the next selection shares rows with the ring: the launch keeps them where the reference does
-        idx2 = torch.where(torch.rand(2, 3, 8, generator=g) < 0.5, idx.roll(3, -1), torch.randint(0, 99, (2, 3, 8), generator=g))
-        valid2 = torch.rand(2, 3, 8, generator=g) > 0.2
-        transfer.stage_triton(idx2, None, None, None, *staged, record=(valid2, fetch_idx, fetch_valid, 3))
-        rows = transfer.record_rows(idx2, valid2, want_idx, want_valid, 3)
-        assert ((rows == -1) & want_valid[:, :, 3:]).any() and (rows >= 0).any()  # (some rows kept, some copied)
-        assert torch.equal(staged[0], rows) and torch.equal(fetch_idx, want_idx) and torch.equal(fetch_valid, want_valid)
-
-
-@needs_interpreter
 def test_one_selecting_token_staged_for_two_then_reranked():
     """The union policy with re-ranking stages its query rows for two selecting tokens per head; its
-    pre-decoding has one (T1). The Triton staging writes that token into both rows, as the CPU
-    path's broadcasting copy does, and the re-ranking that reads the staged buffer picks the rows
-    the one token's own scores pick (the best of two equal rows is the row)."""
+    pre-decoding has one (T1). The selection launch writes that token into both rows, as the CPU path's
+    broadcasting copy does, and the re-ranking that reads the staged buffer picks the rows the one
+    token's own scores pick (the best of two equal rows is the row)."""
     g = torch.Generator().manual_seed(4)
     B, Hkv, G, S, D, C, K = 1, 2, 3, 48, 40, 12, 6
     q1, lse1 = torch.randn(B, Hkv * G, 1, D, generator=g), torch.rand(B, Hkv * G, 1, generator=g) + 3
-    cand = torch.stack([torch.randperm(S, generator=g)[:C] for _ in range(B * Hkv)]).view(B, Hkv, C)
-    valid = torch.ones(B, Hkv, C, dtype=torch.bool)
+    logits = torch.randn(B, Hkv, G, S, generator=g)
     s_q, s_lse = torch.full((B, Hkv * G, 2, D), 7.0), torch.full((B, Hkv * G, 2), 7.0)  # stale rows of an earlier step
-    s_rerank = (torch.zeros(B, Hkv, C, dtype=torch.long), torch.zeros(B, Hkv, C, dtype=torch.bool), s_q, s_lse)
-    staged = [torch.zeros(B, Hkv, K, dtype=torch.long), torch.zeros(B, Hkv, 1, D), torch.zeros(B, Hkv, 1, D),
-              torch.zeros((), dtype=torch.long)]
-    transfer.stage_triton(None, None, None, None, *staged, (cand, valid, q1, lse1), s_rerank)
-    cpu = (torch.zeros(B, Hkv, C, dtype=torch.long), torch.zeros(B, Hkv, C, dtype=torch.bool),
-           torch.zeros_like(s_q), torch.zeros_like(s_lse))
-    transfer.stage(None, None, None, None, *[t.clone() for t in staged], (cand, valid, q1, lse1), cpu)
-    for a, b in zip(s_rerank, cpu):
-        assert torch.equal(a, b)
+    cand = (torch.zeros(B, Hkv, C, dtype=torch.long), torch.zeros(B, Hkv, C, dtype=torch.bool))
+    topk.select_triton(logits, lse1, torch.tensor(S), C, out=cand, stage_q=(q1, s_q, s_lse))
     assert torch.equal(s_q[:, :, 0], q1[:, :, 0]) and torch.equal(s_q[:, :, 1], q1[:, :, 0])
     host = [torch.randn(B, Hkv, S, D, generator=g) for _ in range(2)]
-    picked = []
+    picked_rows = []
     for q_rows, lse_rows, fn in ((s_q, s_lse, topk.rerank_rows_triton), (q1, lse1, topk.rerank_rows_ref)):
         bufs = [torch.zeros(B, Hkv, K, D), torch.zeros(B, Hkv, K, D), torch.full((B, Hkv, K), -1),
                 torch.zeros(B, Hkv, K, dtype=torch.bool)]
-        fn(*host, *bufs, s_rerank[0], s_rerank[1], q_rows, lse_rows, 0.2)
-        picked.append(bufs)
-    for a, b in zip(*picked):
+        fn(*host, *bufs, *cand, q_rows, lse_rows, 0.2)
+        picked_rows.append(bufs)
+    for a, b in zip(*picked_rows):
         assert torch.equal(a, b)
 
 
@@ -392,7 +361,7 @@ def test_wait_blocks_until_the_delayed_copy_landed():
     ring_k, ring_v = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)
     p.register_ring(0, ring_k, ring_v)
     idx = torch.tensor([[[1, 2, 3], [4, 5, 6]]])
-    p.start(0, [ring_k, ring_v], idx)
+    p.start(0, [ring_k, ring_v], picked(idx))
     idx.fill_(0)  # the caller's tensor may change right away: the transfer reads the staged copy
     assert not torch.equal(ring_k[0, 0, 0], p.host_k[0, 0, 0, 1])  # still in flight
     p.wait(0, [ring_k, ring_v])
@@ -406,7 +375,7 @@ def test_a_copy_of_the_ring_is_refused():
     p = make_prefetcher(async_ops=True)
     ring_k, ring_v = p.rings[0]
     with pytest.raises(RuntimeError, match="copy of its ring"):
-        p.start(0, [ring_k.clone(), ring_v], torch.zeros(1, 2, 3, dtype=torch.long))
+        p.start(0, [ring_k.clone(), ring_v], picked(torch.zeros(1, 2, 3, dtype=torch.long)))
 
 
 def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=1, sinks=0, custom_ops=False):
@@ -426,6 +395,28 @@ def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=
     log = fake_async(caches.prefetcher, delay=0.002, join_each_step=join_each_step)
     got, _ = run_generate(model, prompt, new_tokens, caches.config, step_fn=step_fn)
     return ref, got, log
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fetch,rerank,sinks,prompt_len", [("speculative", 1, 0, 90), ("resync", 2, 4, 90),
+                                                           ("union", 1, 4, 20)])
+def test_the_gpu_path_interpreted_gives_the_reference_tokens(fetch, rerank, sinks, prompt_len):
+    """The CUDA step's code path, eager, on CPU: the attention writing the selecting rows' logits, the one-launch
+    selection with the ring's record and the staging, the transfer (or re-ranking) kernels, the sinks' launch,
+    all through their custom ops and interpreted, on torch.cpu's no-op streams: the torch reference path's
+    tokens (a 20-token prompt: the first block, and the sinks with it, are quantized during decoding)."""
+    model = tiny_model()
+    prompt = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(3))
+    kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8, rerank=rerank, sinks=sinks, fetch=fetch)
+    ref, _ = run_generate(model, prompt, 16, setup(model, "specache", **kw).config)
+    caches = setup(model, "specache", **kw)
+    for c in caches:
+        c.custom_ops = True
+    p = caches.prefetcher
+    p.async_ops, p.triton = True, True
+    p._setup_async()
+    got, _ = run_generate(model, prompt, 16, caches.config)
+    assert torch.equal(got, ref)
 
 
 def test_decode_with_delayed_fetches_matches_synchronous():

@@ -1,73 +1,144 @@
-"""topk.py's radix selection (interpreted on CPU): the selected set equals torch.topk's, ties aside,
-on hand-made scores (ties, scores that differ only in their lowest bits, fewer candidates than k)
-and on the calls every selecting policy makes in a real generation."""
+"""topk.py's one-launch selection (interpreted on CPU): the radix rounds over hand-made scores (ties,
+scores that differ only in their lowest bits, fewer candidates than k) pick exactly what select_ref
+picks, which is torch.topk's set; the ring layout it writes is transfer.record_rows'; and the
+selections every policy makes in a real generation replay to the same rows."""
+import math
+
 import pytest
 import torch
 
 import topk
+import transfer
+from prefetch import Prefetcher
 from tests.helpers import tiny_model
-from tests.test_kernels import assert_same_topk, needs_interpreter
+from tests.test_kernels import needs_interpreter
 from tests.test_specache import run_policy
 
 
-def keys_of(score):
-    """topk._radix_key in torch: fp32 bits + 1 for scores >= 0, 0 for the rest (-1: no candidate)."""
-    bits = score.float().view(torch.int32).clamp(max=0x7F800000) + 1
-    return torch.where(score >= 0, bits, 0).to(torch.int32)
-
-
-def scores(kind, n, seed):
+def logits_for(kind, n, seed):
+    """Selection logits (log2 units) of one kv head with one query head, lse 0: score = 2^logit."""
     g = torch.Generator().manual_seed(seed)
     if kind == "spread":  # probabilities over many binades
-        return torch.rand(n, generator=g) ** 8
-    if kind == "ties":  # five distinct values: the k-th key ties with hundreds of others
-        return torch.tensor([0.0, 1e-3, 0.25, 0.5, 1.0])[torch.randint(0, 5, (n,), generator=g)]
-    if kind == "low_bits":  # one binade, the last 9 mantissa bits differ: all four rounds decide
-        return (torch.tensor(1.0).view(torch.int32) + torch.randint(0, 512, (n,), generator=g, dtype=torch.int32)).view(torch.float32)
-    if kind == "few":  # fewer candidates than k: the rest are -1 at position 0
-        s = torch.full((n,), -1.0)
-        s[torch.randperm(n, generator=g)[:10]] = torch.rand(10, generator=g)
-        return s
+        return 8 * torch.log2(torch.rand(n, generator=g))
+    if kind == "ties":  # five distinct values: the k-th score ties with hundreds of others
+        return torch.tensor([-30.0, -10.0, -2.0, -1.0, 0.0])[torch.randint(0, 5, (n,), generator=g)]
+    if kind == "low_bits":  # one binade, the last mantissa bits differ: every round decides
+        return torch.randint(0, 512, (n,), generator=g).float() * 2 ** -23 / math.log(2)
     raise ValueError(kind)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("kind", ["spread", "ties", "low_bits", "few"])
+@pytest.mark.parametrize("kind", ["spread", "ties", "low_bits"])
 @pytest.mark.parametrize("k", [1, 16, 100])
-def test_radix_select_equals_torch_topk(kind, k):
-    n, chunk = 512, 64
-    score = torch.stack([scores(kind, n, seed) for seed in range(3)])  # three kv heads, 8 chunks each
-    got_score, got_idx = topk.radix_select_triton(keys_of(score), k, chunk)
-    want = torch.where(score >= 0, score, -1.0).topk(k, -1)
-    torch.testing.assert_close(got_score, want.values, atol=0, rtol=0)  # sorted, the same k values
-    valid = got_score >= 0
-    torch.testing.assert_close(score.gather(1, got_idx)[valid], got_score[valid], atol=0, rtol=0)
-    assert (got_idx[~valid] == 0).all()
-    for row, ok in zip(got_idx, valid):
-        assert len(set(row[ok].tolist())) == int(ok.sum())  # distinct positions
+def test_radix_selection_equals_the_reference_and_torch_topk(kind, k):
+    """Three kv heads of 512 positions in 8 chunks: the kernel picks select_ref's rows exactly (ties: the lowest
+    positions), in position order; their scores are torch.topk's k values."""
+    n = 512
+    logits = torch.stack([logits_for(kind, n, seed) for seed in range(3)]).view(1, 3, 1, n)
+    lse = torch.zeros(1, 3, 1)
+    got = topk.select_triton(logits, lse, torch.tensor(n), k, chunk=64)
+    want = topk.select_ref(logits, lse, torch.tensor(n), k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[1].all()
+    score = topk.selection_scores(logits, lse)
+    torch.testing.assert_close(score.gather(-1, got[0]).sort(-1, descending=True).values, score.topk(k, -1).values,
+                               atol=0, rtol=0)
+    assert all(len(set(row.tolist())) == k for row in got[0].flatten(0, 1))
 
 
-# ---- the calls each policy makes -------------------------------------------------------------------
+@needs_interpreter
+def test_fewer_candidates_than_k_and_the_sinks():
+    """n_quant 40 and first 4: 36 candidates for k 64; the other 28 slots are invalid. Positions below first
+    are never valid."""
+    logits = logits_for("spread", 256, 0).view(1, 1, 1, 256).repeat(1, 2, 1, 1)
+    lse = torch.zeros(1, 2, 1)
+    got = topk.select_triton(logits, lse, torch.tensor(40), 64, first=4, chunk=64)
+    want = topk.select_ref(logits, lse, torch.tensor(40), 64, first=4)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].sum(-1).eq(36).all() and set(got[0][got[1]].tolist()) == set(range(4, 40))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("k", [8, 160])
+def test_the_ring_layout_is_record_rows(k):
+    """Three consecutive selections over one ring (4 sink slots before it): the launch keeps rows the ring
+    holds in their slots, puts the new ones into the freed slots in order and gives the transfer -1 for kept
+    slots, as transfer.record_rows does on select_ref's rows; k 160 (not a power of two, above the old
+    in-launch limit of 128)."""
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, G, S = 2, 3, 3, 700
+    lse = torch.randn(B, Hkv * G, 1, generator=g).abs() + 5
+    base = torch.randn(B, Hkv, G, S, generator=g) * 3
+    ring = [torch.full((B, Hkv, 4 + k), -1), torch.zeros(B, Hkv, 4 + k, dtype=torch.bool)]
+    want_ring = [t.clone() for t in ring]
+    kept = 0
+    for step in range(3):
+        logits = base + 0.4 * step * torch.randn(base.shape, generator=g)
+        idx, valid = topk.select_ref(logits, lse, torch.tensor(640), k, first=4)
+        rows = transfer.record_rows(idx, valid, *want_ring, 4)
+        s_idx = torch.empty(B, Hkv, k, dtype=torch.long)
+        got = topk.select_triton(logits, lse, torch.tensor(640), k, first=4, record=(*ring, 4, s_idx), chunk=128)
+        assert torch.equal(got[0], idx) and torch.equal(got[1], valid)
+        assert torch.equal(s_idx, rows) and torch.equal(ring[0], want_ring[0]) and torch.equal(ring[1], want_ring[1])
+        kept += int((rows == -1).sum())
+    assert kept > 0 and (ring[0][:, :, :4] == -1).all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("R,RS", [(1, 1), (1, 2), (2, 2)])
+def test_the_launch_stages_the_token_and_the_query_rows(R, RS):
+    """The step's token (a [B,Hkv,1,D] slice of the step's K/V, read through its strides) and, for re-ranking,
+    the selecting query rows and their lse (slices of the step's q and lse; one token staged for two as the
+    union policy's pre-decoding needs) land in the staging buffers; the candidates in `out`."""
+    g = torch.Generator().manual_seed(1)
+    B, Hkv, G, T, S, D, C = 2, 3, 3, 2, 256, 40, 12
+    step_k, step_v = torch.randn(B, T, Hkv, D, generator=g).transpose(1, 2), torch.randn(B, T, Hkv, D, generator=g).transpose(1, 2)
+    q = torch.randn(B, T, Hkv * G, D, generator=g).transpose(1, 2)  # [B,H,T,D] as the model passes it
+    lse = torch.randn(B, Hkv * G, T, generator=g) + 4
+    logits = torch.randn(B, Hkv, G * R, S, generator=g)
+    staged = [torch.zeros(B, Hkv, 1, D), torch.zeros(B, Hkv, 1, D), torch.zeros((), dtype=torch.long)]
+    s_q, s_lse = torch.zeros(B, Hkv * G, RS, D), torch.zeros(B, Hkv * G, RS)
+    out = (torch.zeros(B, Hkv, C, dtype=torch.long), torch.zeros(B, Hkv, C, dtype=torch.bool))
+    token = (step_k[:, :, :1], step_v[:, :, :1], torch.tensor(41), *staged)
+    topk.select_triton(logits, lse[:, :, -R:], torch.tensor(200), C, out=out, stage_q=(q[:, :, -R:], s_q, s_lse),
+                       token=token, chunk=64)
+    want = topk.select_ref(logits, lse[:, :, -R:], torch.tensor(200), C)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    assert torch.equal(staged[0], step_k[:, :, :1]) and torch.equal(staged[1], step_v[:, :, :1]) and int(staged[2]) == 41
+    assert torch.equal(s_q, q[:, :, -R:].expand(-1, -1, RS, -1)) and torch.equal(s_lse, lse[:, :, -R:].expand(-1, -1, RS))
+
+
+# ---- the selections each policy makes ------------------------------------------------------------
 SELECTING = [("speculative", 1), ("union", 1), ("resync", 1), ("lag", 1), ("sequential", 1), ("resync", 2)]
 
 
 @needs_interpreter
 @pytest.mark.parametrize("fetch,rerank", SELECTING)
-def test_every_selecting_policy_gets_the_reference_set(monkeypatch, fetch, rerank):
-    """Record the top-k calls a short generation makes (selecting rows R, k or re-ranking's N*k
-    candidates, sinks as `first`, the fetched rows scored exactly) and run the radix selection on
-    the last step's calls of each layer: the same set as the reference."""
+def test_every_selecting_policy_gets_the_reference_rows(monkeypatch, fetch, rerank):
+    """Record the selections a short generation hands the prefetcher (selecting rows R, k or re-ranking's N*k
+    candidates, sinks as `first`, the logits of the attention that saw the fetched rows) with each layer's
+    ring as it was, and replay the last step's through the kernel: the rows and the ring layout of the
+    reference."""
     calls = []
+    start = Prefetcher.start
 
-    def record(*args, use_op=None, attn_path=None, **kw):
-        calls.append((args, kw))
-        return topk.topk_lowbit_ref(*args, **kw)
+    def record(self, layer, bufs, pick=None, *args):
+        if isinstance(pick, topk.Selection):
+            calls.append((pick, [t.clone() for t in bufs], self.ring_offs[layer]))
+        return start(self, layer, bufs, pick, *args)
 
-    monkeypatch.setattr(topk, "topk_lowbit", record)
+    monkeypatch.setattr(Prefetcher, "start", record)
     run_policy(tiny_model(), fetch, new=6, k=8, sinks=4, rerank=rerank)
-    last = calls[-2:]  # the tiny model's two layers
-    rows = 2 if fetch == "union" else 1
-    for args, kw in last:
-        q_rows = args[0]
-        assert (q_rows.shape[2] if q_rows.dim() == 4 else 1) == rows and args[3] == 8 * rerank and kw["first"] == 4
-        assert_same_topk(topk.topk_lowbit_triton(*args, **kw), topk.topk_lowbit_ref(*args, **kw))
+    for sel, bufs, off in calls[-2:]:  # the tiny model's two layers
+        R = 2 if fetch == "union" else 1
+        assert sel.lse.shape[2] == R and sel.k == 8 * rerank and sel.first == 4
+        want = topk.select_ref(*sel[:5])
+        if sel.rerank is not None:
+            got = topk.select_triton(*sel[:5])
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            continue
+        ring = [t.clone() for t in bufs[2:]]
+        rows = transfer.record_rows(*want, *bufs[2:], off)
+        s_idx = torch.empty_like(rows)
+        got = topk.select_triton(*sel[:5], record=(*ring, off, s_idx))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(s_idx, rows) and torch.equal(ring[0], bufs[2]) and torch.equal(ring[1], bufs[3])

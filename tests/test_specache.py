@@ -116,7 +116,7 @@ def test_resync_never_keeps_a_speculative_token_known_wrong(model):
 
     out, stats = run_policy(model, "resync", new=40, k=8, step_fn=step, predecode_fn=predecode)
     real = out[0, 1:].tolist()  # the real output of each step
-    misses = [s for s in range(len(fed)) if fed[s][1] != real[s]]
+    misses = [s for s in range(len(fed) - 1) if fed[s][1] != real[s]]  # (no pre-decoding after the last step)
     assert misses and len(misses) < len(fed) and stats["resyncs"] == len(misses)
     fresh = fresh[1:]  # the first pre-decoding is Algorithm 2's, before any step
     for s in range(len(fed) - 1):
@@ -162,11 +162,15 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
     g = torch.Generator().manual_seed(0)
     D = model.args.head_dim
     q, lse = torch.randn(1, 4, D, generator=g), torch.randn(1, 4, generator=g).abs() + 2
-    fetched = c.fetched()
-    _, cand = topk.topk_lowbit(q, lse, c.stored(), 24, c.sm_scale, Fetched(*(t.clone() for t in fetched)))
-    idx, valid, rerank_by = topk.select(q, lse, Fetched(*(t.clone() for t in fetched)), **c.selection())
-    assert torch.equal(idx, cand) and valid.all()  # the candidates, ranked by their low-bit scores
-    prefetcher.start(c.layer_idx, c.fetch_bufs(), idx, valid, rerank_by=rerank_by)
+    fetched = Fetched(*(t.clone() for t in c.fetched()))
+    _, cand = topk.topk_lowbit_ref(q, lse, c.stored(), 24, c.sm_scale, fetched)
+    q_rows, lse_rows = q[:, :, None], lse[:, :, None]
+    _, _, logits = kernels.attention_lowbit_ref(q_rows, c.stored(), c.residual_rows(1), fetched, c.sm_scale, select=1)
+    pick = c.pick(q_rows, lse_rows, logits)
+    idx, valid = topk.select_ref(*pick[:5])
+    assert pick.k == 24 and pick.rerank is not None and valid.all()
+    assert all(set(a.tolist()) == set(b.tolist()) for a, b in zip(idx[0], cand[0]))  # the low-bit top-24
+    prefetcher.start(c.layer_idx, c.fetch_bufs(), pick)
     keys = prefetcher.host_k[1, 0]  # [Hkv, S, D]
     p = torch.exp(torch.einsum("hgd,hsd->hgs", (q[0] * c.sm_scale).view(2, 2, D), keys) - lse[0].view(2, 2, 1)).sum(1)
     got = c.fetch_idx[0, :, c.sinks:]
