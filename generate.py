@@ -143,7 +143,8 @@ def generate(model, prompt: torch.Tensor, decoding: Decoding, steps: Steps = Ste
         if on_step and (forced := on_step(step, logits[:, 0], token, fed)) is not None:
             token = forced
         pos = pos + 1
-        if policy.resync and two and bool((fed[:, 1] != token).any()):  # a wrong guess: restart from the real token
+        more = step < decoding.max_new_tokens - 1  # (after the last step no fetch is needed)
+        if policy.resync and two and more and bool((fed[:, 1] != token).any()):  # a wrong guess: restart from the real token
             spec = decoding.sample(steps.pre_decode(model, token, pos[:1]))
             stats["resyncs"] += 1
         out.append(token)
