@@ -150,6 +150,27 @@ def test_overlap_stats():
     assert measure.overlap_stats(main, [])["overlap_frac"] is None
 
 
+def test_cuda_profile_attributes_kernels_by_name_not_stream():
+    """Under CUDA-graph replay a trace's stream ids do not say which kernels are the side stream's: the profile
+    finds the transfer by its kernel's name, reports time per class and the top kernels with calls per step."""
+    from types import SimpleNamespace
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def ev(name, start, end, stream=7):
+        return SimpleNamespace(device_type=lambda: cuda, duration_ns=lambda: end - start, start_ns=lambda: start,
+                               end_ns=lambda: end, name=lambda: name, device_resource_id=lambda: stream)
+    events = [ev("_attn_split_kernel", 0, 40), ev("_select_kernel", 40, 50), ev("_transfer_rows_kernel", 45, 65),
+              ev("sm90_xmma_gemm_bf16", 50, 60), ev("triton_poi_fused_bitwise_or_round_3", 70, 80),
+              ev("_attn_split_kernel", 100, 140), ev("_select_kernel", 140, 150), ev("_transfer_rows_kernel", 150, 160)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    p = measure.profile_of(prof, n_steps=2)
+    assert p["class_us_per_step"] == pytest.approx({"attention": 0.04, "selection": 0.01, "transfer": 0.015,
+                                                    "gemm": 0.005, "quantizer": 0.005})
+    assert p["transfer_overlapped_frac"] == pytest.approx(15 / 30)  # 45-50 beside the selection, 50-60 the GEMM
+    assert p["launches_per_step"] == 4 and p["busy_ms_per_step"] == pytest.approx((65 + 10 + 60) / 1e6 / 2)
+    assert [(k["name"], k["calls_per_step"]) for k in p["kernels"][:2]] == [("_attn_split_kernel", 1), ("_transfer_rows_kernel", 1)]
+
+
 def test_ratio_rows():
     grid = [{"label": lb, "context": 64, "batch": 1, "step_ms_median": ms, "step_tokens": t}
             for lb, ms, t in (("full", 1.0, 1), ("kivi-1bit", 2.0, 1), ("specache-1bit", 2.2, 2), ("kivi-1bit+2tok", 2.1, 2))]
@@ -216,7 +237,7 @@ def test_random_weights_of_a_known_config_and_kernel_table(tmp_path):
                       "--kernel-bits", "1", "--kernel-reps", "2", "--bandwidth-mb", "8", "--threads", "1"])
     names = [r["kernel"] for r in res["kernels"]]
     assert names[0].startswith("full-cache SDPA") and any("1-bit attention" in n for n in names)
-    assert any("top-k" in n for n in names) and any("fetch" in n for n in names) and any("re-rank" in n for n in names)
+    assert any("selection from the logits" in n for n in names) and any("fetch" in n for n in names) and any("re-rank" in n for n in names)
     assert any("beside the 64-row fetch kernel" in n for n in names) and any("beside a copy-engine copy" in n for n in names)
     for r in res["kernels"]:
         assert r["bytes"] > 0 and r["us"] > 0 and r["floor_us_h100"] == pytest.approx(r["bytes"] / 3350e9 * 1e6)
@@ -378,7 +399,7 @@ def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monke
         clock[0] += 20.0
         log.write_text("progress\n")
         if "--collect-only" in cmd:
-            return 0, "".join(f"tests/test_cuda.py::{t}\n" for t in ("test_gluon_a", "test_topk_kernel_b", "test_c")), 20.0
+            return 0, "".join(f"tests/test_cuda.py::{t}\n" for t in ("test_gluon_a", "test_fused_selection_b", "test_c")), 20.0
         if "--stub" not in cmd:  # the imports, and the one real toy bench run
             if "--json" in cmd:
                 out = cmd[cmd.index("--json") + 1]
@@ -391,32 +412,31 @@ def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monke
                 f.write(f'<testsuite><testcase name="{spec["tests"][0].split("::")[1]}" time="1.0">{bad}</testcase>'
                         '</testsuite>')
             return (1 if fail_test else 0), "", 20.0
-        if "--attn-path words" in spec["cmd"] and "--caches kivi " in spec["cmd"]:  # cut by its timeout
+        if "--attn-path words" in spec["cmd"] and "--caches specache " in spec["cmd"]:  # cut by its timeout
             return None, "progress\n", 20.0
         gpu_check.stub(spec)
         return 0, "progress\n", 20.0
 
     monkeypatch.setattr(gpu_check, "run", fake_run)
-    # 100 s to the tests in the background, 7 steps of 20 (+ the background's 20): 260; the sweep (45 needed) runs
+    # 100 s to the tests in the background; 4-layer steps, Table 3 and the word path's steps of 20 s each
     assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "330"]) == 0
     rows = {r["step"]: r for r in json.loads((tmp_path / "summary.json").read_text())["steps"]}
     tests = {t["check"]: t["status"] for t in json.loads((tmp_path / "summary.json").read_text())["tests"]}
-    assert tests == {"test_gluon_a": "pass", "test_topk_kernel_b": "pass", "test_c": "pass"}
+    assert tests == {"test_gluon_a": "pass", "test_fused_selection_b": "pass", "test_c": "pass"}
     assert rows["fp16 step, fp16, 32k, 4 layers"]["status"] == "pass"
-    assert rows["KIVI 1-bit step, words, 32k, 4 layers"]["status"] == "cut"
     assert rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["status"] == "pass"
     assert "2.00x the fp16 step" in rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["note"]  # (4 ms of 4 layers vs 2)
     # the background tests start at 100 s with 50 s of simulated time: the fp16 step ends at 140 s, the next at 160
     assert rows["fp16 step, fp16, 32k, 4 layers"]["beside"] == "CUDA tests running"
     assert rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["beside"] == ""
-    assert rows["kernel sweep: words, planes, Gluon; 1/2/4 bits; 8k-128k; groups 64, 32"]["status"] == "pass"
-    assert rows["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "not run"
-    assert rows["fp16 step, full depth, 32k"]["status"] == "not run"
+    assert rows["preset without resync step, gluon, 32k, 4 layers"]["status"] == "pass"
+    assert rows["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "pass"
+    assert rows["fp16 step, full depth, 32k"]["status"] == "not run"  # (200 s to start)
+    assert rows["SpeCache 1-bit paper step, words, 32k, 4 layers"]["status"] == "cut"
     assert packed == sorted(packed) and len(set(packed)) > 10  # packed again after every step
     assert "0 failed" in capsys.readouterr().out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.txt", "results.json", "summary.json", "summary.md",
-                                                          "sweep.json"]
-    assert "===== KIVI 1-bit step, words, 32k, 4 layers (cut, 20 s) =====" in (tmp_path / "logs.txt").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.txt", "results.json", "summary.json", "summary.md"]
+    assert "===== SpeCache 1-bit paper step, words, 32k, 4 layers (cut, 20 s) =====" in (tmp_path / "logs.txt").read_text()
 
     monkeypatch.setattr(gpu_check, "run", lambda *a, **k: fake_run(*a, **k, fail_test=True))
     clock[0] = 0.0
@@ -429,19 +449,20 @@ def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monke
 
 def test_gpu_check_dry_run_walks_every_step(tmp_path):
     """`--dry-run-cpu`: the imports, the CUDA tests' collection and one toy bench run are real, the GPU work
-    stubbed and its time simulated: one summary row per step, at most MAX_FILES files, the sweep's
-    rows kept, and a real call's budget leaves Table 3 and the full-depth steps out."""
+    stubbed and its time simulated: one summary row per step, at most MAX_FILES files, and a real call's budget
+    runs the 4-layer steps and Table 3 and leaves the full-depth steps and the word path's out."""
     from tools import gpu_check
     assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     steps = {r["step"]: r for r in summary["steps"]}
     assert list(steps)[:3] == ["environment", "imports", "collect the CUDA tests"]
     assert len(summary["steps"]) == 3 + len(gpu_check.plan(sys.executable, tmp_path, tmp_path, {}))
-    assert all(r["status"] == "pass" for name, r in steps.items() if "Table 3" not in name and "full depth" not in name)
-    assert steps["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "not run"
+    later = [name for name in steps if "full depth" in name or "words" in name]
+    assert later and all(steps[name]["status"] == "not run" for name in later)
+    assert all(r["status"] == "pass" for name, r in steps.items() if name not in later)
+    assert steps["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "pass"
     assert len(summary["tests"]) > 60 and {t["status"] for t in summary["tests"]} == {"pass"}
     assert len(list(tmp_path.iterdir())) <= gpu_check.MAX_FILES
-    assert [r["kernel"] for r in json.loads((tmp_path / "sweep.json").read_text())["sweep"]] == ["words", "planes", "gluon"]
     assert "| fp16 step, fp16, 32k, 4 layers | pass |" in (tmp_path / "summary.md").read_text()
 
 

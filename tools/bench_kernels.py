@@ -84,10 +84,19 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
         path = f", {a.attn_path or lowbit.DEFAULT_ATTN_PATH}" if device.type == "cuda" else ""
         add(f"{bits}-bit attention (2 tokens, {K} fetched{path})", attn, c.read_bytes(2) + fbytes)
         victim = victim or (f"{bits}-bit attention", attn, c.read_bytes(2) + fbytes)
-        lse = torch.zeros(1, Hkv * G, device=device)
-        select = wrap(lambda: topk.topk_lowbit(q2[:, :, 1], lse, store, K, c.sm_scale, fetched, attn_path=a.attn_path))
-        key_bytes = lowbit.lowbit_read_bytes(store._replace(v_codes=None, v_scale=None, v_zero=None), int(c.n_quant))
-        add(f"{bits}-bit speculative top-k (score + select)", select, key_bytes + fetched.k.nbytes + idx.nbytes)
+        attn_sel = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale,
+                                                         attn_path=a.attn_path, select=1))
+        _, lse, logits = kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale, attn_path=a.attn_path,
+                                                  select=1)
+        add(f"{bits}-bit attention + the speculative token's logits{path}", attn_sel, c.read_bytes(2) + fbytes,
+            f"+ {logits.nbytes:,} B of logits written")
+        ring = (torch.full((1, Hkv, K), -1, device=device), torch.zeros(1, Hkv, K, dtype=torch.bool, device=device), 0,
+                torch.empty(1, Hkv, K, dtype=torch.long, device=device))
+        if device.type == "cuda":  # one launch: the radix selection, the ring's record, the transfer's rows
+            select = wrap(lambda: topk.select_triton(logits, lse[:, :, 1:], store.n_quant, K, record=ring))
+        else:
+            select = wrap(lambda: transfer.record_rows(*topk.select_ref(logits, lse[:, :, 1:], store.n_quant, K), *ring[:3]))
+        add(f"{bits}-bit selection from the logits (+ the ring's record)", select, logits.nbytes + ring[3].nbytes)
     # the transfer: k rows of K and V per kv head from the host store
     K = a.k or 64
     hk, hv = (torch.randn(1, Hkv, context, D, generator=torch.Generator().manual_seed(1)).to(dtype) for _ in range(2))

@@ -46,16 +46,24 @@ def report(res: dict) -> str:
                    "", "ms/layer: the median step over the model's decoder layers (embedding and output head "
                    "included, so at a few layers it overstates a layer's share); attention: the low-bit kernels' "
                    "path (Triton words/planes/gluon on CUDA, the torch reference on CPU).", ""]
-    prof = [r for r in res.get("grid", []) if "profile" in r]
-    if prof:
-        md += ["## CUDA profile of the timed steps (torch.profiler)", ""]
-        md.append(md_table(["cache", "context", "main busy ms/step", "fetch ms/step", "fetch overlapped", "top kernels (us/step)"],
-                           [[r["label"], r["context"], f"{r['profile'].get('main_busy_ms_per_step', 0):.2f}",
-                             f"{r['profile'].get('fetch_ms_per_step', 0):.3f}",
-                             "-" if r["profile"].get("overlap_frac") is None else f"{100 * r['profile']['overlap_frac']:.0f}%",
-                             "; ".join(f"{n}: {us:.0f}" for n, us in list(r["profile"].get("kernels_us_per_step", {}).items())[:6])]
-                            for r in prof]))
+    prof = [r for r in res.get("grid", []) if "profile" in r and "kernels" in r["profile"]]
+    if prof:  # (kernels attributed by name: measure.kernel_class)
+        from tools import measure
+        classes = [c for c, _ in measure.KERNEL_CLASSES] + ["other"]
+        md += ["## CUDA profile of the timed steps (torch.profiler; kernels by name, us per step)", ""]
+        md.append(md_table(["cache", "context", "busy ms/step", "launches/step", *classes, "transfer overlapped"],
+                           [[r["label"], r["context"], f"{r['profile']['busy_ms_per_step']:.3f}",
+                             f"{r['profile']['launches_per_step']:.0f}",
+                             *(f"{r['profile']['class_us_per_step'].get(c, 0):.1f}" for c in classes),
+                             "-" if r["profile"]["transfer_overlapped_frac"] is None
+                             else f"{100 * r['profile']['transfer_overlapped_frac']:.0f}%"] for r in prof]))
         md.append("")
+        for r in prof:
+            md += [f"### Top kernels: {r['label']}, {r['context']} ({len(r['profile']['kernels'])} by time)", ""]
+            md.append(md_table(["kernel", "class", "us/step", "calls/step"],
+                               [[k["name"], k["cls"], f"{k['us_per_step']:.1f}", f"{k['calls_per_step']:g}"]
+                                for k in r["profile"]["kernels"]]))
+            md.append("")
     if res.get("kernels"):
         md += ["## Kernels alone (batch 1; floor = bytes / bandwidth; on CUDA: a CUDA graph's replays after an L2 "
                "flush, and eager calls with their launch overhead)", ""]

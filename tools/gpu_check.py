@@ -11,13 +11,13 @@
    is converted), each test under SPECACHE_TEST_TIMEOUT_S (conftest's alarm) and each process under
    its own timeout. The third runs in the background, beside step 2's compiles;
 2. whole decode steps at 32k on Llama-3.1-8B shapes with the first --layers decoder layers (random
-   bf16 weights, compiled, CUDA graph; tools/bench.py --layers): fp16, KIVI 1-bit, SpeCache 1-bit
-   (paper) and the preset, the low-bit ones on the word and the Gluon attention paths side by side
-   (one process each): ms per layer and the ratio to fp16 at the same depth;
-3. the kernel sweep (tools/bench.py --kernels --sweep --sweep-configs launcher: words, planes and Gluon,
-   1/2/4 bits, 8k-128k, groups 64 and 32), its JSON rewritten after every row;
-4. a small Table 3 (batch on a KV budget, 32k, --layers); then, if time is left, fp16 and the preset at
-   full depth.
+   bf16 weights, compiled, CUDA graph, the kernels profiled by name; tools/bench.py --layers): fp16, KIVI
+   1-bit and SpeCache 1-bit (paper) on the Gluon attention path (the GPU default once its tests pass here,
+   docs/gpu.md), then the preset timed without resync (random weights guess wrong nearly every step: its
+   resync rate is measured on a real model on CPU, docs/policies.md), one process each;
+3. Table 3 (batch on a KV budget, 32k, --layers): fp16, KIVI and SpeCache 1-bit;
+4. if time is left: fp16 and SpeCache 1-bit at full depth, then SpeCache 1-bit and KIVI 1-bit on the word
+   path (the same run's comparison for the default path's choice).
 Each step runs under its own timeout and is skipped ("not run") when less of the budget is left than
 it needs. After every step the summary and the raw outputs are packed into at most MAX_FILES files in
 the output folder (default $OUT, else .cache/gpu-check): summary.md, summary.json, logs.txt (every
@@ -49,8 +49,9 @@ MAX_FILES = 8  # what comes back from the device machine's $OUT
 PER_TEST_TIMEOUT_S = 90
 RESERVE_S = 8  # kept back for the last packing
 MODEL, CONTEXT, LAYERS = "Llama-3.1-8B", 32768, 4
-STEP_CACHES = [("fp16", "full"), ("KIVI 1-bit", "kivi"), ("SpeCache 1-bit paper", "specache"),
-               ("preset", "specache-1bit-best")]
+STEP_CACHES = [("fp16", "full", None), ("KIVI 1-bit", "kivi", "gluon"), ("SpeCache 1-bit paper", "specache", "gluon"),
+               ("preset without resync", "specache-1bit-speculative-best", "gluon")]
+WORD_PATH = [("SpeCache 1-bit paper", "specache"), ("KIVI 1-bit", "kivi")]  # last: the default path's comparison
 # Seconds each step is expected to take on an H100 (docs/gpu.md: the first gpu-check, 2026-11-26: the two
 # kernel test processes 82 and 70 s, 4-layer steps 25-42 s, the preset's 47-72 s, the sweep 46 of 54 rows in 44 s;
 # earlier runs: 42 CUDA tests 113 s, a full-depth 8B step at 32k 210-240 s to its first step, nearly all compile;
@@ -97,13 +98,13 @@ def test_group(nodeid: str) -> str:
     name = nodeid.split("::")[-1]
     if "gluon" in name or "planes" in name:
         return "tests-planes"
-    if any(k in name for k in ("attention_kernel", "topk_kernel", "transfer", "rerank")):
+    if any(k in name for k in ("attention_kernel", "selection", "transfer", "rerank")):
         return "tests-kernels"
     return "tests-rest"
 
 
 TEST_STEPS = {"tests-planes": "CUDA tests: Gluon and bit-plane paths",
-              "tests-kernels": "CUDA tests: word kernels, radix top-k, missing-rows transfer",
+              "tests-kernels": "CUDA tests: word kernels, the fused selection, the transfers",
               "tests-rest": "CUDA tests: policies, compiled steps, default model"}
 
 
@@ -129,27 +130,28 @@ def plan(py, work: Path, out: Path, tests: dict) -> list[Step]:
     steps = [Step(k, TEST_STEPS[k], [], need_s=30, timeout_s={"tests-rest": 300}.get(k, 180),
                   background=k == "tests-rest", tests=tests.get(k, [])) for k in TEST_STEPS]
     timed = ["--warmup", "5", "--steps", "20"]
-    for label, cache in STEP_CACHES:
-        for path in (("words", "gluon") if cache != "full" else (None,)):
-            fname = work / f"step-{cache}-{path or 'fp'}.json"
-            steps.append(Step("step-preset" if cache.endswith("best") else "step",
-                              f"{label} step, {path or 'fp16'}, {CONTEXT // 1024}k, {LAYERS} layers",
-                              bench_cmd(py, "--layers", str(LAYERS), "--compile", "--contexts", str(CONTEXT), "--caches",
-                                        cache, *(["--attn-path", path] if path else []), *timed, "--json", str(fname)),
-                              need_s=30, timeout_s=150, json=fname))
-    steps.append(Step("sweep", "kernel sweep: words, planes, Gluon; 1/2/4 bits; 8k-128k; groups 64, 32",
-                      bench_cmd(py, "--kernels", "--sweep", "--sweep-configs", "launcher", "--json", str(out / "sweep.json")),
-                      need_s=45, timeout_s=240, json=out / "sweep.json"))
+
+    def layer_step(label, cache, path):
+        fname = work / f"step-{cache}-{path or 'fp'}.json"
+        return Step("step-preset" if cache.endswith("best") else "step",
+                    f"{label} step, {path or 'fp16'}, {CONTEXT // 1024}k, {LAYERS} layers",
+                    bench_cmd(py, "--layers", str(LAYERS), "--compile", "--contexts", str(CONTEXT), "--caches", cache,
+                              *(["--attn-path", path] if path else []), *timed, "--json", str(fname)),
+                    need_s=30, timeout_s=150, json=fname)
+    steps += [layer_step(label, cache, path) for label, cache, path in STEP_CACHES]
     steps.append(Step("table3", f"Table 3: batch on a 4 GB KV budget, {CONTEXT // 1024}k, {LAYERS} layers",
                       bench_cmd(py, "--layers", str(LAYERS), "--compile", "--contexts", str(CONTEXT), "--caches",
-                                "full,kivi,specache", "--kv-budget-gb", "4", "--max-run-batch", "16", "--no-grid",
-                                "--warmup", "3", "--steps", "10", "--profile-steps", "0", "--json", str(work / "table3.json")),
+                                "full,kivi,specache", "--attn-path", "gluon", "--kv-budget-gb", "4", "--max-run-batch",
+                                "16", "--no-grid", "--warmup", "3", "--steps", "10", "--profile-steps", "0", "--json",
+                                str(work / "table3.json")),
                       need_s=120, timeout_s=300, json=work / "table3.json"))
-    for label, cache in (("fp16", "full"), ("preset", "specache-1bit-best")):
+    for label, cache, path in (("fp16", "full", None), ("SpeCache 1-bit paper", "specache", "gluon")):
         fname = work / f"full-depth-{cache}.json"
         steps.append(Step("full-depth", f"{label} step, full depth, {CONTEXT // 1024}k",
-                          bench_cmd(py, "--compile", "--contexts", str(CONTEXT), "--caches", cache, *timed, "--json",
-                                    str(fname)), need_s=200, timeout_s=330, json=fname))
+                          bench_cmd(py, "--compile", "--contexts", str(CONTEXT), "--caches", cache,
+                                    *(["--attn-path", path] if path else []), *timed, "--json", str(fname)),
+                          need_s=200, timeout_s=330, json=fname))
+    steps += [layer_step(label, cache, "words") for label, cache in WORD_PATH]
     return steps
 
 

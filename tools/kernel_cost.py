@@ -33,7 +33,9 @@ LOOPS = {
                            ("residual", "BLOCK_F", "row", None)],
     "_attn_planes_gluon": [("quantized", ("GROUP_K", "NW"), "token", None)],
     "_attn_views_kernel": [("quantized", "GROUP_K", "token", None)],
-    "_topk_score_kernel": [("scores", "GROUP_K", "position", None)],
+    "_select_kernel": [("keys", "CHUNK", "position", None), ("round 1", "CHUNK", "position", None),
+                       ("round 2", "CHUNK", "position", None), ("round 3", "CHUNK", "position", None),
+                       ("collect", "CHUNK", "position", None)],
     "_transfer_rows_kernel": [("rows", "BLOCK_R", "row", "HAS_IDX"), ("new token", 1, "kv head", ("HAS_NEW", "!HAS_IDX")),
                               ("token slot", ("BLOCK_R", 4), "slot", ("HAS_NEW", "HAS_IDX"))],
 }
@@ -43,12 +45,9 @@ BUDGETS = {
     "_attn_split_kernel": (24.0, "KV token", "5.9: codes 0.1 loads + 4 unpack + 1 MMA + 0.75 softmax (every loop: 24)"),
     "_attn_planes_gluon": (24.0, "KV token", "the attention's quantized slots (as _attn_split_kernel's)"),
     "_attn_views_kernel": (24.0, "KV token", "the siblings' quantized slots (as _attn_split_kernel's)"),
-    "_topk_score_kernel": (12.0, "position", "3.1: 0.04 loads + 2 unpack + 0.5 MMA + 0.6 exp, sum over heads, key"),
-    "_radix_round_kernel": (1.1, "key", "0.28: 0.01 load + 0.125 digit and count + 0.14 threshold (3 rounds x 256 bins / 1024 keys)"),
-    "_radix_collect_kernel": (2.0, "key", "0.51: 0.01 load + 0.31 compare, two scans, store + 0.19 threshold"),
-    "_radix_order_kernel": (24.0, "selected row", "6.1: 64 x 3 lane-ops of ranking / 32 + stores"),
+    "_select_kernel": (4.0, "position", "1.0: keys 0.3 (G = 4 logits, exp2, sum, key, store, count) + 3 rounds x 0.15 "
+                                        "(load, digit, count) + collect 0.25 (compare, two scans, store)"),
     "_transfer_rows_kernel": (8.3, "row", "2.06: 512 B of K+V loaded and stored (2 x 1 LDG/STG.128 a warp) + index"),
-    "_stage_kernel": (3100.0, "kv head", "772: the copies (3) + record_rows' 64 x 64 x 6 lane-ops / 32"),
     "_rerank_score_kernel": (135.0, "candidate", "33.8: 1 key load + store, 8 rows x 128 FMA / 32, exp and sums"),
     "_rerank_layout_kernel": (96.0, "candidate", "24: 128 x 3 lane-ops of ranking / 32 + record_rows' 64 x 6 / 32"),
     "_rerank_pick_kernel": (8.0, "candidate", "2: key and value loaded and stored"),
@@ -111,18 +110,13 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
         return H * splits, dict(quantized=nq * H), nq * H, "KV token"
     if kern == "_attn_combine_kernel":
         return H * s["G"] * s["T"], {}, H * s["G"] * s["T"], "output row"
-    if kern in ("_topk_score_kernel", "_radix_round_kernel", "_radix_collect_kernel"):
-        chunks = nq // _cx(row, "CHUNK")
-        return H * chunks, dict(scores=nq * H), nq * H, "position" if kern == "_topk_score_kernel" else "key"
-    if kern == "_radix_order_kernel":
-        return H, {}, s["k"] * H, "selected row"
+    if kern == "_select_kernel":  # (every refining round counted: an upper bound, they stop once the k-th's bucket is whole)
+        return H, {name: nq * H for name, *_ in LOOPS[kern]}, nq * H, "position"
     if kern == "_transfer_rows_kernel":
         rows = s["k"] * H if _cx(row, "HAS_IDX") else 0
         progs = min(16, max(-(-rows // _cx(row, "BLOCK_R")), H))
         new = H if _cx(row, "HAS_NEW") else 0
         return progs, {"rows": rows, "new token": new, "token slot": s["k"] * new}, rows or H, "row" if rows else "kv head"
-    if kern == "_stage_kernel":
-        return H, {}, H, "kv head"
     if kern in ("_rerank_score_kernel", "_rerank_pick_kernel"):
         return H * (s["candidates"] + (kern == "_rerank_pick_kernel")), {}, H * s["candidates"], "candidate"
     if kern == "_rerank_layout_kernel":
@@ -162,3 +156,129 @@ def budget_check(row) -> Optional[dict]:
             if lp["per_item"] is not None:
                 worst = max(worst or 0, lp["per_item"])
     return dict(budget=b, item=item, worst=worst, met=worst is not None and worst <= b)
+
+
+# ---- launches per decode layer, counted on CPU ------------------------------------------------------
+# Not a torch op: allocations and views launch nothing on a GPU.
+NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "as_strided", "t", "transpose", "permute", "select",
+             "slice", "detach", "alias", "unsqueeze", "squeeze", "expand", "reshape", "lift_fresh", "empty_like",
+             "new_empty"}
+
+
+def count_launches(cache: str, layers: int = 4, context: int = 1000, steps: int = 3, head_dim: int = 128) -> dict:
+    """One decode step of the GPU's path on CPU (custom ops, Triton interpreted, the prefetcher's async path on
+    torch.cpu's no-op streams) after a prefill of `context` tokens and a warm-up step, over a random model of
+    Llama-3.1-8B's head layout (4 query heads a kv head, head_dim 128) with `layers` layers. Counts, per decode
+    layer and step: Triton launches by kernel, and the torch ops the custom ops run (each a kernel on a GPU;
+    allocations and views aside). The compiled graph's own torch ops (KV write, quantizer, norms) are the same
+    for KIVI and SpeCache and are not counted. Run in a process with TRITON_INTERPRET=1 set before triton
+    is imported (main() does)."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    import generate
+    import kernels
+    import prefetch
+    from model import ModelArgs, Transformer
+    torch.manual_seed(0)
+    args = ModelArgs(name="launches", dim=8 * head_dim, n_layers=layers, n_heads=8, n_kv_heads=2, head_dim=head_dim,
+                     vocab_size=512, intermediate_size=512, max_seq_len=context + steps + 8)
+    model = Transformer(args).eval()
+    caches = generate.setup_caches(model, cache, 1, args.max_seq_len)
+    for c in caches:
+        c.custom_ops = True
+    p = caches.prefetcher
+    if p is not None:  # the CUDA code path: custom ops, staging, side-stream work (no-op streams on CPU)
+        p.async_ops, p.triton = True, True
+        p._setup_async()
+    counts, ops, state = collections.Counter(), collections.Counter(), {"on": False, "in_op": 0}
+
+    class TorchOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            name = func.overloadpacket.__name__
+            out = func(*a, **(kw or {}))
+            same = isinstance(out, torch.Tensor) and a and isinstance(a[0], torch.Tensor) and \
+                out.data_ptr() == a[0].data_ptr() and name in ("contiguous", "to")  # (already so: no copy)
+            if state["on"] and state["in_op"] and name.rstrip("_") not in NO_KERNEL and not same:
+                ops[name] += 1
+            return out
+
+    run = interpreter.InterpretedFunction.run
+
+    def counted(self, *a, grid, warmup, **kw):
+        if state["on"]:
+            counts[self.fn.__name__] += 1
+        state["in_op"] -= 1  # (the interpreter's own tensor copies are not the kernel's)
+        try:
+            return run(self, *a, grid=grid, warmup=warmup, **kw)
+        finally:
+            state["in_op"] += 1
+
+    def inside(fn):  # the bodies of the custom ops: what they run is what a GPU launches for them
+        def wrapped(*a, **kw):
+            state["in_op"] += 1
+            try:
+                with TorchOps():
+                    return fn(*a, **kw)
+            finally:
+                state["in_op"] -= 1
+        return wrapped
+
+    patches = [(interpreter.InterpretedFunction, "run", counted), (kernels, "attention_lowbit_triton", None)]
+    patches += [(prefetch.Prefetcher, n, None) for n in ("_start_async", "_wait_async", "_join_async")]
+    patches += [(prefetch, "keep_sink_rows", None), (prefetch, "keep_sinks_triton", None)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new or inside(getattr(obj, name)))
+        prompt = torch.randint(0, args.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            for i in range(steps):  # (pre-decoding, then decode steps; the last one is counted)
+                state["on"] = i == steps - 1
+                if i == 0:
+                    generate.prefill(model, prompt)
+                    token = torch.zeros(1, dtype=torch.long)
+                    if caches.config.policy.pre_decode:
+                        generate.pre_decode(model, token, torch.tensor([context]))
+                    continue
+                T = caches.config.policy.step_tokens
+                pos = torch.arange(context + i - 1, context + i - 1 + T)
+                generate.decode_step(model, torch.zeros(1, T, dtype=torch.long), pos)
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+    per = lambda c: {k: v / layers for k, v in sorted(c.items())}  # noqa: E731
+    return dict(cache=caches.config.name, layers=layers, steps=1, context=context,
+                launches_per_layer=sum(counts.values()) / layers, triton=per(counts),
+                torch_ops_in_custom_ops_per_layer=sum(ops.values()) / layers, torch_ops=per(ops))
+
+
+def main(argv=None):
+    import argparse
+    import json
+    import os
+    import sys
+    ap = argparse.ArgumentParser(description="tools/kernel_cost.py --launches: Triton launches per decode layer "
+                                 "of a cache configuration's GPU path, counted on CPU (interpreted kernels)")
+    ap.add_argument("--launches", action="store_true", required=True)
+    ap.add_argument("--cache", action="append", required=True, help="a cache name (config.CacheConfig); repeatable")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--context", type=int, default=1000)
+    a = ap.parse_args(argv)
+    os.environ["TRITON_INTERPRET"] = "1"  # (before anything imports triton)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    from config import CacheConfig
+    for name in a.cache:
+        try:
+            CacheConfig.from_name(name)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
+        print(json.dumps(count_launches(name, a.layers, a.context)))
+
+
+if __name__ == "__main__":
+    main()

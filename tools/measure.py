@@ -204,22 +204,46 @@ def overlap_stats(main, side) -> dict:
             "overlap_frac": both / side_busy if side_busy else None}
 
 
-def profile_of(prof, n_steps: int) -> dict:
-    """A finished torch.profiler trace of n_steps decode steps -> the main stream (the one with the
-    most kernel time) vs the side streams (the prefetcher's transfers): busy times and overlap, and
-    the kernel time per name (us per step), the per-kernel profile of a whole step."""
-    by_stream, by_name = {}, {}
+# What a kernel is, by its name: under CUDA-graph replay the profiler's stream ids do not follow the streams
+# the kernels were captured on, so the transfer is found by name, not by stream.
+KERNEL_CLASSES = (("transfer", ("_transfer_rows_kernel", "_rerank_score_kernel", "_rerank_layout_kernel",
+                                "_rerank_pick_kernel")),
+                  ("selection", ("_select_kernel",)),
+                  ("attention", ("_attn_split_kernel", "_attn_combine_kernel", "_attn_planes_gluon", "_attn_views_kernel",
+                                 "flash", "fmha", "sdpa", "attention")),
+                  ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "_mm_", "matmul")),
+                  ("quantizer", ("bitwise", "round", "pack")),  # (inductor's fused kernels of quant.py's ops)
+                  ("copy", ("memcpy", "memset", "copy", "fill")))
+
+
+def kernel_class(name: str) -> str:
+    """transfer, selection, attention, gemm, quantizer, copy or other (KERNEL_CLASSES, first match)."""
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k.lower() in low for k in keys)), "other")
+
+
+def profile_of(prof, n_steps: int, top: int = 40) -> dict:
+    """A finished torch.profiler trace of n_steps decode steps -> time per kernel class and the top kernels
+    by time, each with its calls per step (kernel_class: by name, whatever stream the trace reports), and
+    how much of the transfer ran while another kernel ran (the fetch hidden behind the step)."""
+    events, by_name = [], {}
     for ev in prof.profiler.kineto_results.events():
         if ev.device_type() == torch.autograd.DeviceType.CUDA and ev.duration_ns() > 0:
-            by_stream.setdefault(ev.device_resource_id(), []).append((ev.start_ns(), ev.end_ns(), ev.name()))
-            by_name[ev.name()] = by_name.get(ev.name(), 0) + ev.duration_ns()
-    if not by_stream:
+            events.append((ev.start_ns(), ev.end_ns(), ev.name()))
+            ns, calls = by_name.get(ev.name(), (0, 0))
+            by_name[ev.name()] = (ns + ev.duration_ns(), calls + 1)
+    if not events:
         return {"error": "no CUDA kernels in the trace (CUDA-graph replays may hide them)"}
-    busy = {sid: sum(e - s for s, e, _ in evs) for sid, evs in by_stream.items()}
-    main = max(busy, key=busy.get)
-    side = [(s, e) for sid, evs in by_stream.items() if sid != main for s, e, _ in evs]
-    st = overlap_stats([(s, e) for s, e, _ in by_stream[main]], side)
-    top = sorted(by_name.items(), key=lambda x: -x[1])[:12]
-    return {"steps": n_steps, "main_busy_ms_per_step": st["main_busy"] / 1e6 / n_steps,
-            "fetch_ms_per_step": st["side_busy"] / 1e6 / n_steps, "overlap_frac": st["overlap_frac"],
-            "kernels_us_per_step": {name[:80]: ns / 1e3 / n_steps for name, ns in top}}
+    transfer = [(s, e) for s, e, n in events if kernel_class(n) == "transfer"]
+    others = [(s, e) for s, e, n in events if kernel_class(n) != "transfer"]
+    st = overlap_stats(others, transfer)
+    by_class = {}
+    for name, (ns, _) in by_name.items():
+        by_class[kernel_class(name)] = by_class.get(kernel_class(name), 0) + ns / 1e3 / n_steps
+    kernels = [dict(name=name[:100], cls=kernel_class(name), us_per_step=ns / 1e3 / n_steps, calls_per_step=calls / n_steps)
+               for name, (ns, calls) in sorted(by_name.items(), key=lambda x: -x[1][0])[:top]]
+    busy = sum(e - b for b, e in merge([(s, e) for s, e, _ in events]))
+    return {"steps": n_steps, "busy_ms_per_step": busy / 1e6 / n_steps, "class_us_per_step": by_class,
+            "transfer_ms_per_step": st["side_busy"] / 1e6 / n_steps, "transfer_overlapped_frac": st["overlap_frac"],
+            "kernels": kernels, "launches_per_step": sum(c for _, c in by_name.values()) / n_steps}
+

@@ -219,7 +219,7 @@ def loop_loads(sass_text: str) -> dict:
 
 
 # What one iteration of a kernel's hot loop processes, in KV tokens: the constexpr that sets it.
-TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_topk_score_kernel": "GROUP_K", "_attn_planes_gluon": ("GROUP_K", "NW"),
+TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_select_kernel": "CHUNK", "_attn_planes_gluon": ("GROUP_K", "NW"),
                         "_attn_views_kernel": "GROUP_K"}
 # Which innermost loop is the hot one (default: the longest). The attention kernel's loop over the
 # quantized slots is its first (the then-branch of `split < n_splits`; the fetched and residual fp-row
@@ -313,11 +313,31 @@ def cases(quick=False):
     from config import CacheConfig
     from generate import STORES
 
-    def both_paths(q, store, *args):  # the word path, and the bit-plane paths where they fit the layout
+    def both_paths(q, store, *args, select=0):  # the word path, and the bit-plane paths where they fit the layout
         M = q.shape[1] // store.k_codes.shape[1] * q.shape[2]
         paths = ("words", "planes") + (("gluon",) if attn_gluon.fits(store, q.shape[-1], M, q.dtype) else ())
         for path in paths if lowbit.planes_fit(store, q.shape[-1], M) and not quick else ("words",):  # (--quick: the default)
-            kernels.attention_lowbit_triton(q, store, *args, attn_path=path)
+            kernels.attention_lowbit_triton(q, store, *args, attn_path=path, select=select)
+
+    def selection(c, cfg, q, token=True):  # the one launch after the attention, as Prefetcher._stage calls it
+        B, Hkv, S = c.k_codes.shape[:3]
+        G, T, D = q.shape[1] // Hkv, q.shape[2], q.shape[3]
+        R = T if cfg.policy.selects == "both" else 1
+        logits, lse = torch.zeros(B, Hkv, G * R, S), torch.zeros(B, Hkv * G, T)[:, :, -R:]
+        step = torch.zeros(B, Hkv, T, D, dtype=q.dtype)
+        staged = (torch.zeros(B, Hkv, 1, D, dtype=q.dtype), torch.zeros(B, Hkv, 1, D, dtype=q.dtype),
+                  torch.zeros((), dtype=torch.long))
+        new = (step[:, :, :1], step[:, :, :1], torch.tensor(5), *staged) if token else None
+        n = cfg.k * cfg.rerank
+        if cfg.rerank > 1:  # the candidates, and the query rows re-ranking scores them by
+            out = (torch.zeros(B, Hkv, n, dtype=torch.long), torch.zeros(B, Hkv, n, dtype=torch.bool))
+            s_q = (q[:, :, -R:], torch.zeros(B, Hkv * G, R, D, dtype=q.dtype), torch.zeros(B, Hkv * G, R))
+            topk.select_triton(logits, lse, c.n_quant, n, cfg.sinks, out=out, stage_q=s_q, token=new)
+        else:
+            record = (torch.zeros(B, Hkv, cfg.sinks + n, dtype=torch.long),
+                      torch.zeros(B, Hkv, cfg.sinks + n, dtype=torch.bool), cfg.sinks,
+                      torch.zeros(B, Hkv, n, dtype=torch.long))
+            topk.select_triton(logits, lse, c.n_quant, n, cfg.sinks, record=record, token=new)
 
     def step_case(name, dtype, D, G=4, T=2, S=1024):
         def run():  # (S > 8192: the top-k merges its chunks' candidates in two rounds)
@@ -331,12 +351,12 @@ def cases(quick=False):
                 K = cfg.k
                 fetched = lowbit.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
                                          torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
-            both_paths(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale)
-            if cfg.kind == "specache":  # (re-ranking: the top-(N*k) candidates; the bit-plane tiles where they fit)
-                store = c.stored()
-                for path in ("words", "planes") if lowbit.planes_fit(store, D, 1) and not quick else (None,):
-                    topk.topk_lowbit_triton(q[:, :, -1], torch.zeros(1, 2 * G), store, cfg.k * cfg.rerank,
-                                            c.sm_scale, fetched, attn_path=path)
+            select = 0 if cfg.kind != "specache" else T if cfg.policy.selects == "both" else 1
+            both_paths(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale, select=select)
+            if cfg.kind == "specache":  # the selection with the step's token, and without (fetch_then_attend's)
+                selection(c, cfg, q)
+                if not quick:
+                    selection(c, cfg, q, token=False)
         return run
 
     def quantspec_case(dtype, D, gamma=4):
@@ -365,35 +385,21 @@ def cases(quick=False):
                                             torch.zeros(1, 2 * G, R, D, dtype=dtype), torch.zeros(1, 2 * G, R),
                                             0.125, new_or_none, new_or_none, pos if new_or_none is not None else None,
                                             ring_off=4)
-            staging = [torch.zeros(1, 2, 64, dtype=torch.long), torch.zeros(1, 2, 1, D, dtype=dtype),
-                       torch.zeros(1, 2, 1, D, dtype=dtype), torch.zeros((), dtype=torch.long)]
-            record = (torch.ones(1, 2, 64, dtype=torch.bool), torch.zeros(1, 2, 68, dtype=torch.long),
-                      torch.zeros(1, 2, 68, dtype=torch.bool), 4)  # a SpeCache transfer records idx after 4 sinks
-            transfer.stage_triton(idx, new, new, pos, *staging, record=record)
-            transfer.stage_triton(idx, None, None, None, *staging, record=record)
-            transfer.stage_triton(None, new, new, pos, *staging)
-            for G, R in ((4, 1), (3, 2)):  # re-ranking's inputs: 128 candidates, R query tokens of G heads each
-                rerank = (torch.zeros(1, 2, 128, dtype=torch.long), torch.zeros(1, 2, 128, dtype=torch.bool),
-                          torch.zeros(1, 2 * G, 2, D, dtype=dtype)[:, :, -R:], torch.zeros(1, 2 * G, 2)[:, :, -R:])
-                transfer.stage_triton(None, new, new, pos, *staging, rerank,
-                                      tuple(torch.zeros(t.shape, dtype=t.dtype) for t in rerank))
-            # union's pre-decoding: one selecting token staged into two rows per head
+            # the sinks' launch (a decode step's commit: the residual's first rows, read through its strides)
+            res = torch.zeros(1, 2, 66, D, dtype=dtype)
+            transfer.keep_sinks_triton(fetch[:2] + [fetch[3]], res[:, :, :64], res[:, :, :64], torch.tensor(True), 4)
+            # union's pre-decoding with re-ranking: one selecting token staged into two rows per head
             q1, lse1 = torch.zeros(1, 8, 1, D, dtype=dtype), torch.zeros(1, 8, 1)
-            transfer.stage_triton(None, new, new, pos, *staging, (*rerank[:2], q1, lse1),
-                                  (*(torch.zeros(t.shape, dtype=t.dtype) for t in rerank[:2]),
-                                   torch.zeros(1, 8, 2, D, dtype=dtype), torch.zeros(1, 8, 2)))
+            out = (torch.zeros(1, 2, 128, dtype=torch.long), torch.zeros(1, 2, 128, dtype=torch.bool))
+            topk.select_triton(torch.zeros(1, 2, 4, 1024), lse1, torch.tensor(512), 128, 4, out=out,
+                               stage_q=(q1, torch.zeros(1, 8, 2, D, dtype=dtype), torch.zeros(1, 8, 2)))
         return run
 
     def large_k_case(dtype, D, K=512):
         def run():  # k 512 (tests/test_cuda.py fetches every row with it) and the largest re-ranking tile
-            idx, valid = torch.zeros(1, 2, K, dtype=torch.long), torch.ones(1, 2, K, dtype=torch.bool)
-            staging = [torch.zeros(1, 2, K, dtype=torch.long), torch.zeros(1, 2, 1, D, dtype=dtype),
-                       torch.zeros(1, 2, 1, D, dtype=dtype), torch.zeros((), dtype=torch.long)]
-            for k in (transfer.RECORD_IN_KERNEL_MAX, K):  # record_rows in the launch, then torch's
-                record = (valid[..., :k], torch.zeros(1, 2, k, dtype=torch.long), torch.zeros(1, 2, k, dtype=torch.bool), 0)
-                transfer.stage_triton(idx[..., :k], None, None, None, staging[0][..., :k].contiguous(), *staging[1:],
-                                      record=record)
-            topk.radix_select_triton(torch.zeros(2, 4096, dtype=torch.int32), K, 1024)
+            record = (torch.zeros(1, 2, 4 + K, dtype=torch.long), torch.zeros(1, 2, 4 + K, dtype=torch.bool), 4,
+                      torch.zeros(1, 2, K, dtype=torch.long))
+            topk.select_triton(torch.zeros(1, 2, 4, 4096), torch.zeros(1, 8, 1), torch.tensor(2048), K, 4, record=record)
             C = topk.RERANK_MAX_CANDIDATES
             host = [torch.zeros(1, 2, 4096, D, dtype=dtype) for _ in range(2)]
             ring = [torch.zeros(1, 2, C // 2, D, dtype=dtype) for _ in range(2)] + \
@@ -419,9 +425,6 @@ def cases(quick=False):
         out.append((f"specache-1bit {dn} D128 32k", step_case("specache-1bit", dtype, 128, S=32768 + 128)))
         out.append((f"specache-1bit-best-rr2 {dn} D128 32k", step_case("specache-1bit-best-rr2", dtype, 128, S=32768 + 128)))
         out.append((f"rows {dn}", rows_case(dtype, 128)))
-    # the selection alone, on keys another kernel wrote (its round 0 is a launch of its own)
-    out.append(("radix select of given keys", lambda: topk.radix_select_triton(torch.zeros(8, 32768, dtype=torch.int32),
-                                                                               64, 1024)))
     return out
 
 
