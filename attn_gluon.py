@@ -230,9 +230,10 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
         fidx = gl.load(f_idx + bh * K + fk, mask=fok, other=-1)
         fidx = gl.expand_dims(gl.where(gl.load(f_valid + bh * K + fk, mask=fok, other=0) != 0, fidx, -1), 0)  # [1, BLOCK_K]
         fw = gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, FL)), 1)  # [NW, 1]
-    if SEL > 0:  # [1, BLOCK_M, 1]: each query row's logits row (tiles.logits_rows), and which rows select
+    if SEL > 0:  # the kv head's logits, each query row's row in them (tiles.logits_rows) and which rows select
+        lbase = logits + bh * (M // T) * SEL * S
         st = sm % T
-        lrows = logits + (bh * (M // T) * SEL + (sm // T) * SEL + st - (T - SEL)) * S
+        lrows = ((sm // T) * SEL + st - (T - SEL)) * S  # [1, BLOCK_M, 1] int32 (a pointer each would cost registers)
         lrows_ok = (sm < M) & (st >= T - SEL)
     lo = split * SPLIT_LEN
     hi = gl.minimum(gl.minimum(lo + SPLIT_LEN, gl.load(n_quant_ptr).to(gl.int32)), S)
@@ -277,7 +278,7 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
             word = gl.expand_dims(gl.expand_dims(gl.convert_layout(word, gl.SliceLayout(1, SL)), 1), 2)  # [NW, 1, 1]
             keep = keep & (((word >> sn.to(gl.int64)) & 1) == 0)
         if SEL > 0:  # the selecting rows' scores, for the selection after this attention (topk.select_triton)
-            gl.store(lrows + tok, s, mask=keep & lrows_ok)
+            gl.store(lbase + (lrows + tok), s, mask=keep & lrows_ok)
         s = gl.where(keep, s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, 2))
         m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)

@@ -419,8 +419,8 @@ class SpeCache(LowBitCache):
 
     def fetch_then_attend(self, q, keep, real):
         """Table 4: pick rows with the real token itself, fetch and wait, then attend."""
-        _, lse, logits = self.attend(q[:, :, :1], self.fetched() if self.sinks else None, select=1)
-        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), self.pick(q[:, :, :1], lse, logits))
+        _, lse, logits = self.attend(q, self.fetched() if self.sinks else None, select=1)  # (these policies: T = 1)
+        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), self.pick(q, lse, logits))
         self.prefetcher.wait(self.layer_idx, self.fetch_bufs(), now=True)
         out, _ = self.attend(q, self.fetched())
         if keep:

@@ -73,13 +73,13 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
     out, lse = out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
     if not select:
         return out, lse
-    rows = (torch.arange(M, device=dev) % T >= T - select).nonzero().squeeze(-1)  # static: the selecting rows
-    quantized = key_logits(qg[:, :, rows], store)  # (eq. 1's replaced slots: their fp rows' scores)
+    rows = lambda x: x.view(B, Hkv, M // T, T, -1)[:, :, :, T - select:].flatten(2, 3)  # noqa: E731 (the selecting rows)
+    quantized = rows(scores[0])  # (-inf at the replaced slots, which take their fp rows' scores below)
     if fetched is not None:
-        safe = torch.where(fetched.valid, fetched.idx, S - 1)[:, :, None].expand(-1, -1, len(rows), -1)
-        exact = torch.where(fetched.valid[:, :, None], scores[2][:, :, rows], quantized.gather(-1, safe))
+        safe = torch.where(fetched.valid, fetched.idx, S - 1)[:, :, None].expand(-1, -1, quantized.shape[2], -1)
+        exact = torch.where(fetched.valid[:, :, None], rows(scores[2]), quantized.gather(-1, safe))
         quantized = quantized.scatter(-1, safe, exact)
-    return out, lse, selection_logits(quantized, scores[1][:, :, rows], store.n_quant, residual.length)
+    return out, lse, selection_logits(quantized, rows(scores[1]), store.n_quant, residual.length)
 
 
 def selection_logits(quantized, res_scores, n_quant, res_len):
