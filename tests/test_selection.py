@@ -142,3 +142,21 @@ def test_every_selecting_policy_gets_the_reference_rows(monkeypatch, fetch, rera
         got = topk.select_triton(*sel[:5], record=(*ring, off, s_idx))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(s_idx, rows) and torch.equal(ring[0], bufs[2]) and torch.equal(ring[1], bufs[3])
+
+
+@needs_interpreter
+def test_launches_per_decode_layer():
+    """tools/kernel_cost.py --launches on a small model: KIVI's attention is two launches a layer; SpeCache adds the
+    selection and the transfer (at most KIVI + 3), the preset re-ranking's three and the sinks' one (at most KIVI + 6),
+    and no custom op runs torch kernels of its own beyond the two-token query's copy."""
+    from tools import kernel_cost
+    counts = {name: kernel_cost.count_launches(name, layers=2, context=200, head_dim=64)
+              for name in ("kivi-1bit", "specache-1bit", "specache-1bit-best")}
+    kivi, spec, best = (counts[n] for n in ("kivi-1bit", "specache-1bit", "specache-1bit-best"))
+    assert kivi["triton"] == {"_attn_combine_kernel": 1.0, "_attn_split_kernel": 1.0}
+    assert spec["triton"] == {**kivi["triton"], "_select_kernel": 1.0, "_transfer_rows_kernel": 1.0}
+    assert set(best["triton"]) == set(kivi["triton"]) | {"_select_kernel", "_keep_sinks_kernel", "_rerank_score_kernel",
+                                                         "_rerank_layout_kernel", "_rerank_pick_kernel"}
+    assert spec["launches_per_layer"] <= kivi["launches_per_layer"] + 3
+    assert best["launches_per_layer"] <= kivi["launches_per_layer"] + 6
+    assert kivi["torch_ops_in_custom_ops_per_layer"] == 0 and spec["torch_ops"] == best["torch_ops"] == {"contiguous": 1.0}
