@@ -402,7 +402,7 @@ def parse_args(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--prompt", default="essay", choices=["essay", "random"])
     p.add_argument("--shared-prefill", action="store_true", help="prefill each context once and replay it into every "
-                   "cache (tools/eval.py's PrefillReplay: what each cache's own prefill stores; prefill_s is the replay's)")
+                   "cache (tools/eval.py's PrefillReplay: exact attention over the prompt; prefill_s is the replay's)")
     p.add_argument("--compile", action="store_true", help="compiled decode step (CUDA graph on CUDA)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default fp32 CPU, bf16 CUDA")

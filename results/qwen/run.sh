@@ -2,6 +2,7 @@
 # The accuracy grid of Qwen2.5-Coder-1.5B-Instruct (native checkpoint, `make qwen`), this CPU, fp32, 2 threads,
 # greedy, chat prompts. From the repository root:
 #     bash results/qwen/run.sh PIECE...        # pieces below; none: all, in this order
+#     bash results/qwen/run.sh niah16k@0.5     # one NIAH prompt (a piece's length at one depth)
 # Every eval.py call below is one prompt (or one window) under the heavy lock, so each lock is held for one
 # prefill plus the caches' decodes; every call appends to its results.jsonl and skips the cells already
 # there: a stopped run goes on where it stopped.
@@ -40,6 +41,9 @@ hit() {  # LENGTH "SAMPLES": needle prompts, 64 decode steps, one call per sampl
 for piece in "${@:-niah16k niah8k niah32k ruler16k ppl16k ppl32k hit16k hit32k}"; do
   for p in $piece; do
     case $p in
+      niah8k@*) niah 8000 "${p#*@}" ;;
+      niah16k@*) niah 16000 "${p#*@}" ;;
+      niah32k@*) niah 32700 "${p#*@}" ;;
       niah8k) niah 8000 "$D10" ;;
       niah16k) niah 16000 "$D10" ;;
       niah32k) niah 32700 "$D5" ;;
