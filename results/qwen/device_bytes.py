@@ -24,8 +24,12 @@ def deployed_bytes(cache: str, tokens: int, new: int = 34) -> int:
 
 
 if __name__ == "__main__":
-    lengths = [int(x) for x in sys.argv[1].split(",")]
-    caches = sys.argv[2].split(",")
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("lengths", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("caches", help="cache names (config.CacheConfig), comma-separated")
+    a = p.parse_args()
+    lengths, caches = [int(x) for x in a.lengths.split(",")], a.caches.split(",")
     print("| cache | " + " | ".join(f"{L:,} tokens" for L in lengths) + " |")
     print("|---|" + "---|" * len(lengths))
     for c in caches:
