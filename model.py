@@ -1,4 +1,4 @@
-"""A static-shape Llama/Mistral decoder, written to be read.
+"""A static-shape Llama/Mistral/Qwen2 decoder, written to be read.
 
 Everything the decode step touches is allocated up front (cache.setup_caches), positions arrive as
 an `input_pos` tensor, and the KV cache is a pluggable object owned by each attention layer: the
@@ -44,6 +44,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     sliding_window: Optional[int] = None  # Mistral: every layer attends within this many positions
     layer_windows: Optional[tuple] = None  # where layers differ (Gemma 3): each layer's window, None = global
+    qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias (o and the MLP have none)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -79,6 +80,8 @@ KNOWN_CONFIGS = {
                           rope_theta=500000.0, max_seq_len=131072, rope_scaling=_LLAMA31_ROPE),
     "Mistral-7B-v0.2": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
                             rope_theta=1000000.0, max_seq_len=32768),
+    "Qwen2.5-1.5B": dict(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128, intermediate_size=8960,
+                         vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768, qkv_bias=True),
     "SmolLM2-135M": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152,
                          rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
     "SmolLM2-360M": dict(dim=960, n_layers=32, n_heads=15, n_kv_heads=5, intermediate_size=2560, vocab_size=49152,
@@ -133,9 +136,9 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache = None  # set by Transformer.setup_caches
 

@@ -12,6 +12,7 @@ encode() maps them back to their ids).
 """
 import base64
 import json
+import unicodedata
 from pathlib import Path
 
 import regex  # tiktoken's own dependency; same \p{..} regex dialect as tiktoken and HF tokenizers
@@ -25,6 +26,9 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 SMOLLM_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen2 (tokenizer.json's Split regex): Llama-3's, but every digit a piece of its own.
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # Llama-3.1's special tokens, ids len(ranks) + i (128000 + i for the real model).
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
@@ -189,9 +193,10 @@ class BPETokenizer(Tokenizer):
     BPE with unk_token=null does: they vanish before BPE, so their neighbours may merge across the gap.
     """
 
-    def __init__(self, ranks, pattern, specials, rank_to_id=None, extra_tokens=None, **kw):
+    def __init__(self, ranks, pattern, specials, rank_to_id=None, extra_tokens=None, nfc=False, **kw):
         self.specials = dict(specials)
         self.rank_to_id = rank_to_id
+        self.nfc = nfc  # compose the text to Unicode NFC first (Qwen2's tokenizer.json normalizer)
         self.enc = tiktoken.Encoding("bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=self.specials)
         self.pattern = regex.compile(pattern)
         self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
@@ -220,9 +225,9 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def from_tokenizer_json(cls, path, **kw):
         tj = json.loads(Path(path).read_text(encoding="utf-8"))
-        model = tj["model"]
-        if model.get("type") != "BPE" or tj.get("normalizer") is not None or model.get("byte_fallback"):
-            raise ValueError(f"{path}: only byte-level BPE tokenizer.json files are supported")
+        model, normalizer = tj["model"], tj.get("normalizer")
+        if model.get("type") != "BPE" or normalizer not in (None, {"type": "NFC"}) or model.get("byte_fallback"):
+            raise ValueError(f"{path}: only byte-level BPE tokenizer.json files are supported (normalizer: none or NFC)")
         pattern = pattern_from_pre_tokenizer(tj.get("pre_tokenizer"))
         specials = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
         special_ids = set(specials.values())
@@ -245,9 +250,10 @@ class BPETokenizer(Tokenizer):
                 if token_of[i] not in ranks:  # the first merge making a token is the one BPE uses
                     ranks[token_of[i]] = offset + m
                     rank_to_id[offset + m] = i
-        return cls(ranks, pattern, specials, rank_to_id=rank_to_id, extra_tokens=extra, **kw)
+        return cls(ranks, pattern, specials, rank_to_id=rank_to_id, extra_tokens=extra, nfc=normalizer is not None, **kw)
 
     def _encode(self, text):
+        text = unicodedata.normalize("NFC", text) if self.nfc else text
         raw = text.encode("utf-8", "replace")
         if self.missing_bytes and len(raw.translate(None, self.missing_bytes)) != len(raw):
             ids = self._encode_dropping_missing(text)

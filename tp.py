@@ -5,7 +5,7 @@
 
 The world size comes from torchrun's environment (WORLD_SIZE); `--tp N` only checks it. Each rank
 holds (docs/tp.md has the table):
-  wq/wk/wv  rows [r*n/N, (r+1)*n/N) of the output: its query heads and the KV heads they read;
+  wq/wk/wv  rows [r*n/N, (r+1)*n/N) of the output (and of a Qwen2 bias): its query heads and the KV heads they read;
   wo        the matching input columns: a partial sum, all-reduced over ranks;
   w1/w3     rows, w2 columns (all-reduced), as in Megatron-LM;
   tok_embeddings and output head: a 1/N slice of the vocabulary (rows); the embedding all-reduces
@@ -133,7 +133,7 @@ def rank_args(args: ModelArgs, n: int) -> ModelArgs:
 
 def split_dim(name: str, args: ModelArgs, n: int):
     """The dimension of checkpoint tensor `name` that ranks split (None: replicated)."""
-    if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")):
+    if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "wq.bias", "wk.bias", "wv.bias")):
         return 0
     if name.endswith(("wo.weight", "w2.weight")):
         return 1

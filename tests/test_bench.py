@@ -543,3 +543,20 @@ def test_the_presets_resync_forwards_are_run_and_counted(model):
     assert bench.bench_config("specache-1bit-best", a)[0].policy.resync
     assert r["resyncs"] > 0 and modes.count("predecode") == 1 + r["resyncs"]  # Algorithm 2, then one per miss
     assert r["step_ms_min"] <= r["step_ms_mean"] <= r["step_ms_max"] and r["n_timed"] == 12
+
+
+def test_shared_prefill_gives_each_cache_its_own_prefills_tokens(tmp_path, model):
+    """--shared-prefill: one recorded prefill per context replayed into every cache; each cache decodes the
+    tokens its own one-chunk prefill gives (in chunks, KIVI's own prefill would attend to its codes of the
+    earlier chunks; the replay's attention is exact, as tools/eval.py's)."""
+    from safetensors.torch import save_file
+    ckpt = tmp_path / "tiny"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps(asdict(model.args)))
+    args = ["--checkpoint", str(ckpt), "--contexts", "200", "--caches", "full,kivi,specache,specache-1bit-best",
+            "--group", "16", "--residual", "32", "--k", "8", "--warmup", "1", "--steps", "3", "--prefill-chunk", "256",
+            "--bandwidth-mb", "8", "--threads", "1"]
+    own = {r["cache"]: r["tokens"] for r in bench.main(args)["grid"]}
+    shared = {r["cache"]: r["tokens"] for r in bench.main(args + ["--shared-prefill"])["grid"]}
+    assert shared == own and len(own) == 4

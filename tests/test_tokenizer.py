@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tokenizer import (LLAMA3_PATTERN, LLAMA3_SPECIALS, BPETokenizer, SentencePieceTokenizer, bytes_to_unicode,
+from tokenizer import (LLAMA3_PATTERN, LLAMA3_SPECIALS, QWEN2_PATTERN, BPETokenizer, SentencePieceTokenizer, bytes_to_unicode,
                        load_tokenizer, pattern_from_pre_tokenizer, tokenizer_from_entry)
 
 MIXED = ("Hello, World! 12345 + 3.14 = x_1\n\ndef f(a, b):\n    return a**2  # café naïve résumé Ångström\n"
@@ -176,6 +176,29 @@ def test_split_regex_tokenizer_json_matches_hf(llama3_like):
     tok = BPETokenizer.from_tokenizer_json(d / "tokenizer.json")
     for text in [MIXED, *EDGE[:-2]]:
         assert tok.encode(text) == hf.encode(text).ids, text
+
+
+def test_qwen2_style_tokenizer_json_matches_hf(tmp_path):
+    """Qwen2's tokenizer.json (the real one: tests/test_qwen.py): an NFC normalizer, then its split regex
+    (single digits) and ByteLevel, on a small BPE trained here."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    rng = random.Random(1)
+    words = MIXED.split() + ["café", "cafe\u0301", "12345", "x1y22", "they'RE", "\r\n", "  "]
+    hf = Tokenizer(models.BPE())
+    hf.normalizer = normalizers.NFC()
+    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator([" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)],
+                           trainers.BpeTrainer(vocab_size=600, show_progress=False,
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = BPETokenizer.from_tokenizer_json(tmp_path / "tokenizer.json")
+    assert tok.nfc
+    for text in [MIXED, *EDGE[:-2], "cafe\u0301 A\u030a 2024-11-27 x=123456"]:
+        assert tok.encode(text) == hf.encode(text).ids, repr(text)
+    assert tok.encode("cafe\u0301") == tok.encode("café") and tok.encode("1234") == [tok.encode(d)[0] for d in "1234"]
 
 
 def test_ids_not_in_merge_order(llama3_like, tmp_path):

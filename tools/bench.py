@@ -120,7 +120,7 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
     # the policy's own loop (resync: its extra pre-decoding forwards fall between two steps' marks,
     # so the step times include them); NAME+2tok: a one-token cache fed the speculative loop's two tokens
     policy = cfg.policy if T == cfg.policy.step_tokens else replace(cfg.policy, step_tokens=2, pre_decode=True)
-    steps = generate.Steps(prefill=functools.partial(generate.prefill, chunk=a.prefill_chunk))
+    steps = generate.Steps(prefill=getattr(a, "replay", None) or functools.partial(generate.prefill, chunk=a.prefill_chunk))
     if a.compile:
         torch._dynamo.reset()  # one graph per configuration; also keeps under the recompile limit
         steps = steps.compiled(device, pre_decode=cfg.policy.resync)
@@ -401,6 +401,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps (median, min, spread)")
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--prompt", default="essay", choices=["essay", "random"])
+    p.add_argument("--shared-prefill", action="store_true", help="prefill each context once and replay it into every "
+                   "cache (tools/eval.py's PrefillReplay: exact attention over the prompt; prefill_s is the replay's)")
     p.add_argument("--compile", action="store_true", help="compiled decode step (CUDA graph on CUDA)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default fp32 CPU, bf16 CUDA")
@@ -557,6 +559,9 @@ def main(argv=None):
     print(f"# copy {res['bandwidth']['copy_gbs']:.1f} GB/s, read {res['bandwidth']['read_gbs']:.1f} GB/s, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     runner = Runner(model, ids, a, res["bandwidth"])
+    if a.shared_prefill:
+        from tools.eval import PrefillReplay
+        a.replay = PrefillReplay(a.prefill_chunk, keep_queries=any(bench_config(c, a)[0].scheme == "zipcache" for c in a.caches))
     if a.kernels:
         res["kernels"] = [row for ctx in a.contexts for row in bench_kernels.kernel_rows(model, ctx, a, res["bandwidth"])]
     if a.quantspec:

@@ -101,10 +101,12 @@ class PrefillReplay:
     window its ring, as its own FullCache would. Every new set of caches then stores the recording
     as its own one-chunk prefill would (quantize, offload; a ring copies the window): the exact
     attention of Algorithm 1 over the whole prompt. Evaluations run many caches on the same prompt:
-    this turns N prefills into one."""
+    this turns N prefills into one. keep_queries=False records no queries (only ZipCache reads them: on a
+    1.5B model at 32k they would take 5.6 GB)."""
 
-    def __init__(self, chunk: int = 2048):
+    def __init__(self, chunk: int = 2048, keep_queries: bool = True):
         self.chunk, self.key, self.recorded, self.logits = chunk, None, None, None
+        self.keep_queries = keep_queries
 
     def __call__(self, model, prompt):
         from generate import prefill
@@ -114,7 +116,8 @@ class PrefillReplay:
             B, P = prompt.shape
             w, a = model.tok_embeddings.weight, model.args
             self.recorded = model.setup_caches(lambda i: _Recorder(B, a.n_kv_heads, P, a.head_dim, w.dtype, w.device,
-                                                                   sliding_window=a.window(i)))
+                                                                   sliding_window=a.window(i),
+                                                                   keep_queries=self.keep_queries))
             self.logits, self.key = prefill(model, prompt, self.chunk), key
             for layer, cache in zip(model.layers, caches):
                 layer.attention.kv_cache = cache
@@ -125,19 +128,23 @@ class PrefillReplay:
 
 class _Recorder(FullCache):
     """A prefill-only FullCache for PrefillReplay (a ring for a layer with a shorter sliding window)
-    that also keeps the queries of a layer that attends to every position."""
+    that also keeps the queries of a layer that attends to every position (unless keep_queries=False)."""
+
+    def __init__(self, *args, keep_queries=True, **kw):
+        super().__init__(*args, **kw)
+        self.keep_queries = keep_queries
 
     def prefill(self, q, k, v, input_pos):
-        if not self.ring:
+        if not self.ring and self.keep_queries:
             self.queries = getattr(self, "queries", []) + [q]
         return super().prefill(q, k, v, input_pos)
 
     def recording(self):
-        """(k, v, positions, q) of what the layer keeps, in position order (q None for a ring)."""
+        """(k, v, positions, q) of what the layer keeps, in position order (q None for a ring or unkept)."""
         pos, order = self.key_pos.sort()
         n = int((pos < self.EMPTY).sum())
         pos, order = pos[:n], order[:n]
-        q = None if self.ring else torch.cat(self.queries, 2)
+        q = None if self.ring or not self.keep_queries else torch.cat(self.queries, 2)
         return self.k_cache[:, :, order], self.v_cache[:, :, order], pos, q
 
 
@@ -166,7 +173,7 @@ class Runner:
             self.model = load_model(a.checkpoint, device=self.device, dtype=dtype)
             self.tok = load_tokenizer(a.checkpoint)
         self.chunk = a.prefill_chunk
-        self.replay = PrefillReplay(a.prefill_chunk)
+        self.replay = PrefillReplay(a.prefill_chunk, keep_queries=any(m.scheme == "zipcache" for m in a.method_list))
         # Compiled steps need one cache shape for the whole run, or every prompt recompiles.
         self.fixed_len = a.cache_len if a.compile else None
         self.steps = generate.Steps().compiled(self.device) if a.compile else generate.Steps()
@@ -275,6 +282,7 @@ def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
     ids = runner.encode_prompt(render(runner.tok, sample))
     text, stats = runner.generate(m, ids, max_new)
     return dict(output=text, prompt_tokens=len(ids), spec_exact_hit_rate=stats["spec_exact_hit_rate"],
+                prefill_s=round(stats["prefill_s"], 2), resyncs=stats["resyncs"], decode_steps=stats["decode_steps"],
                 decode_tok_s=round(stats["decode_tok_s"], 2), bits=m.bits_per_value(runner.model.args.head_dim))
 
 
