@@ -44,7 +44,7 @@ from config import CacheConfig  # noqa: E402
 from tools.eval_report import (Results, begin_cells, end_cells, init_cells, mean, my_cells,  # noqa: E402
                                 write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
                                 write_ruler_report, write_saliency_report)
-from tools.tasks import (PROMPT_FORMS, RULER_TASKS, essay_ids, essay_window, niah, niah_score,  # noqa: E402
+from tools.tasks import (NEEDLES, PROMPT_FORMS, RULER_TASKS, essay_ids, essay_window, niah, niah_score,  # noqa: E402
                          render, ruler_max_new, ruler_sample, ruler_score, summary_prompt)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the machine is shared; see cpu-toolchain notes
@@ -279,14 +279,15 @@ def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
 
 
 def cmd_niah(a, runner, methods, results):
-    cells = [(dict(base_fields("niah", a, m), length=L, depth=d, max_new=a.max_new_tokens, **form_fields(a)), m)
-             for L in a.lengths for d in a.depths for m in methods]  # prompt-major: one prefill per prompt
-    sample = lru_cache(None)(lambda L, d: niah(runner.tok, L, d, a.prompt_form))
+    cells = [(dict(base_fields("niah", a, m), length=L, depth=d, max_new=a.max_new_tokens, **form_fields(a),
+                   **({"needle": n} if n else {})), m)  # (needle 0, Kamradt's, left out of the key: older rows)
+             for L in a.lengths for n in a.needles for d in a.depths for m in methods]  # prompt-major: a prefill each
+    sample = lru_cache(1)(lambda L, d, n: niah(runner.tok, L, d, a.prompt_form, n))
 
     def run(f, m):
-        s = sample(f["length"], f["depth"])
+        s = sample(f["length"], f["depth"], f.get("needle", 0))
         out = answer(runner, m, s, f["max_new"])
-        return dict(label=label(m, methods), score=niah_score(out["output"]), **out, prompt_form=s.form,
+        return dict(label=label(m, methods), score=niah_score(out["output"], s.answers), **out, prompt_form=s.form,
                     needle_depth=round(s.meta["needle_char"] / max(1, s.meta["context_chars"]), 4))
 
     run_cells(cells, results, run, "niah")
@@ -480,6 +481,7 @@ SUBCOMMANDS = {  # name: (help, its own options)
     "niah": ("needle in a haystack grid + heatmap", [
         ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
         ("--depths", dict(default=None, help="needle depths in [0, 1]")),
+        ("--needles", dict(default="0", help="which needles (tools/tasks.py NEEDLES; 0: Kamradt's)")),
         ("--max-new-tokens", dict(type=int, default=32))]),
     "ruler": ("RULER-style tasks", [
         ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
@@ -548,7 +550,9 @@ def parse_args(argv=None):
             setattr(a, name, value)
     a.lengths = parse_int_list(a.lengths, "lengths")
     if a.cmd == "niah":
-        a.depths = [float(x) for x in a.depths.split(",")]
+        a.depths, a.needles = [float(x) for x in a.depths.split(",")], parse_int_list(a.needles, "needles", low=0)
+        if max(a.needles) >= len(NEEDLES):
+            raise SystemExit(f"error: --needles: there are {len(NEEDLES)} needles (0-{len(NEEDLES) - 1})")
         if any(not 0 <= d <= 1 for d in a.depths):
             raise SystemExit("error: --depths are fractions in [0, 1]")
     if a.cmd == "quantspec":
