@@ -30,6 +30,7 @@ import torch
 
 import cache
 import config as cache_config
+import infllm
 import quantspec
 import quest
 import tp
@@ -51,8 +52,8 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind == "quantspec":
         raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with quantspec.setup_caches")
-    if config.kind == "quest":  # the block-retrieval baseline (quest.py)
-        return quest.setup_caches(model, config, batch, max_seq_len)
+    if config.kind in ("quest", "infllm"):  # the block-retrieval baselines (quest.py, infllm.py)
+        return (quest if config.kind == "quest" else infllm).setup_caches(model, config, batch, max_seq_len)
     return cache.setup_caches(model, config, batch, max_seq_len, store=STORES[config.scheme])
 
 

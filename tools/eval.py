@@ -275,7 +275,8 @@ def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
     ids = runner.encode_prompt(render(runner.tok, sample))
     text, stats = runner.generate(m, ids, max_new)
     return dict(output=text, prompt_tokens=len(ids), spec_exact_hit_rate=stats["spec_exact_hit_rate"],
-                decode_tok_s=round(stats["decode_tok_s"], 2), bits=m.bits_per_value(runner.model.args.head_dim))
+                decode_tok_s=round(stats["decode_tok_s"], 2),
+                bits=m.bits_per_value(runner.model.args.head_dim, runner.model.args.n_heads // runner.model.args.n_kv_heads))
 
 
 def cmd_niah(a, runner, methods, results):
