@@ -4,25 +4,28 @@ quest.py in SpeCache's offloading family.
 The fp16 K/V of every token lives in the host store (prefetch.Prefetcher); on the device each global layer
 keeps the first `sinks` tokens (InfLLM's initial tokens), a local window of the last `residual` tokens or
 more, and per block of `page` tokens one vector per query head: the mean of the block's `reprs`
-representative keys (InfLLM's block_k). A token's representative score is the attention logit it gets
-from the queries of the `residual` tokens after it (the paper's r_m = sum_j q_{m+j} . k_m); a block's
+representative keys (InfLLM's block_k). A token's representative score is the attention probability it
+receives from the queries within `residual` positions after it, itself included (InfLLM's code: the local
+attention's weights summed over its queries; the paper writes the same sum with q . k); a block's
 representative keys are its top-`reprs` tokens by that score, per query head, fixed once the block has
 left the window. A decode step scores each block by the mean over the query heads of q . (its vector),
 fetches the top k/page blocks' rows (one choice per layer, shared by the kv heads, as InfLLM's), and
 attends exactly over the initial tokens, the fetched blocks and the local window (disjoint sets; with
-every block fetched this is exact attention).
+every block fetched this is exact attention); its probabilities add to the window's scores.
 
 Positions: blocks start after the initial tokens, block j holds [sinks + j*page, sinks + (j+1)*page); at
 query position p, n(p) = (p + 1 - residual - sinks) // page blocks (at least 0) have left the window and
 may be fetched, and the window holds [sinks + n(p)*page, p]: `residual` to residual + page - 1 tokens.
-The local ring keeps residual + 2*page - 1 slots, so the newest block's tokens are still there while its
-representative is (re)computed each step (static shapes: the same value every step, its scores final).
+Block n(p + 1) - 1 gets its vector at the end of step p, its scores final (static shapes: the same block
+again until the next one is out, the same value). The local ring keeps residual + 2*page - 1 slots, so
+that block's tokens are still there.
 
 Where this differs from InfLLM's code: the prefill is exact (Algorithm 1, as for every cache here;
 InfLLM also runs the prompt through its retrieval, chunk by chunk); keys keep their true RoPE positions
-(InfLLM gives every memory token one distance, to read past a short training context; Gemma 3 270M's
-32k covers the prompts); the representative score is the paper's dot product (its code sums softmax
-weights); no cache of recently fetched blocks on the device (InfLLM's LRU of 32 blocks saves transfers
+(InfLLM gives every memory token one distance, to read past a short training context, in the selection
+too; Gemma 3 270M's 32k covers the prompts, and here the selection sees q . k at the true distances, as
+attention does); the prefill's scores come from exact attention's probabilities (InfLLM's from its own
+retrieval); no cache of recently fetched blocks on the device (InfLLM's LRU of 32 blocks saves transfers
 and costs device bytes: here each step fetches its top blocks, which costs bus bytes only).
 
 Budgets (config.CacheConfig: `infllm-pP-kK-rW-sinkI-reprR`, or a budget after `@`): `infllm@1/4` keeps
@@ -56,18 +59,26 @@ def n_blocks_out(p, sinks: int, residual: int, page: int):
     return max(0, (p + 1 - residual - sinks) // page)
 
 
-def representative_scores(q, k, positions, q_positions, window: int):
-    """Reference and prefill path: for each key, the sum over the queries at positions m + 1 .. m + window
-    (those present) of q . k, per query head. q [B,Hq,T,D] at q_positions [T] (contiguous), k [B,H,S,D]
-    at positions [S] -> [B,Hq,S] fp64 (prefix sums of the queries, in fp64)."""
+QUERY_BLOCK = 512  # queries at a time in window_probability_sums: [B, Hq, 512, keys] fp32
+
+
+def window_probability_sums(q, k, q_pos, window: int):
+    """The representative scores a prefill chunk adds: for each key, the causal softmax attention
+    probability of each query at distance 0 .. window - 1 after it, summed over those queries, per query
+    head. q [B,Hq,T,D] at positions q_pos [T] (contiguous, the last T keys' positions), k [B,H,S,D] at
+    positions 0..S-1 -> [B,Hq,S] fp32. Softmax over every key up to the query, scaled by 1/sqrt(D)."""
     B, Hq, T, D = q.shape
-    k = k.repeat_interleave(Hq // k.shape[1], 1).double()
-    csum = F.pad(q.double().cumsum(2), (0, 0, 1, 0))  # csum[:, :, t] = q[0] + ... + q[t-1]
-    q0 = int(q_positions[0])
-    lo = (positions + 1 - q0).clamp(0, T)  # the first query after the key, as an index into q
-    hi = (positions + window + 1 - q0).clamp(0, T)  # one past the last query within the window
-    summed = csum[:, :, hi] - csum[:, :, lo]  # [B,Hq,S,D]
-    return (summed * k).sum(-1)
+    S = k.shape[2]
+    k = k.repeat_interleave(Hq // k.shape[1], 1).float()
+    key_pos = torch.arange(S, device=q.device)
+    out = torch.zeros(B, Hq, S, dtype=torch.float32, device=q.device)
+    for t0 in range(0, T, QUERY_BLOCK):
+        qp = q_pos[t0:t0 + QUERY_BLOCK]
+        dist = qp[:, None] - key_pos[None, :]
+        logits = (q[:, :, t0:t0 + QUERY_BLOCK].float() @ k.transpose(2, 3)) * D ** -0.5
+        probs = logits.masked_fill(dist < 0, -math.inf).softmax(-1)
+        out += probs.masked_fill(dist >= window, 0.0).sum(2)
+    return out
 
 
 def block_vectors(k, scores, reprs: int):
@@ -135,20 +146,21 @@ class InfLLMCache(nn.Module):
         keeps the last `capacity` positions."""
         if q is None:
             raise ValueError("the InfLLM cache needs the prefill's queries (its representative keys' scores)")
-        self.prefetcher.offload(self.layer_idx, k, v, input_pos)
         p0, p1 = int(input_pos[0]), int(input_pos[-1]) + 1
+        earlier_k, _ = self.prefetcher.host_prefix(self.layer_idx, p0)
+        self.prefetcher.offload(self.layer_idx, k, v, input_pos)
+        added = window_probability_sums(q, torch.cat([earlier_k, k.to(earlier_k.dtype)], 2), input_pos, self.window)
         ring_pos, order = self.loc_pos.sort()
         n_old = int((ring_pos < EMPTY).sum())
         order = order[:n_old]
         keys = torch.cat([self.loc_k[:, :, order], k.to(self.loc_k.dtype)], 2)
         values = torch.cat([self.loc_v[:, :, order], v.to(self.loc_v.dtype)], 2)
         pos = torch.cat([ring_pos[:n_old], input_pos])
-        scores = torch.cat([self.loc_score[:, :, order].double(), torch.zeros_like(self.loc_score[:, :, :1]).double()
-                            .expand(-1, -1, k.shape[2])], 2)
-        scores = scores + representative_scores(q, keys, pos, input_pos, self.window)
         first = int(pos[0])
-        done = n_blocks_out(p0 - 1, self.sinks, self.window, self.page) if p0 else 0
-        for j in range(done, n_blocks_out(p1 - 1, self.sinks, self.window, self.page)):
+        scores = F.pad(self.loc_score[:, :, order], (0, k.shape[2])) + added[:, :, first:]
+        # the blocks the next query may fetch get their vectors: their scores are final
+        done = n_blocks_out(p0, self.sinks, self.window, self.page)
+        for j in range(done, n_blocks_out(p1, self.sinks, self.window, self.page)):
             rows = torch.arange(self.sinks + j * self.page - first, self.sinks + (j + 1) * self.page - first)
             self.block_vec[:, :, j] = block_vectors(keys[:, :, rows], scores[:, :, rows], self.reprs).to(self.block_vec.dtype)
         init = input_pos < self.sinks
@@ -157,14 +169,12 @@ class InfLLMCache(nn.Module):
         n = min(keys.shape[2], self.capacity)
         slots = pos[-n:] % self.capacity
         self.loc_k[:, :, slots], self.loc_v[:, :, slots] = keys[:, :, -n:], values[:, :, -n:]
-        self.loc_pos[slots], self.loc_score[:, :, slots] = pos[-n:], scores[:, :, -n:].float()
+        self.loc_pos[slots], self.loc_score[:, :, slots] = pos[-n:], scores[:, :, -n:]
         self.length.fill_(max(int(self.length), p1))
 
     # ---- a decode step ---------------------------------------------------------------------------------------
-    def store(self, q, k, v, pos):
-        """The step's token into the ring (and the initial tokens while pos < sinks); its query's logits
-        added to the scores of the `residual` tokens before it; the newest block out of the window gets its
-        vector (the scratch block while none is out). Static shapes throughout."""
+    def store(self, k, v, pos):
+        """The step's token into the ring (its score 0) and the initial tokens while pos < sinks."""
         slot = (pos % self.capacity).reshape(1)
         self.loc_k.index_copy_(2, slot, k.to(self.loc_k.dtype))
         self.loc_v.index_copy_(2, slot, v.to(self.loc_v.dtype))
@@ -175,17 +185,7 @@ class InfLLMCache(nn.Module):
             at = pos.clamp(max=self.sinks - 1).reshape(1)
             for buf, new in ((self.init_k, k), (self.init_v, v)):
                 buf.index_copy_(2, at, torch.where(first, new.to(buf.dtype), buf.index_select(2, at)))
-        Hq, H = q.shape[1], self.loc_k.shape[1]
-        logits = torch.einsum("bhgd,bhnd->bhgn", q.view(q.shape[0], H, Hq // H, -1).float(), self.loc_k.float())
-        behind = (self.loc_pos < pos) & (self.loc_pos >= pos - self.window)
-        self.loc_score.add_(torch.where(behind, logits.flatten(1, 2), 0.0))
-        n_out = n_blocks_out(pos, self.sinks, self.window, self.page)
-        j = torch.where(n_out > 0, n_out - 1, self.n_blocks - 1).reshape(1)
-        rows = ((self.sinks + j * self.page + torch.arange(self.page, device=pos.device)) % self.capacity)
-        vec = block_vectors(self.loc_k[:, :, rows], self.loc_score[:, :, rows], self.reprs)
-        self.block_vec.index_copy_(2, j, vec[:, :, None].to(self.block_vec.dtype))
         self.length.copy_(torch.maximum(self.length, pos + 1))
-        return n_out
 
     def select(self, q, n_out):
         """Rows to fetch for the query q [B,Hq,D]: the top blocks by mean_h q_h . vec_h among the n_out out
@@ -204,7 +204,8 @@ class InfLLMCache(nn.Module):
         if mode != "decode" or q.shape[2] != 1:
             raise ValueError(f"the infllm cache decodes one token a step (mode {mode!r}, {q.shape[2]} tokens)")
         pos = input_pos[0]
-        n_out = self.store(q[:, :, 0], k, v, pos)
+        self.store(k, v, pos)
+        n_out = n_blocks_out(pos, self.sinks, self.window, self.page)
         rows, valid = self.select(q[:, :, 0], n_out)
         self.ring_pos.copy_(torch.where(valid, rows, EMPTY))
         bufs = [self.ring_k, self.ring_v]
@@ -212,20 +213,34 @@ class InfLLMCache(nn.Module):
         self.prefetcher.wait(self.layer_idx, bufs, now=True)
         if self.layer_idx == self.prefetcher.n_layers - 1:
             self.prefetcher.end_step()
-        return self.attend(q, pos, n_out)
+        out = self.attend(q, pos, n_out)
+        self.finish_block(pos)
+        return out
 
     def attend(self, q, pos, n_out):
-        """Exact attention over the initial tokens, the fetched blocks and the window (disjoint sets)."""
-        B, Hq = q.shape[:2]
+        """Exact attention over the initial tokens, the fetched blocks and the window (disjoint sets); its
+        probabilities over the window's last `residual` positions add to their representative scores."""
+        B, Hq, _, D = q.shape
         H = self.loc_k.shape[1]
         start = self.sinks + n_out * self.page  # the window's first position
         init_ok = (torch.arange(self.sinks, device=q.device) <= pos).expand(B, H, -1)
         loc_ok = ((self.loc_pos >= start) & (self.loc_pos <= pos)).expand(B, H, -1)
-        ok = torch.cat([init_ok, self.ring_pos != EMPTY, loc_ok], -1)
-        keys = torch.cat([self.init_k, self.ring_k, self.loc_k], 2)
-        values = torch.cat([self.init_v, self.ring_v, self.loc_v], 2)
-        mask = ok.repeat_interleave(Hq // H, 1)[:, :, None, :]
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True)
+        ok = torch.cat([init_ok, self.ring_pos != EMPTY, loc_ok], -1).repeat_interleave(Hq // H, 1)
+        keys = torch.cat([self.init_k, self.ring_k, self.loc_k], 2).repeat_interleave(Hq // H, 1)
+        values = torch.cat([self.init_v, self.ring_v, self.loc_v], 2).repeat_interleave(Hq // H, 1)
+        logits = torch.einsum("bhd,bhnd->bhn", q[:, :, 0].float(), keys.float()) * D ** -0.5
+        probs = logits.masked_fill(~ok, -math.inf).softmax(-1)  # [B, Hq, sinks + k + capacity]
+        window = (self.loc_pos > pos - self.window) & (self.loc_pos <= pos)
+        self.loc_score.add_(torch.where(window, probs[:, :, -self.capacity:], 0.0))
+        return torch.einsum("bhn,bhnd->bhd", probs, values.float())[:, :, None].to(q.dtype)
+
+    def finish_block(self, pos):
+        """The block the next query may fetch first gets its vector (the scratch block while none is out)."""
+        n_next = n_blocks_out(pos + 1, self.sinks, self.window, self.page)
+        j = torch.where(n_next > 0, n_next - 1, self.n_blocks - 1).reshape(1)
+        rows = (self.sinks + j * self.page + torch.arange(self.page, device=pos.device)) % self.capacity
+        vec = block_vectors(self.loc_k[:, :, rows], self.loc_score[:, :, rows], self.reprs)
+        self.block_vec.index_copy_(2, j, vec[:, :, None].to(self.block_vec.dtype))
 
     # ---- bytes -------------------------------------------------------------------------------------------------
     def device_bytes(self) -> int:

@@ -2,6 +2,7 @@
 decode step's attention against plain torch; the full cache's tokens and logits when every block is
 fetched; budgets, bytes and names."""
 import json
+import math
 
 import pytest
 import torch
@@ -23,15 +24,19 @@ def layer_cache(name, H=2, Hq=4, D=8, L=96, B=1):
 
 
 def reference_scores(q, k, W):
-    """Plain loops: score[b, h, m] = sum over queries j in (m, m + W] of q[b, h, j] . k[b, h // G, m]."""
-    B, Hq, T, _ = q.shape
+    """Plain loops: score[b, h, m] = sum over queries j in [m, m + W) of the causal softmax probability
+    (scale 1/sqrt(D), every key up to j) that query j of head h gives key m (kv head h // G)."""
+    B, Hq, T, D = q.shape
     G = Hq // k.shape[1]
     out = torch.zeros(B, Hq, k.shape[2], dtype=torch.float64)
     for b in range(B):
         for h in range(Hq):
-            for m in range(k.shape[2]):
-                for j in range(m + 1, min(m + W, T - 1) + 1):
-                    out[b, h, m] += float(q[b, h, j].double() @ k[b, h // G, m].double())
+            for j in range(T):
+                logits = [float(q[b, h, j].double() @ k[b, h // G, m].double()) / math.sqrt(D) for m in range(j + 1)]
+                top = max(logits)
+                total = sum(math.exp(x - top) for x in logits)
+                for m in range(max(0, j - W + 1), j + 1):
+                    out[b, h, m] += math.exp(logits[m] - top) / total
     return out
 
 
@@ -48,31 +53,32 @@ def reference_vectors(q, k, sinks, page, W, reprs, n_out):
     return torch.stack(vecs, 2)  # [B, Hq, n_out, D]
 
 
-def test_representative_scores_match_plain_loops():
+def test_window_probability_sums_match_plain_loops():
+    """A chunk's queries add, to each key up to `window` positions before them, the softmax probability
+    they give it; two chunks add up to the whole."""
     torch.manual_seed(0)
     q, k = torch.randn(2, 4, 37, 8), torch.randn(2, 2, 37, 8)
-    got = infllm.representative_scores(q, k, torch.arange(37), torch.arange(37), 6)
-    assert torch.allclose(got, reference_scores(q, k, 6), atol=1e-9)
-    # a later chunk adds its queries' logits to the keys before it: the sum of the two parts is the whole
-    part = infllm.representative_scores(q[:, :, 20:], k, torch.arange(37), torch.arange(20, 37), 6)
-    first = infllm.representative_scores(q[:, :, :20], k[:, :, :20], torch.arange(20), torch.arange(20), 6)
-    assert torch.allclose(torch.nn.functional.pad(first, (0, 17)) + part, got, atol=1e-9)
+    got = infllm.window_probability_sums(q, k, torch.arange(37), 6)
+    assert torch.allclose(got.double(), reference_scores(q, k, 6), atol=1e-5)
+    first = infllm.window_probability_sums(q[:, :, :20], k[:, :, :20], torch.arange(20), 6)
+    later = infllm.window_probability_sums(q[:, :, 20:], k, torch.arange(20, 37), 6)
+    assert torch.allclose(torch.nn.functional.pad(first, (0, 17)) + later, got, atol=1e-6)
 
 
 def test_blocks_keep_their_vectors_through_prefill_chunks_and_decode_steps():
-    """Two prefill chunks, then decode steps (each one's query adds to the scores, and a block that leaves
-    the window gets its vector): every block out of the window holds the mean of its top-reprs keys by the
+    """Two prefill chunks, then decode steps with every block fetched (so each step's probabilities are
+    exact attention's): every block out of the window holds the mean of its top-reprs keys by the
     plain-loop scores of all queries, in 16 bits."""
     torch.manual_seed(1)
     sinks, page, W, reprs, L = 3, 4, 6, 2, 70
-    c = layer_cache(f"infllm-p{page}-k8-r{W}-sink{sinks}-repr{reprs}", L=L)
+    c = layer_cache(f"infllm-p{page}-k64-r{W}-sink{sinks}-repr{reprs}", L=L)
     q, k, v = torch.randn(1, 4, 60, 8), torch.randn(1, 2, 60, 8), torch.randn(1, 2, 60, 8)
     c.append_prefill(k[:, :, :17], v[:, :, :17], torch.arange(17), q[:, :, :17])
     c.append_prefill(k[:, :, 17:41], v[:, :, 17:41], torch.arange(17, 41), q[:, :, 17:41])
     for p in range(41, 60):
         c(q[:, :, p:p + 1], k[:, :, p:p + 1], v[:, :, p:p + 1], torch.tensor([p]))
-    n_out = infllm.n_blocks_out(59, sinks, W, page)
-    assert n_out == 12 and c.block_vec.dtype == torch.float16
+    n_out = infllm.n_blocks_out(60, sinks, W, page)
+    assert n_out == 13 and c.n_sel >= n_out and c.block_vec.dtype == torch.float16
     want = reference_vectors(q, k, sinks, page, W, reprs, n_out)
     assert torch.allclose(c.block_vec[:, :, :n_out].float(), want.half().float(), atol=1e-3)
     assert torch.equal(c.init_k, k[:, :, :sinks]) and torch.equal(c.prefetcher.host_k[0, :, :, :60], k)
