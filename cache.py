@@ -6,7 +6,8 @@ config.CacheConfig; `setup_caches` gives every layer of a model its cache:
   SpeCache     LowBitCache + the fp16 cache on the host + fetched fp16 rows that replace their
                quantized copies in attention (eq. 1), picked and moved by a fetch policy (§3.3)
 (Other quantizers subclass LowBitCache in their own files.) Byte accounting is exact: `device_bytes()`
-sums the tensors on the compute device, `read_bytes(T)` is what a decode step of T tokens reads.
+sums the tensors on the compute device as run, `deployed_bytes()` the same tensors in a 16-bit deployment
+(`deployed_nbytes`), `read_bytes(T)` is what a decode step of T tokens reads.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,12 @@ import topk
 from config import NO_FETCH, CacheConfig, FetchPolicy
 from lowbit import Fetched, LowBitKV, Residual
 from prefetch import Prefetcher
+
+def deployed_nbytes(*tensors) -> int:
+    """Bytes of the tensors in a 16-bit deployment, whatever dtype this run computes in: a floating-point
+    element is 2 bytes (fp32 on CPU stands in for fp16/bf16 on a GPU); codes, positions and counters as stored."""
+    return sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in tensors)
+
 
 def check_fits(input_pos, max_seq_len: int):
     """A prefill chunk (eager) past the positions the cache was set up for is an error, not a wrap or
@@ -130,6 +137,9 @@ class FullCache(nn.Module):
 
     def device_bytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
+
+    def deployed_bytes(self) -> int:
+        return deployed_nbytes(self.k_cache, self.v_cache)
 
     def host_bytes(self) -> int:
         return 0
@@ -322,6 +332,11 @@ class LowBitCache(nn.Module):
     def device_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers())
 
+    def deployed_bytes(self) -> int:
+        """device_bytes in a 16-bit deployment: the codes and 16-bit scales as stored, the residual (and
+        SpeCache's ring of fetched rows and sinks) at 2 bytes an element."""
+        return deployed_nbytes(*self.buffers())
+
     def host_bytes(self) -> int:
         return 0
 
@@ -452,6 +467,10 @@ class KVCaches(list):
     def device_bytes(self) -> int:
         """KV bytes on the compute device (every buffer the caches allocated)."""
         return sum(c.device_bytes() for c in self)
+
+    def deployed_bytes(self) -> int:
+        """device_bytes in a 16-bit deployment (deployed_nbytes), whatever dtype the run computes in."""
+        return sum(c.deployed_bytes() for c in self)
 
     def host_bytes(self) -> int:
         return sum(c.host_bytes() for c in self)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import quant
 
-KINDS = ("full", "kivi", "specache", "quantspec", "quest")
+KINDS = ("full", "kivi", "specache", "quantspec", "quest", "infllm")
 SCHEMES = ("kivi", "zipcache", "quantspec")
 FETCH_IMPLS = ("uva", "staged")
 ATTN_PATHS = ("words", "planes", "gluon")  # the low-bit kernels' reads of the codes (lowbit.DEFAULT_ATTN_PATH)
@@ -86,7 +86,9 @@ class CacheConfig:
     rerank: int = 1          # SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys (select)
     salient: float = 0.0     # ZipCache mixed precision: share of each key group's tokens kept at bits_salient
     bits_salient: int = 0    # ... their bit-width (default bits + 2)
-    page: int = 16           # quest: tokens per page of the block-retrieval baseline (quest.py)
+    page: int = 16           # quest: tokens per page of the block-retrieval baseline (quest.py); infllm: per block
+    reprs: int = 4           # infllm: representative keys per block (infllm.py)
+    budget: Optional[str] = None  # infllm: its sizes from a budget: a share "1/4" or a cache name (infllm.resolve)
 
     @property
     def n_ref(self) -> int:
@@ -115,6 +117,9 @@ class CacheConfig:
             return "quantspec" + (f"-g{self.group}" if self.group != 64 else "")
         if self.kind == "quest":  # quest.py's block retrieval: every field spelled out
             return f"quest-p{self.page}-k{self.k}-r{self.residual_len}" + (f"-sink{self.sinks}" if self.sinks else "")
+        if self.kind == "infllm":  # infllm.py: the sizes, or the budget they come from
+            sizes = "" if self.budget else f"-k{self.k}-r{self.residual_len}-sink{self.sinks}"
+            return f"infllm-p{self.page}{sizes}-repr{self.reprs}" + (f"@{self.budget}" if self.budget else "")
         parts = [self.kind, f"{self.bits}bit"]
         parts += [self.scheme] if self.scheme != "kivi" else []
         parts += ["orig"] if self.one_bit == "kivi" else []
@@ -142,7 +147,8 @@ class CacheConfig:
     def from_name(cls, name: str, preset: Optional[str] = None, **overrides) -> "CacheConfig":
         """Parse a name; a preset (PRESETS) sets defaults under the name's parts, and keyword
         overrides (e.g. CLI flags that were given) win over both. Raises ValueError."""
-        parts = [p for p in str(name).strip().lower().split("-") if p]
+        name, at, budget = str(name).strip().lower().partition("@")
+        parts = [p for p in name.split("-") if p]
         if not parts or parts[0] not in KINDS:
             raise ValueError(f"unknown cache {name!r}: a name starts with one of {', '.join(KINDS)} "
                              f"(e.g. kivi-2bit, specache-1bit-oracle)")
@@ -159,7 +165,7 @@ class CacheConfig:
         parts = [p for p in parts if p not in PRESETS]
         patterns = [(r"(\d+)bit", "bits", int), (r"k(\d+)", "k", int), (r"g(\d+)", "group", int),
                     (r"r(\d+)", "residual", int), (r"sink(\d+)", "sinks", int), (r"rr(\d+)", "rerank", int), (r"s(\d+)", "salient", lambda p: int(p) / 100),
-                    (r"hi(\d+)", "bits_salient", int), (r"p(\d+)", "page", int)]
+                    (r"hi(\d+)", "bits_salient", int), (r"p(\d+)", "page", int), (r"repr(\d+)", "reprs", int)]
         for p in parts[1:]:
             if kw["kind"] == "full":
                 raise ValueError(f"cache {name!r}: the full cache takes no options")
@@ -182,10 +188,14 @@ class CacheConfig:
                     raise ValueError(f"cache {name!r}: unknown part {p!r} (expected Nbit, {'/'.join(SCHEMES[1:])}, "
                                      f"orig, lsq, {'/'.join(POLICIES)} for specache, rrN, kN, gN, rN, sinkN, sN (salient %), hiN)")
         kw.update({k: v for k, v in overrides.items() if v is not None})
-        not_quest = set(kw) - {"kind", "page", "k", "residual", "sinks"}
-        if kw["kind"] == "quest" and not_quest:
-            raise ValueError(f"cache {name!r}: a quest cache takes pN (page), kN (rows fetched), rN (residual), "
-                             f"sinkN; got {', '.join(sorted(not_quest))}")
+        not_quest = set(kw) - {"kind", "page", "k", "residual", "sinks"} - ({"reprs"} if kw["kind"] == "infllm" else set())
+        if kw["kind"] in ("quest", "infllm") and not_quest:
+            raise ValueError(f"cache {name!r}: {'an' if kw['kind'] == 'infllm' else 'a'} {kw['kind']} cache takes pN (page), kN (rows fetched), rN (residual), "
+                             f"sinkN{', reprN' if kw['kind'] == 'infllm' else ''}; got {', '.join(sorted(not_quest))}")
+        if at and kw["kind"] != "infllm":
+            raise ValueError(f"cache {name}@{budget}: a budget after @ sizes InfLLM's cache (infllm@1/4, infllm@CACHE)")
+        if kw["kind"] == "infllm":  # InfLLM's Mistral setting, where the name and budget say nothing
+            kw = {"page": 128, "k": 2048, "residual": 4096, "sinks": 128, **kw, **({"budget": budget} if at else {})}
         if kw["kind"] == "quantspec":  # the hierarchical INT4/INT8 store is what QuantSpec is
             kw.setdefault("scheme", "quantspec")
             kw.setdefault("bits", 8)
@@ -200,6 +210,15 @@ class CacheConfig:
         if self.kind not in KINDS:
             raise ValueError(f"unknown cache kind {self.kind!r} ({', '.join(KINDS)})")
         if self.kind == "full":
+            return self
+        if self.kind == "infllm":  # infllm.py: blocks of fp16 rows, none quantized
+            if self.page < 1 or self.reprs < 1 or self.reprs > self.page:
+                bad(f"a block (pN, {self.page}) and its representative keys (reprN, {self.reprs}) must be 1 <= reprN <= pN")
+            if self.budget is not None:
+                self.check_budget(bad)
+            elif self.k < self.page or self.k % self.page or self.residual_len < 1 or self.sinks < 0:
+                bad(f"the rows fetched (kN, {self.k}) must be a positive multiple of the block (pN, {self.page}), the "
+                    f"window (rN) >= 1 and the initial tokens (sinkN) >= 0")
             return self
         if self.kind == "quest":  # quest.py's block retrieval: pages of fp16 rows, none quantized
             if self.page < 1:
@@ -272,7 +291,21 @@ class CacheConfig:
                 bad(f"head_dim {head_dim} does not pack into whole bytes at {r} refinement bits")
         return self
 
-    def bits_per_value(self, head_dim: int) -> float:
+    def check_budget(self, bad):
+        """An InfLLM budget: a share a/b in (0, 1], or the name of a cache that is not itself budgeted."""
+        if "/" in self.budget:
+            num, _, den = self.budget.partition("/")
+            if not (num.isdigit() and den.isdigit() and 0 < int(num) <= int(den)):
+                bad(f"the budget {self.budget!r} is a share a/b in (0, 1] (@1/4) or a cache name (@specache-1bit-best)")
+            return
+        try:
+            other = CacheConfig.from_name(self.budget)
+        except ValueError as e:
+            bad(f"the budget {self.budget!r} names no cache ({e})")
+        if other.kind in ("infllm", "quest", "quantspec") or other.scheme != "kivi":
+            bad(f"the budget's cache {other.name} must be full, kivi or specache with KIVI's quantizer")
+
+    def bits_per_value(self, head_dim: int, q_per_kv: int = 1) -> float:
         """Device bits per stored key or value element of a quantized token: codes, scales and zeros
         (meta), ZipCache's refinement rows and slot map. The fp residual, SpeCache's fetched rows and
         per-head constants (ZipCache's channel scale) are left out: they do not grow with the context."""
@@ -280,6 +313,8 @@ class CacheConfig:
             return 16.0
         if self.kind == "quest":  # a page's 16-bit key min and max per channel, over its P tokens' K and V
             return 16 / self.page
+        if self.kind == "infllm":  # a block's 16-bit vector per query head (q_per_kv of them), over its tokens' K and V
+            return 8 * q_per_kv / self.page
         per_token = sum(quant.quantized_bytes(kind, self.bits, self.group, head_dim) for kind in ("key", "value"))
         if self.salient:
             per_token += 2 * head_dim * (self.bits_salient - self.bits) / 8 * self.n_ref / self.group + 1

@@ -30,6 +30,7 @@ import torch
 
 import cache
 import config as cache_config
+import infllm
 import quantspec
 import quest
 import tp
@@ -51,8 +52,8 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind == "quantspec":
         raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with quantspec.setup_caches")
-    if config.kind == "quest":  # the block-retrieval baseline (quest.py)
-        return quest.setup_caches(model, config, batch, max_seq_len)
+    if config.kind in ("quest", "infllm"):  # the block-retrieval baselines (quest.py, infllm.py)
+        return (quest if config.kind == "quest" else infllm).setup_caches(model, config, batch, max_seq_len)
     return cache.setup_caches(model, config, batch, max_seq_len, store=STORES[config.scheme])
 
 
@@ -379,7 +380,9 @@ def run(a):
     result = {
         "text": tok.decode(rows[0]), "tokens": rows[0] if a.batch_size == 1 else rows, "prompt_tokens": len(ids),
         "prefill_s": round(stats["prefill_s"], 4), "decode_tok_s": round(stats["decode_tok_s"], 3),
-        "kv_device_bytes": caches.device_bytes(), "kv_host_bytes": caches.host_bytes(),
+        # device bytes in a 16-bit deployment (cache.deployed_nbytes), and as this run holds them
+        "kv_device_bytes": caches.deployed_bytes(), "kv_device_bytes_as_run": caches.device_bytes(),
+        "kv_host_bytes": caches.host_bytes(),
         "kv_fp16_bytes": kv_fp16_bytes(model.args, a.batch_size, seq_len),
         "kv_peak_prefill_device_bytes": caches.meter.peak, "cache": config.name, "config": config.as_dict(),
         "attn_path": None if config.kind == "full" else "torch" if device.type != "cuda" else  # (Triton on CUDA)
@@ -394,7 +397,7 @@ def run(a):
     mib = 2 ** 20
     attn = f", attention {result['attn_path']}" if result["attn_path"] else ""
     print(f"[{config.name}{attn}] prefill {len(ids)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
-          f"KV device {result['kv_device_bytes'] / mib:.2f} MiB, host {result['kv_host_bytes'] / mib:.2f} MiB, "
+          f"KV device {result['kv_device_bytes'] / mib:.2f} MiB in 16 bits ({result['kv_device_bytes_as_run'] / mib:.2f} as run), host {result['kv_host_bytes'] / mib:.2f} MiB, "
           f"fp16 equiv {result['kv_fp16_bytes'] / mib:.2f} MiB", file=sys.stderr if a.json else sys.stdout)
     if a.json:
         print(json.dumps(result))

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import FullCache, KVCaches, MemoryMeter, check_fits, exact_attention, plan_layers
+from cache import FullCache, KVCaches, MemoryMeter, check_fits, deployed_nbytes, exact_attention, plan_layers
 from config import NO_FETCH, CacheConfig
 from prefetch import Prefetcher
 from topk import Picked
@@ -193,6 +193,11 @@ class QuestCache(nn.Module):
     def device_bytes(self) -> int:
         """Bounds, sinks, residual window (and its positions), the ring of fetched rows (and theirs)."""
         return sum(b.nbytes for b in self.buffers())
+
+    def deployed_bytes(self) -> int:
+        """device_bytes in a 16-bit deployment: the bounds as stored, the sinks', window's and ring's rows
+        at 2 bytes an element."""
+        return deployed_nbytes(*self.buffers())
 
     def host_bytes(self) -> int:
         return self.prefetcher.host_bytes_per_layer()

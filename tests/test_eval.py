@@ -175,6 +175,21 @@ def test_ruler_real_tokenizer_length(real_tok):
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------
+def test_every_needle_is_placed_once_and_scored_by_its_own_phrases():
+    """NEEDLES: each sentence once at its depth, the chat question or the completion cue its own, the
+    answers its key phrases (needle 0 is Kamradt's, as before)."""
+    assert tk.NEEDLES[0].sentence == tk.NEEDLE and tk.NEEDLES[0].phrases == tk.KEY_PHRASES
+    tok = WordTokenizer()
+    for i, n in enumerate(tk.NEEDLES):
+        for form, ask in (("chat", f"{n.question} {tk.RETRIEVAL_CUE}"), ("completion", n.cue)):
+            s = tk.niah(tok, 1500, 0.3, form, needle=i)
+            assert s.prompt.count(n.sentence) == 1 and s.prompt.endswith("\n\n" + ask) and s.answers == list(n.phrases)
+            assert s.meta["needle"] == i and tk.niah_score(n.sentence, s.answers) == 1.0
+        assert all(tk.niah_score(m.sentence, n.phrases) == 0.0 for m in tk.NEEDLES if m is not n)
+    with pytest.raises(ValueError, match="needle 5: there are 5"):
+        tk.niah(tok, 1500, 0.3, needle=5)
+
+
 def test_niah_score():
     assert tk.niah_score("The best thing is to eat a sandwich and sit in Dolores Park on a sunny day.") == 1.0
     assert tk.niah_score("eat a SANDWICH in dolores-park!") == pytest.approx(2 / 3)
@@ -302,7 +317,7 @@ def test_niah_rows_record_the_prompt_form(tmp_path):
     r.encode_prompt = lambda text: [zlib.crc32(w.encode()) % 256 for w in text.split()]
     results = ev.Results(tmp_path)
     a = SimpleNamespace(checkpoint=tmp_path / "tiny", lengths=[300], depths=[0.5], max_new_tokens=3,
-                        prompt_form="completion")
+                        prompt_form="completion", needles=[0])
     ev.cmd_niah(a, r, ev.expand_methods("full"), results)
     (row,) = results.of("niah")
     assert row["prompt_form"] == "completion" and row["prompt_tokens"] <= 300 and '"prompt_form"' in row["key"]

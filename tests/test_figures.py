@@ -56,6 +56,10 @@ def synthetic_results(root):
         jsonl(root / f"policies/hitmass-paper-bits{b}", [hit(f"specache-{b}bit"), hit(f"specache-{b}bit", "needle")])
         jsonl(root / f"policies/hitmass-bits{b}", [hit(f"specache-{b}bit-lsq-resync-k96-g32-r32-sink4")])
         jsonl(root / f"policies/busbytes-bits{b}", [hit(f"specache-{b}bit-{PRESET}")])
+    write(root / figures.BASELINES_DIR / "summary.json", json.dumps(
+        [dict(panel="niah 16k", method=m, mib=mib, score=sc, lo=sc - 0.1, hi=min(1, sc + 0.1))
+         for m, mib, sc in (("full", 54.5, 1.0), ("specache-1bit-best", 13.8, 0.9), ("snapkv@specache-1bit-best", 13.8, 0.3),
+                            ("snapkv@1/8", 14.2, 0.5))]))
 
 
 def test_every_figure_is_a_non_empty_png(tmp_path):
@@ -80,7 +84,8 @@ def test_run_names_and_the_markdown_kernel_table(tmp_path):
 @pytest.mark.parametrize("name,message", [("h100-step-time.png", "H100 step results"),
                                           ("h100-kernels.png", "H100 kernel results"),
                                           ("niah.png", "results.jsonl"),
-                                          ("hitrate-per-layer.png", "results.jsonl")])
+                                          ("hitrate-per-layer.png", "results.jsonl"),
+                                          ("baselines-score-vs-bytes.png", "summary.json")])
 def test_a_missing_input_is_one_clear_error(tmp_path, name, message):
     with pytest.raises(figures.MissingInput, match=message):
         figures.FIGURES[name](tmp_path, tmp_path / name)

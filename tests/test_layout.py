@@ -11,8 +11,8 @@ import pytest
 
 from tests.helpers import ROOT
 
-METHOD = {"attn_gluon", "attn_views", "cache", "config", "convert_hf", "decoding", "generate", "hf", "kernels", "lowbit",
-          "model", "prefetch", "quant", "quantspec", "quest", "tiles", "tokenizer", "topk", "tp", "transfer", "zipcache"}
+METHOD = {"attn_gluon", "attn_views", "cache", "config", "convert_hf", "decoding", "generate", "hf", "infllm", "kernels",
+          "lowbit", "model", "prefetch", "quant", "quantspec", "quest", "tiles", "tokenizer", "topk", "tp", "transfer", "zipcache"}
 
 
 def project_modules() -> dict:

@@ -186,7 +186,9 @@ def test_the_command_line_runs_it_and_counts_its_bytes(capsys):
     assert out["cache"] == "quest-p16-k64-r64" and len(out["tokens"]) == 4
     a = json.load(open(f"{ckpt}/config.json"))
     L = out["prompt_tokens"] + 4 + 1  # generate.py's sequence length: prompt, new tokens, one spare
-    assert out["kv_device_bytes"] == quest_bytes(a["n_layers"], a["n_kv_heads"], a["head_dim"], L, 16, 64, 64, 0, 4)
+    shape = (a["n_layers"], a["n_kv_heads"], a["head_dim"], L, 16, 64, 64, 0)
+    assert out["kv_device_bytes"] == quest_bytes(*shape, 2)  # a 16-bit deployment
+    assert out["kv_device_bytes_as_run"] == quest_bytes(*shape, 4)  # fp32 as run here
     rows = min(64, -(-L // 16) * 16)
     assert out["bytes_fetched_per_step"] == a["n_layers"] * 2 * a["n_kv_heads"] * rows * a["head_dim"] * 4
     with pytest.raises(SystemExit) as e:

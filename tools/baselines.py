@@ -1,8 +1,9 @@
 """The methods a user would pick instead of SpeCache, run in the kvpress venv (kvpress needs transformers
 <5.3, hf.py >=5.23, so this module imports none of the project's root modules): KV eviction "presses"
 from NVIDIA's kvpress (StreamingLLM, H2O, SnapKV, PyramidKV, Knorm, ...) and transformers'
-QuantizedCache (an independent KIVI-style cache), greedy, batch 1. tools/baselines_grid.py drives
-the grid; docs/baselines.md has the loop, the byte arithmetic and the results.
+QuantizedCache (KIVI-like, with departures: docs/baselines.md), greedy, batch 1. tools/baselines_grid.py
+drives the grid; docs/baselines.md has the loop, the byte arithmetic and the results. The bytes are
+those of a 16-bit deployment (tools/baselines_bytes.py), the prefill side is tools/baselines_prefill.py.
 
     make venv-kvpress
     .venv-kvpress/bin/python tools/baselines.py run --hf checkpoints/smollm2-135m-hf --prompt-file needle.txt \
@@ -13,7 +14,9 @@ the grid; docs/baselines.md has the loop, the byte arithmetic and the results.
 its window, as this project's caches keep a ring of it), then the question one token at a time at its
 real positions, then new tokens. `cells`: the same cells from one recorded prefill (SharedPrefill).
 Every row carries prompt_sha256 (sha256 of the comma-joined ids); --ids-file passes the project's ids.
-Run from another Python, it re-executes itself with .venv-kvpress/bin/python.
+Run from another Python, it re-executes itself with .venv-kvpress/bin/python. Bad input (an unknown
+press, a budget that keeps nothing, a prompt longer than the model's positions, no model directory):
+one `error:` line, exit code 2; `cells` skips a cell that cannot run and exits 1 after the others.
 """
 import argparse
 import contextlib
@@ -26,10 +29,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tools.baselines_* (no project root module is imported)
+from tools.baselines_bytes import (DEPLOYED_ITEMSIZE, CellError, check_ratio_keeps, device_bytes,  # noqa: E402
+                                   entry_bytes, kept_for_bytes, layer_bytes, pyramid_applies,
+                                   pyramid_layer_budget, pyramid_ratio_for, ratio_for)
+from tools.baselines_prefill import COLSUM, Hooked, SharedPrefill, record_colsums  # noqa: E402
+
 KVPRESS_PYTHON = Path(os.environ.get("KVPRESS_PYTHON", ROOT / ".venv-kvpress" / "bin" / "python"))
 REEXEC = "SPECACHE_BASELINES_REEXEC"
 
-# name: (kvpress class, its arguments, needs eager attention). Budgets come from --ratio/--match-bytes.
+# name: (kvpress class, its arguments, scores by the prefill's attention weights: their column sums,
+# tools/baselines_prefill.py). Budgets come from --ratio/--match-bytes.
 PRESSES = {
     "streaming_llm": ("StreamingLLMPress", {}, False),  # 4 sink tokens + the most recent
     "observed_attention": ("ObservedAttentionPress", {}, True),  # H2O's score: attention received in prefill
@@ -55,79 +65,13 @@ SNAPKV_WINDOW = 64  # kvpress SnapKVPress/PyramidKVPress window_size (their defa
 
 
 def fail(msg):
-    raise SystemExit(f"error: {msg}")
-
-
-class CellError(Exception):
-    """One cell (press x budget) that cannot run: `run` ends with its error line, `cells` skips it."""
+    """Bad input: one `error:` line on stderr, exit code 2."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def ids_sha256(ids) -> str:
     return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()
-
-
-# ---- the byte arithmetic (docs/baselines.md) ----------------------------------------------------------------
-def entry_bytes(n_kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Device bytes of one position in one layer: its key and value rows over the KV heads."""
-    return 2 * n_kv_heads * head_dim * itemsize
-
-
-def window_entries(window: int, fed: int) -> int:
-    """Entries a sliding layer holds after `fed` tokens: transformers keeps the last window - 1."""
-    return min(fed, window - 1)
-
-
-def appended(n_prompt: int, n_compressed: int, max_new: int) -> int:
-    """Entries a pressed layer gains after the press: the uncompressed rest of the prompt and every new
-    token but the last (which is sampled, never fed)."""
-    return n_prompt - n_compressed + max_new - 1
-
-
-def device_bytes(kept, windows, n_prompt, n_compressed, max_new, entry) -> int:
-    """kv_device_bytes of a run: each pressed layer's kept entries plus what it appends, each sliding
-    layer's window (windows[i] None: a pressed layer). The most the cache holds, reached when
-    decoding runs to max_new tokens."""
-    fed = n_prompt + max_new - 1
-    add = appended(n_prompt, n_compressed, max_new)
-    return entry * sum(k + add if w is None else window_entries(w, fed) for k, w in zip(kept, windows))
-
-
-def kept_for_bytes(target: int, windows, n_prompt, n_compressed, max_new, entry) -> int:
-    """Context entries per pressed layer whose run holds at most `target` bytes, within one entry per
-    pressed layer of it. Raises CellError when the budget keeps no context entry."""
-    fed = n_prompt + max_new - 1
-    fixed = sum(window_entries(w, fed) for w in windows if w is not None)
-    pressed = sum(w is None for w in windows)
-    add = appended(n_prompt, n_compressed, max_new)
-    n = (target // entry - fixed) // pressed - add
-    if n < 1:
-        need = entry * (fixed + pressed * (add + 1))
-        raise CellError(f"--match-bytes {target} keeps no context entry: the sliding layers hold {entry * fixed} bytes and "
-             f"each of the {pressed} pressed layers {entry * add} bytes of question and new tokens; "
-             f"at least {need} bytes are needed")
-    return n
-
-
-def ratio_for(n: int, ctx: int) -> float:
-    """The compression_ratio for which kvpress keeps int(ctx * (1 - ratio)) == n entries (0: keep all)."""
-    return 0.0 if n >= ctx else 1 - (n + 0.5) / ctx
-
-
-def pyramid_ratio_for(press, target_total: int, layers, ctx: int, config) -> float:
-    """PyramidKV gives each layer its own budget: the ratio whose budgets over the pressed layers sum to
-    the largest total <= target_total (bisection over the press's own get_layer_budget)."""
-    from types import SimpleNamespace
-
-    def total(r):
-        press.compression_ratio = r
-        return sum(press.get_layer_budget(SimpleNamespace(config=config, layer_idx=i), ctx) for i in layers)
-    lo, hi = 0.0, 1 - 1e-9  # total(lo) largest
-    if total(lo) <= target_total:
-        return 0.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if total(mid) <= target_total else (mid, hi)
-    return hi
 
 
 # ---- transformers and kvpress (the kvpress venv) -----------------------------------------------------------
@@ -147,25 +91,36 @@ def import_kvpress():
     os.execv(str(KVPRESS_PYTHON), [str(KVPRESS_PYTHON), str(Path(__file__).resolve()), *sys.argv[1:]])
 
 
-def layer_windows(config) -> list:
-    """Each layer's sliding window, None for a full-attention layer (the ones a press compresses)."""
-    c = config.get_text_config()
-    window = getattr(c, "sliding_window", None)
-    kinds = getattr(c, "layer_types", None) or ["full_attention" if window is None else "sliding_attention"] \
-        * c.num_hidden_layers
+def layer_windows(c: dict) -> list:
+    """Each layer's sliding window, None for a full-attention layer (the ones a press compresses), from
+    a text config as a dict (config.json's, or its `text_config`)."""
+    window = c.get("sliding_window")
+    kinds = c.get("layer_types") or ["full_attention" if window is None else "sliding_attention"] * c["num_hidden_layers"]
     return [window if kind == "sliding_attention" else None for kind in kinds]
 
 
-def load_model(path: Path, dtype, eager: bool):
+def read_text_config(path: Path) -> dict:
+    """The model directory's text config (config.json, or its text_config), or an error line."""
+    try:
+        c = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        fail(f"{path} is not a transformers model directory (no config.json); the default model: "
+             f"`python tools/baselines_grid.py hf-checkpoint --out {path}` in the project venv")
+    except (OSError, ValueError) as e:
+        fail(f"cannot read {path / 'config.json'}: {e}")
+    return c.get("text_config") or c
+
+
+def load_model(path: Path, dtype):
+    """(model, tokenizer), the model's attention sdpa's plus H2O's column sums (baselines_prefill.COLSUM)."""
     import transformers
+    from tools.baselines_prefill import register_colsum_attention
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    if not (path / "config.json").is_file():
-        fail(f"{path} is not a transformers model directory (no config.json); the default model: "
-             f"`python tools/baselines.py hf-checkpoint --out {path}` in the project venv")
+    read_text_config(path)
+    register_colsum_attention()
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, attn_implementation="eager" if eager else "sdpa").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=COLSUM).eval()
     return model, tok
 
 
@@ -199,53 +154,10 @@ def encode(tok, text: str, form: str, question_start):
     return ids, at
 
 
-def attention_module(model, i):
-    """Layer i's attention module, handed the model's rotary embedding (some presses re-rotate queries)."""
-    attn = model.model.layers[i].self_attn
-    attn.rotary_emb = model.model.rotary_emb
-    return attn
-
-
-class Hooked:
-    """`hook` as a forward hook on the pressed layers' attention modules, for one prefill. With a press's
-    hook it is what kvpress's `press(model)` does, minus the sliding layers it presses on Gemma 3's text model."""
-
-    def __init__(self, model, hook, layers):
-        self.model, self.hook, self.layers, self.hooks = model, hook, layers, []
-
-    def __enter__(self):
-        self.hooks = [attention_module(self.model, i).register_forward_hook(self.hook, with_kwargs=True)
-                      for i in self.layers]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.hooks:
-            h.remove()
-
-
-def tensor_bytes(x) -> int:
-    """Storage bytes of a tensor, a quantized tensor subclass (quanto: its inner tensors) or a
-    container of them (HQQ: the codes and a dict of scales and zeros)."""
-    import torch
-    if hasattr(x, "__tensor_flatten__") and type(x) is not torch.Tensor:
-        return sum(tensor_bytes(getattr(x, name)) for name in x.__tensor_flatten__()[0])
-    if isinstance(x, torch.Tensor):
-        return x.nbytes
-    if isinstance(x, (tuple, list)):
-        return sum(tensor_bytes(v) for v in x)
-    if isinstance(x, dict):
-        return sum(tensor_bytes(v) for v in x.values())
-    return 0
-
-
-def layer_bytes(layer) -> int:
-    return sum(tensor_bytes(getattr(layer, k, None)) for k in ("keys", "values", "_quantized_keys", "_quantized_values"))
-
-
 def greedy_after_prefill(model, ids, start, cache, logits, max_new, eos_ids):
     """Greedy from a filled cache: ids[start:] one token at a time at their real positions, then new
     tokens up to max_new or an end token. `logits`: the prefill's last position's. Returns (new ids,
-    seconds for the prompt's rest, decode seconds, peak held bytes)."""
+    seconds for the prompt's rest, decode seconds, (peak held bytes as run, the same in 16 bits))."""
     import torch
 
     def step(token, pos):
@@ -253,19 +165,22 @@ def greedy_after_prefill(model, ids, start, cache, logits, max_new, eos_ids):
         return model(input_ids=torch.tensor([[token]]), past_key_values=cache, position_ids=p[None],
                      cache_position=p, use_cache=True).logits[0, -1]
 
+    def held():
+        return [sum(layer_bytes(layer, deployed) for layer in cache.layers) for deployed in (False, True)]
+
     with torch.no_grad():
         t0 = time.perf_counter()
         for pos in range(start, len(ids)):
             logits = step(ids[pos], pos)
         t1 = time.perf_counter()
-        out, peak = [], sum(layer_bytes(layer) for layer in cache.layers)
+        out, peak = [], held()
         for i in range(max_new):
             token = int(logits.argmax())
             out.append(token)
             if token in eos_ids or i == max_new - 1:
                 break
             logits = step(token, len(ids) + i)
-            peak = max(peak, sum(layer_bytes(layer) for layer in cache.layers))
+            peak = [max(a, b) for a, b in zip(peak, held())]
     return out, t1 - t0, time.perf_counter() - t1, peak
 
 
@@ -275,91 +190,36 @@ def kept_entries(cache) -> list:
             for layer in cache.layers]
 
 
-class SharedPrefill:
-    """One prefill that every press and budget on a prompt shares. A press prunes a layer's K/V after
-    that layer's exact attention, so the prefill's hidden states do not depend on the press: record what
-    kvpress's hook sees in each pressed layer (input hidden states, rotary embeddings, eager attention's
-    weights) and every layer's K/V; give each cell a cache as its own pressed prefill would leave it.
+class Fallback(CellError):
+    """A press that at this budget would run as another press does (PyramidKV below its pyramid's minimum):
+    not run; `cells` gives a row that names the press it equals."""
 
-    Two forwards: the context ids[:at] (what a press compresses unless question-aware; the same
-    forward as `run`'s prefill), then the question ids[at:] appended. A question-aware cell sees the
-    two chunks joined (one forward's hidden states, K/V and causal attention rows, up to rounding). The
-    recording cache keeps every entry (a sliding layer's mask still applies its window)."""
-
-    def __init__(self, model, ids, at, pressed):
-        import torch
-        import transformers
-        self.model, self.ids, self.at, self.pressed = model, ids, at, pressed
-        self.full = transformers.DynamicCache()  # no config: full layers, every entry kept
-        self.chunks = {i: [] for i in pressed}
-
-        def hook(module, args, kwargs, output):
-            self.chunks[module.layer_idx].append((kwargs["hidden_states"], kwargs["position_embeddings"], output[1]))
-        self.logits = []  # the last position's logits after the context, and after the whole prompt
-        t0 = time.perf_counter()
-        with torch.no_grad(), Hooked(model, hook, pressed):
-            for lo, hi in ((0, at), (at, len(ids))):
-                if hi > lo:
-                    p = torch.arange(lo, hi)
-                    self.logits.append(model(input_ids=torch.tensor([ids[lo:hi]]), past_key_values=self.full,
-                                             position_ids=p[None], cache_position=p, use_cache=True,
-                                             logits_to_keep=1).logits[0, -1])
-        self.seconds = time.perf_counter() - t0
-
-    def inputs(self, i, n):
-        """What kvpress's hook on layer i sees after a prefill of the first n tokens (n = at or all)."""
-        import torch
-        chunks = self.chunks[i][:1] if n == self.at else self.chunks[i]
-        hs = torch.cat([c[0] for c in chunks], dim=1)
-        cos, sin = (torch.cat([c[1][j] for c in chunks], dim=1) for j in (0, 1))
-        attn = None
-        if chunks[0][2] is not None:  # eager: the causal attention rows of each chunk, in one [T, T] matrix
-            attn = chunks[0][2].new_zeros(*chunks[0][2].shape[:2], n, n)
-            row = 0
-            for c in chunks:
-                w = c[2]
-                attn[:, :, row:row + w.shape[2], :w.shape[3]] = w
-                row += w.shape[2]
-        layer = self.full.layers[i]
-        return hs, layer.keys[:, :, :n], layer.values[:, :, :n], attn, dict(hidden_states=hs, position_embeddings=(cos, sin))
-
-    def cache(self, n, make_cache, press=None):
-        """A cache as a pressed prefill of ids[:n] leaves it: every layer's K/V through that layer's own
-        update (a sliding layer keeps its window, a quantized layer quantizes), then each pressed
-        layer's entries replaced by what the press keeps (kvpress's hook does the same)."""
-        import torch
-        cache = make_cache()
-        with torch.no_grad():
-            for i, layer in enumerate(self.full.layers):
-                cache.layers[i].update(layer.keys[:, :, :n], layer.values[:, :, :n])
-            if press is not None:
-                for i in self.pressed:
-                    hs, k, v, attn, kwargs = self.inputs(i, n)
-                    module = attention_module(self.model, i)
-                    cache.layers[i].keys, cache.layers[i].values = press.compress(module, hs, k, v, attn, kwargs)
-        return cache
-
-    def logits_after(self, n):
-        return self.logits[0] if n == self.at else self.logits[-1]
+    def __init__(self, msg, equals):
+        super().__init__(msg)
+        self.equals = equals
 
 
-def make_press(kvpress, name: str):
+def make_press(kvpress, name: str, pressed):
+    """The press; PyramidKV with its pyramid spread over the pressed layers (baselines_bytes.pyramid_layer_budget)."""
     cls, kwargs, _ = PRESSES[name]
-    return getattr(kvpress, cls)(**kwargs)
+    base = getattr(kvpress, cls)
+    if name != "pyramidkv":
+        return base(**kwargs)
+
+    class PressedLayersPyramid(base):
+        def pyramid_budget(self, module, q_len):  # kvpress's own budget for a layer of a model
+            return base.get_layer_budget(self, module, q_len)
+
+        def get_layer_budget(self, module, q_len):
+            return pyramid_layer_budget(self, module.layer_idx, pressed, q_len)
+    return PressedLayersPyramid(**kwargs)
 
 
-def check_press_runs(name: str, model_type: str, n_compressed: int, n_heads: int, itemsize: int, held: int = 0):
-    """A press that cannot run on this prompt or model: say which and why (CellError). `held`: attention
-    weights of that size kept beside the prefill's own (the shared prefill's records)."""
+def check_press_runs(name: str, model_type: str, n_compressed: int):
+    """A press that cannot run on this prompt or model: say which and why (CellError)."""
     if name == "expected_attention" and model_type.startswith("gemma3"):
         raise CellError(f"press expected_attention cannot run on model type {model_type!r}: under transformers 5.2 it "
                         f"calls the rotary embedding without the layer type that Gemma 3's rotary embedding needs (one per layer kind)")
-    if PRESSES[name][2]:  # eager attention materializes every layer's [heads, T, T] weights (and softmax a copy)
-        need = (2 + held) * n_heads * n_compressed ** 2 * itemsize
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if need > free:
-            raise CellError(f"press {name} cannot run on {n_compressed} compressed tokens here: its score needs eager "
-                            f"attention: {need / 2 ** 30:.1f} GiB of weights with copies ({free / 2 ** 30:.1f} GiB free)")
     if name in ("snapkv", "pyramidkv") and n_compressed <= SNAPKV_WINDOW:
         raise CellError(f"press {name} cannot run on {n_compressed} compressed tokens: it scores them with the "
                         f"attention of the last {SNAPKV_WINDOW} (its window) and needs more than {SNAPKV_WINDOW}")
@@ -382,25 +242,71 @@ def check_cell(name: str, ratio, match_bytes, question_aware=False):
         raise CellError(f"--ratio is the share of entries removed, in [0, 1), got {ratio}")
 
 
+class Layout:
+    """What the byte arithmetic needs of a model, from its text config (a dict): each layer's window, the
+    pressed (full-attention) layers, an entry's bytes in 16 bits and as run, the positions it takes."""
+
+    def __init__(self, c: dict, itemsize: int):
+        self.model_type, self.positions = c.get("model_type", "?"), c.get("max_position_embeddings")
+        self.windows = layer_windows(c)
+        self.pressed = [i for i, w in enumerate(self.windows) if w is None]
+        if not self.pressed:
+            fail(f"model type {self.model_type!r}: every layer is a sliding-window layer; there is nothing to press")
+        dims = (c["num_key_value_heads"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+        self.entry, self.entry_as_run = entry_bytes(*dims, DEPLOYED_ITEMSIZE), entry_bytes(*dims, itemsize)
+
+    def check_prompt(self, n_prompt: int, max_new: int):
+        if self.positions and n_prompt + max_new > self.positions:
+            fail(f"prompt ({n_prompt} tokens) + --max-new-tokens ({max_new}) exceeds the model's {self.positions} positions")
+
+    def context_kept(self, ratio, match_bytes, n_prompt: int, n_compressed: int, max_new: int):
+        """Context entries a pressed layer keeps at --match-bytes (None at a --ratio); CellError when the
+        budget keeps none."""
+        if match_bytes is not None:
+            return kept_for_bytes(match_bytes, self.windows, n_prompt, n_compressed, max_new, self.entry)
+        check_ratio_keeps(ratio, n_compressed)
+
+
+def read_ids(path: Path):
+    """(ids, index of the first question token) of an --ids-file."""
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        fail(f"cannot read --ids-file {path}: {e}")
+    if isinstance(spec, list):
+        spec = dict(ids=spec)
+    try:
+        ids = [int(i) for i in spec["ids"]]
+        return ids, int(spec.get("question_at", len(ids)))
+    except (KeyError, TypeError, ValueError) as e:
+        fail(f"--ids-file {path}: expected a list of ids or {{\"ids\": [...], \"question_at\": N}} ({e})")
+
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def preflight(a) -> Layout:
+    """The checks that need neither kvpress nor the model's weights (so they answer at once, from any
+    Python): --max-new-tokens, the model directory, and with --ids-file the prompt's length."""
+    if a.max_new_tokens < 1:
+        fail(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    layout = Layout(read_text_config(a.hf), ITEMSIZE[a.dtype])
+    if a.ids_file:
+        layout.check_prompt(len(read_ids(a.ids_file)[0]), a.max_new_tokens)
+    return layout
+
+
 class Prompt:
     """The model, the prompt's ids and the layer facts every cell on it shares."""
 
-    def __init__(self, a, eager: bool):
+    def __init__(self, a, layout: Layout):
         import torch
-        if a.max_new_tokens < 1:
-            fail(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
         self.kvpress = import_kvpress()
         torch.set_num_threads(a.threads)
-        self.a, self.dtype = a, getattr(torch, a.dtype)
-        self.model, self.tok = load_model(a.hf, self.dtype, eager=eager)
+        self.a, self.dtype, self.layout = a, getattr(torch, a.dtype), layout
+        self.model, self.tok = load_model(a.hf, self.dtype)
         if a.ids_file:
-            try:
-                spec = json.loads(a.ids_file.read_text())
-            except (OSError, ValueError) as e:
-                fail(f"cannot read --ids-file {a.ids_file}: {e}")
-            if isinstance(spec, list):
-                spec = dict(ids=spec)
-            self.ids, self.at = [int(i) for i in spec["ids"]], int(spec.get("question_at", len(spec["ids"])))
+            self.ids, self.at = read_ids(a.ids_file)
         else:
             try:
                 text = a.prompt_file.read_text(encoding="utf-8")
@@ -414,16 +320,9 @@ class Prompt:
         if not 1 <= self.at:
             fail(f"the question starts at token {self.at} of {len(self.ids)}: nothing to compress before it")
         self.at = min(self.at, len(self.ids))
-        c = self.c = self.model.config.get_text_config()
-        if len(self.ids) + a.max_new_tokens > c.max_position_embeddings:
-            fail(f"prompt ({len(self.ids)} tokens) + --max-new-tokens exceeds the model's {c.max_position_embeddings} positions")
-        self.windows = layer_windows(self.model.config)
-        self.pressed = [i for i, w in enumerate(self.windows) if w is None]
-        if not self.pressed:
-            fail(f"model type {c.model_type!r}: every layer is a sliding-window layer; there is nothing to press")
-        self.itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        self.entry = entry_bytes(c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                                 self.itemsize)
+        self.c = self.model.config.get_text_config()
+        layout.check_prompt(len(self.ids), a.max_new_tokens)
+        self.windows, self.pressed = layout.windows, layout.pressed
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set([eos] if isinstance(eos, int) else eos or [])
 
@@ -435,38 +334,51 @@ class Prompt:
                                                        q_group_size=a.quant_group, residual_length=a.quant_residual)
         return lambda: transformers.DynamicCache(config=self.model.config)
 
-    def run_cell(self, name, ratio=None, match_bytes=None, question_aware=False, shared=None, held=0):
+    def press_for(self, name, ratio, match_bytes, n_compressed):
+        """The press at its budget: (press, ratio). Fallback where PyramidKV would be SnapKV."""
+        L = self.layout
+        n = L.context_kept(ratio, match_bytes, len(self.ids), n_compressed, self.a.max_new_tokens)
+        press = make_press(self.kvpress, name, self.pressed)
+        press.post_init_from_model(self.model)
+        if n is not None:
+            ratio = (pyramid_ratio_for(press, n * len(self.pressed), self.pressed, n_compressed)
+                     if name == "pyramidkv" else ratio_for(n, n_compressed))
+        press.compression_ratio = ratio
+        if name == "pyramidkv" and not pyramid_applies(press, self.pressed, n_compressed):
+            raise Fallback(f"press pyramidkv at ratio {ratio:.4f} of {n_compressed} compressed tokens keeps "
+                           f"{round(n_compressed * (1 - ratio))} entries a layer, under the {20 * SNAPKV_WINDOW} its pyramid "
+                           f"needs (1/beta of the mean >= its window): kvpress runs SnapKV's single budget (run snapkv)",
+                           "snapkv")
+        return press, ratio
+
+    def run_cell(self, name, ratio=None, match_bytes=None, question_aware=False, shared=None):
         """One press at one budget (or no_press, or a QuantizedCache): the JSON row. Through kvpress's own
         hook in a prefill of its own, or from `shared` (a SharedPrefill of this prompt)."""
         import torch
         import transformers
-        a, ids, c, model = self.a, self.ids, self.c, self.model
+        a, ids, c, model, L = self.a, self.ids, self.c, self.model, self.layout
         check_cell(name, ratio, match_bytes, question_aware)
         n_compressed = len(ids) if question_aware else self.at
         max_new = a.max_new_tokens
         row = dict(press=name, question_aware=bool(question_aware), ratio=None, target_bytes=match_bytes)
-        press = None
+        press, colsums = None, PRESSES.get(name, (0, 0, False))[2]
         if name in PRESSES:
-            check_press_runs(name, c.model_type, n_compressed, c.num_attention_heads, self.itemsize, held)
-            press = make_press(self.kvpress, name)
-            press.post_init_from_model(model)
-            if match_bytes is not None:
-                n = kept_for_bytes(match_bytes, self.windows, len(ids), n_compressed, max_new, self.entry)
-                ratio = (pyramid_ratio_for(press, n * len(self.pressed), self.pressed, n_compressed, c)
-                         if name == "pyramidkv" else ratio_for(n, n_compressed))
-            press.compression_ratio = ratio
-            row["ratio"] = ratio
+            check_press_runs(name, c.model_type, n_compressed)
+            press, row["ratio"] = self.press_for(name, ratio, match_bytes, n_compressed)
         if name in QUANTIZED:
             row.update(quant_backend=a.quant_backend, quant_group=a.quant_group, quant_residual=a.quant_residual)
         try:
             if shared is None:
                 t0, cache = time.perf_counter(), self.make_cache(name)()
                 hooked = Hooked(model, press.forward_hook, self.pressed) if press else contextlib.nullcontext()
+                record_colsums(model, self.pressed, colsums)
                 with torch.no_grad(), hooked:
                     logits = model(input_ids=torch.tensor([ids[:n_compressed]]), past_key_values=cache, use_cache=True,
                                    logits_to_keep=1).logits[0, -1]  # the prefill, pressed by kvpress's own hook
+                record_colsums(model, self.pressed, False)
             else:
-                t0, cache = time.perf_counter(), shared.cache(n_compressed, self.make_cache(name), press)
+                t0 = time.perf_counter()
+                cache = shared.cache(n_compressed, self.make_cache(name), press, colsums)
                 logits = shared.logits_after(n_compressed)
                 row["shared_prefill_s"] = round(shared.seconds, 4)
             kept = kept_entries(cache)
@@ -478,16 +390,19 @@ class Prompt:
                             f"{str(e).splitlines()[0] if str(e) else ''}")
         n_new = len(out)
         out = out[:next((i for i, t in enumerate(out) if t in self.eos_ids), len(out))]  # cut at the first end token
-        # a QuantizedCache: its codes, scales and fp residual at their largest; otherwise the entries held
-        kv_bytes = peak if name in QUANTIZED else device_bytes(kept, self.windows, len(ids), n_compressed, max_new, self.entry)
+
+        def held(entry):  # a QuantizedCache: its codes, scales and fp residual at their largest; else the entries
+            return device_bytes(kept, self.windows, len(ids), n_compressed, max_new, entry)
+        kv_bytes = peak[1] if name in QUANTIZED else held(L.entry)
         row.update({
             "text": self.tok.decode(out), "tokens": out,
             "prompt_tokens": len(ids), "prompt_sha256": self.sha, "compressed_tokens": n_compressed,
             "question_tokens": len(ids) - n_compressed,
             "kept_per_layer": kept, "pressed_layers": self.pressed if name in PRESSES else [],
-            "kv_device_bytes": kv_bytes, "kv_held_peak_bytes": peak, "kv_entry_bytes": self.entry,
+            "kv_device_bytes": kv_bytes, "kv_device_bytes_as_run": peak[0] if name in QUANTIZED else held(L.entry_as_run),
+            "kv_held_peak_bytes": peak[0], "kv_entry_bytes": L.entry, "kv_entry_bytes_as_run": L.entry_as_run,
             "kv_fp_full_bytes": device_bytes([n_compressed] * len(self.windows), self.windows, len(ids), n_compressed,
-                                             max_new, self.entry),
+                                             max_new, L.entry),
             "prefill_s": round(prefill_s, 4), "decode_tok_s": round(n_new / decode_s, 3) if decode_s > 0 else None,
             "new_tokens": n_new, "dtype": a.dtype, "model": a.hf.name, "model_type": c.model_type,
             "versions": dict(kvpress=importlib.metadata.version("kvpress"), transformers=transformers.__version__,
@@ -509,8 +424,12 @@ def emit(row, out):
 def cmd_run(a):
     try:
         check_cell(a.press, a.ratio, a.match_bytes, a.question_aware)
-        prompt = Prompt(a, eager=PRESSES.get(a.press, (None, None, False))[2])
-        row = prompt.run_cell(a.press, a.ratio, a.match_bytes, a.question_aware)
+        layout = preflight(a)
+        if a.ids_file and a.press in PRESSES:  # a budget that keeps nothing, before the model loads
+            ids, at = read_ids(a.ids_file)
+            layout.context_kept(a.ratio, a.match_bytes, len(ids), len(ids) if a.question_aware else min(at, len(ids)),
+                                a.max_new_tokens)
+        row = Prompt(a, layout).run_cell(a.press, a.ratio, a.match_bytes, a.question_aware)
     except CellError as e:
         fail(str(e))
     emit(row, a.out)
@@ -518,39 +437,31 @@ def cmd_run(a):
 
 
 def cmd_cells(a):
-    """Cells on one prompt from one shared prefill per attention implementation (eager for H2O): a JSON line
-    per finished cell (with its `tag`); one that cannot run prints its tagged `error:` line; exit 1 if any did."""
+    """Cells on one prompt from one shared prefill (H2O's column sums recorded in it when a cell needs
+    them): a JSON line per finished cell (with its `tag`), or for a PyramidKV cell that would be SnapKV
+    a line that says so (`equals`); one that cannot run prints its tagged `error:` line; exit 1 if any did."""
     try:
         cells = json.loads(a.cells.read_text())
     except (OSError, ValueError) as e:
         fail(f"cannot read --cells {a.cells}: {e}")
-    groups = {}
+    prompt = Prompt(a, preflight(a))
+    colsums = any(PRESSES.get(cell["press"], (0, 0, False))[2] for cell in cells)
+    shared, failed = None, 0
     for cell in cells:
-        groups.setdefault(PRESSES.get(cell["press"], (None, None, False))[2], []).append(cell)
-    failed = 0
-    for eager, group in sorted(groups.items()):  # sdpa first, then eager
-        prompt = Prompt(a, eager=eager)
-        held = len(prompt.pressed) + 1 if eager else 0  # the recorded weights, and a question-aware [T, T] copy
-        shared = None
-        for cell in group:
-            try:
-                check_cell(cell["press"], cell.get("ratio"), cell.get("match_bytes"), cell.get("question_aware", False))
-                own = False  # True: kept weights would not fit (or the press cannot run): a prefill of its own, if any
-                if cell["press"] in PRESSES:
-                    try:
-                        check_press_runs(cell["press"], prompt.c.model_type, len(prompt.ids), prompt.c.num_attention_heads,
-                                         prompt.itemsize, held)
-                    except CellError:
-                        own = True
-                shared = shared or (None if own else SharedPrefill(prompt.model, prompt.ids, prompt.at, prompt.pressed))
-                row = prompt.run_cell(cell["press"], cell.get("ratio"), cell.get("match_bytes"), cell.get("question_aware", False),
-                                      shared=None if own else shared, held=0 if own else held)
-            except CellError as e:
-                failed += 1
-                print(f"error: {cell.get('tag', cell['press'])}: {e}", file=sys.stderr, flush=True)
-                continue
-            emit(dict(row, tag=cell.get("tag")), a.out)
-        del shared, prompt
+        tag = cell.get("tag", cell["press"])
+        try:
+            check_cell(cell["press"], cell.get("ratio"), cell.get("match_bytes"), cell.get("question_aware", False))
+            shared = shared or SharedPrefill(prompt.model, prompt.ids, prompt.at, prompt.pressed, colsums)
+            row = prompt.run_cell(cell["press"], cell.get("ratio"), cell.get("match_bytes"), cell.get("question_aware", False),
+                                  shared=shared)
+        except Fallback as e:
+            emit(dict(tag=tag, press=cell["press"], equals=e.equals, why=str(e), prompt_sha256=prompt.sha), a.out)
+            continue
+        except CellError as e:
+            failed += 1
+            print(f"error: {tag}: {e}", file=sys.stderr, flush=True)
+            continue
+        emit(dict(row, tag=tag), a.out)
     if failed:
         raise SystemExit(1)
 
@@ -578,7 +489,7 @@ def parse_args(argv=None):
     r.add_argument("--press", required=True, help=f"no_press, {', '.join(PRESSES)}, {', '.join(QUANTIZED)}")
     budget = r.add_mutually_exclusive_group()
     budget.add_argument("--ratio", type=float, default=None, help="share of the compressed entries removed")
-    budget.add_argument("--match-bytes", type=int, default=None, help="kv_device_bytes to match (generate.py --json)")
+    budget.add_argument("--match-bytes", type=int, default=None, help="kv_device_bytes to match: 16-bit bytes, as generate.py --json gives them")
     c = sub.add_parser("cells", parents=[common], help="many cells on one prompt from one shared prefill: a JSON line each")
     c.add_argument("--cells", type=Path, required=True,
                    help='JSON list of {"press", "ratio" or "match_bytes", "question_aware", "tag"}')

@@ -8,13 +8,16 @@ scored by tools/tasks.py's scorers; then one report and one figure beside the pr
     python tools/baselines_grid.py ruler --hf checkpoints/smollm2-135m-hf --length 4000 --samples 8 --out D
     python tools/baselines_grid.py report --out D --project D/project-niah     # D/results.md, D/score-vs-bytes.png
 
-Budgets: each press at the device KV bytes of each `--match` cache (generate.setup_caches(...).device_bytes()
-for this prompt, sized as tools/eval.py sizes it) and at each `--fixed` share of the compressed entries
-kept (the paper's Table 2: 1/4 and 1/8). Rows are appended to OUT/results.jsonl once a cell has
-finished (a rerun skips the cells already there); a cell that fails prints its error line.
+Budgets: each press at the device KV bytes of each `--match` cache in a 16-bit deployment
+(generate.setup_caches(...).deployed_bytes() for this prompt, sized as tools/eval.py sizes it) and at each
+`--fixed` share of the compressed entries kept (the paper's Table 2: 1/4 and 1/8). Rows are appended to
+OUT/results.jsonl once a cell has finished (a rerun skips the cells already there); a cell that fails
+prints its error line; a PyramidKV cell where kvpress would run SnapKV is a row that says so (`equals`).
+The report gives every score with its 95% interval (Wilson's, over the prompts).
 """
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -26,14 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tools.baselines import KVPRESS_PYTHON, PRESSES, QUANTIZED, fail, split_at  # noqa: E402
 
-DEFAULT_PRESSES = "no_press,streaming_llm,h2o,snapkv,snapkv+qa,pyramidkv,knorm,quantized-2bit,quantized-4bit"
+DEFAULT_PRESSES = "no_press,streaming_llm,h2o,h2o+qa,snapkv,snapkv+qa,pyramidkv,knorm,quantized-2bit,quantized-4bit"
 DEFAULT_MATCH = "specache-1bit,specache-1bit-best,specache-2bit-best"
 
 
 def project_bytes(model, name: str, n_prompt: int, max_new: int) -> int:
-    """A project cache's device KV bytes on this prompt, sized as tools/eval.py's Runner sizes it."""
+    """A project cache's device KV bytes in a 16-bit deployment on this prompt, sized as tools/eval.py's
+    Runner sizes it."""
     from generate import setup_caches
-    return setup_caches(model, name, 1, n_prompt + max_new + 2).device_bytes()
+    return setup_caches(model, name, 1, n_prompt + max_new + 2).deployed_bytes()
 
 
 def parse_fixed(text: str) -> dict:
@@ -97,12 +101,17 @@ def run_prompt(a, fields: dict, ids, at, max_new, budgets, score, extra, path, d
         for r in rows:
             cell = cell_of[r["tag"]]
             row = dict(fields, method=r["tag"], key=key_of(r["tag"]), matched=cell.get("matched"), fixed=cell.get("fixed"),
-                       target_bytes=cell.get("match_bytes"), score=score(r["text"]), output=r["text"], **extra,
-                       **{k: r[k] for k in ("prompt_tokens", "prompt_sha256", "question_tokens", "ratio", "kv_device_bytes",
-                                            "kv_fp_full_bytes", "kept_per_layer", "prefill_s", "versions")},
-                       shared_prefill_s=r.get("shared_prefill_s"))
+                       target_bytes=cell.get("match_bytes"), **extra)
+            if "equals" in r:  # PyramidKV where kvpress runs SnapKV: not run, named
+                row.update(score=None, equals=r["equals"], why=r["why"], prompt_sha256=r["prompt_sha256"])
+                print(f"{r['tag']:36s} {json.dumps(fields)}: = {r['equals']}", file=sys.stderr)
+            else:
+                row.update(score=score(r["text"]), output=r["text"], shared_prefill_s=r.get("shared_prefill_s"),
+                           **{k: r[k] for k in ("prompt_tokens", "prompt_sha256", "question_tokens", "ratio", "kv_device_bytes",
+                                                "kv_device_bytes_as_run", "kv_fp_full_bytes", "kept_per_layer", "prefill_s",
+                                                "versions")})
+                print(f"{r['tag']:36s} {json.dumps(fields)}: {row['score']:.2f} {r['kv_device_bytes']} B", file=sys.stderr)
             out.write(json.dumps(row) + "\n")
-            print(f"{r['tag']:36s} {json.dumps(fields)}: {row['score']:.2f} {r['kv_device_bytes']} B", file=sys.stderr)
     print(f"{json.dumps(fields)}: {len(rows)} of {len(todo)} cells in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
 
@@ -136,13 +145,14 @@ def cmd_niah(a):
     from tools.tasks import niah, niah_score
     model, tok, path, done = open_grid(a)
     for length in map(int, a.lengths.split(",")):
-        for depth in map(float, a.depths.split(",")):
-            s = niah(tok, length, depth, a.prompt_form)
-            ids, at = prompt_ids(tok, s)
-            fields = dict(cmd="niah", model=a.hf.name, length=length, depth=depth, max_new=a.max_new_tokens,
-                          prompt_form=a.prompt_form)
-            run_prompt(a, fields, ids, at, a.max_new_tokens, match_budgets(a, model, len(ids), a.max_new_tokens),
-                       niah_score, {}, path, done)
+        for needle in map(int, a.needles.split(",")):
+            for depth in map(float, a.depths.split(",")):
+                s = niah(tok, length, depth, a.prompt_form, needle)
+                ids, at = prompt_ids(tok, s)
+                fields = dict(cmd="niah", model=a.hf.name, length=length, depth=depth, max_new=a.max_new_tokens,
+                              prompt_form=a.prompt_form, **({"needle": needle} if needle else {}))
+                run_prompt(a, fields, ids, at, a.max_new_tokens, match_budgets(a, model, len(ids), a.max_new_tokens),
+                           lambda text, s=s: niah_score(text, s.answers), {}, path, done)
 
 
 def cmd_ruler(a):
@@ -211,32 +221,78 @@ def column(r) -> str:
     return r["task"] if r["cmd"] == "ruler" else f"{r['depth']:g}"
 
 
+def wilson(p: float, n: int, z: float = 1.96) -> tuple:
+    """Wilson's 95% interval for a mean score p in [0, 1] over n prompts. For a fractional score (NIAH's
+    three phrases, RULER's four values) it is wider than needed: such a score's variance is at most p(1 - p)."""
+    if n == 0:
+        return 0.0, 1.0
+    d = 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+FP_METHODS = ("full", "no_press")  # the fp cache: the project's, else the kvpress venv's
+
+
+def summarize(sel) -> dict:
+    """One benchmark and length: the columns, those the fp cache answers (mean > 0: they can separate
+    methods), and per method its prompts' scores (None: a PyramidKV cell that equals SnapKV), mean and
+    interval over all prompts and over the separating columns, and mean device bytes (16-bit)."""
+    cols = sorted({column(r) for r in sel}, key=lambda c: (c[0].isalpha(), c))
+    fp = next((m for m in FP_METHODS if any(r["method"] == m for r in sel)), None)
+    fp_rows = [r for r in sel if r["method"] == fp]
+    separating = [c for c in cols if not fp or any(r["score"] for r in fp_rows if column(r) == c)]
+    out = {}
+    for m in dict.fromkeys(r["method"] for r in sel):
+        rows = [r for r in sel if r["method"] == m]
+        scored = [r for r in rows if r["score"] is not None]
+        entry = dict(n=len(scored), equals=sorted({r["equals"] for r in rows if r.get("equals")}),
+                     n_equal=len(rows) - len(scored),
+                     cols={c: [r["score"] for r in scored if column(r) == c] for c in cols})
+        for name, keep in (("all", cols), ("sep", separating)):
+            xs = [x for c in keep for x in entry["cols"][c]]
+            mean = sum(xs) / len(xs) if xs else None
+            entry[name] = (mean, *wilson(mean, len(xs))) if xs else None
+        entry["mib"] = sum(r["kv_device_bytes"] for r in scored) / len(scored) / 2 ** 20 if scored else None
+        out[m] = entry
+    return dict(cols=cols, separating=separating, fp=fp, methods=out)
+
+
+def fmt(x) -> str:
+    return "" if x is None else f"{100 * x[0]:.1f} [{100 * x[1]:.0f}, {100 * x[2]:.0f}]"
+
+
 def cmd_report(a):
     """OUT/results.md: per benchmark and length, mean score x100 per method and column (RULER: task;
-    NIAH: needle depth), with each method's mean device KV bytes; OUT/score-vs-bytes.png: mean score
-    against device bytes, one panel per benchmark and length."""
+    NIAH: needle depth), the mean with its 95% interval over all prompts and over the columns the fp
+    cache answers, and each method's mean device KV MiB in 16 bits; OUT/summary.json (what the figure
+    draws: tools/figures.py copies it to docs); OUT/score-vs-bytes.png with --figure."""
     rows = load_rows(a)
-    lines = []
-    points = []
+    lines, points = [], []
     for bench, length in sorted({(r["cmd"], r["length"]) for r in rows}):
         sel = [r for r in rows if (r["cmd"], r["length"]) == (bench, length)]
-        bench = f"{bench} {length // 1000}k"
-        cols = sorted({column(r) for r in sel}, key=lambda c: (c[0].isalpha(), c))
-        cells, nbytes = defaultdict(list), defaultdict(list)
-        for r in sel:
-            cells[r["method"], column(r)].append(r["score"])
-            nbytes[r["method"]].append(r["kv_device_bytes"])
-        lines += [f"## {bench} ({sel[0]['model']})", "",
-                  "| method | n | " + " | ".join(cols) + " | mean | device KV MiB |", "|---" * (len(cols) + 4) + "|"]
-        for m in dict.fromkeys(r["method"] for r in sel):
-            scores = [cells[m, c] for c in cols]
-            mean = 100 * sum(map(sum, scores)) / sum(map(len, scores))
-            mib = sum(nbytes[m]) / len(nbytes[m]) / 2 ** 20
-            points.append((bench, m, mib, mean))
-            lines.append(f"| {m} | {max(map(len, scores))} | " + " | ".join(
-                f"{100 * sum(c) / len(c):.1f}" if c else "" for c in scores) + f" | {mean:.1f} | {mib:.2f} |")
+        panel = f"{bench} {length // 1000}k"
+        s = summarize(sel)
+        cols, quiet = s["cols"], [c for c in s["cols"] if c not in s["separating"]]
+        lines += [f"## {panel} ({sel[0]['model']})", ""]
+        if quiet:
+            lines += [f"The fp cache ({s['fp']}) scores 0 on {', '.join(quiet)}: those separate nothing; "
+                      f"'sep.' is the mean over the other columns.", ""]
+        lines += ["| method | n | " + " | ".join(cols) + " | mean [95%] | sep. [95%] | device MiB (16-bit) |",
+                  "|---" * (len(cols) + 5) + "|"]
+        for m, e in s["methods"].items():
+            if not e["n"]:
+                lines.append(f"| {m} | {e['n_equal']} | " + " | ".join(f"= {', '.join(e['equals'])}" for _ in cols)
+                             + " | kvpress runs " + ", ".join(e["equals"]) + " at this budget | | |")
+                continue
+            name = m + (f" ({e['n_equal']} prompts = {', '.join(e['equals'])})" if e["n_equal"] else "")
+            lines.append(f"| {name} | {e['n']} | " + " | ".join(
+                f"{100 * sum(x) / len(x):.1f}" if x else "" for x in e["cols"].values())
+                + f" | {fmt(e['all'])} | {fmt(e['sep'])} | {e['mib']:.2f} |")
+            points.append(dict(panel=panel, method=m, mib=e["mib"], score=e["sep"][0], lo=e["sep"][1], hi=e["sep"][2]))
         lines.append("")
     (a.out / "results.md").write_text("\n".join(lines))
+    (a.out / "summary.json").write_text(json.dumps(points, indent=0))
     print("\n".join(lines))
     if a.figure:
         figure(points, a.out / "score-vs-bytes.png")
@@ -251,33 +307,39 @@ def family(method: str) -> str:
 
 
 def figure(points, path):
-    """Mean score against mean device KV MiB, one panel per benchmark and length: color = method family,
-    marker = the budget a press matches (SpeCache's own rows: stars), the fp cache a dashed line."""
+    """Mean score (the columns the fp cache answers) with its 95% interval against mean device KV MiB in
+    16 bits, one panel per benchmark and length: color = method family, marker = the budget a press
+    matches (SpeCache's own rows: stars), the fp cache a dashed line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-    panels = list(dict.fromkeys(p[0] for p in points))
-    families = list(dict.fromkeys(family(p[1]) for p in points if p[1] not in ("full", "no_press")))
+    panels = list(dict.fromkeys(p["panel"] for p in points))
+    families = list(dict.fromkeys(family(p["method"]) for p in points if p["method"] not in FP_METHODS))
     palette = [plt.get_cmap("tab20")(i) for i in (*range(0, 20, 2), *range(1, 20, 2))]  # strong colors first
     color = {f: palette[i % 20] for i, f in enumerate(families)}
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 2.5, 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        fp = [p for p in points if p[0] == panel and p[1] in ("full", "no_press")]
-        for _, m, mib, score in fp[:1]:  # the fp cache (the project's, else the kvpress venv's)
-            ax.axhline(score, color="k", ls="--", lw=1)
-            ax.annotate(f"fp cache: {mib:.0f} MiB", (0.99, score - 2), xycoords=("axes fraction", "data"), va="top", ha="right",
-                        fontsize=7)
-        for _, m, mib, score in (p for p in points if p[0] == panel and p not in fp):
+        here = [p for p in points if p["panel"] == panel]
+        fp = [p for p in here if p["method"] in FP_METHODS]
+        for p in fp[:1]:  # the fp cache (the project's, else the kvpress venv's)
+            ax.axhline(100 * p["score"], color="k", ls="--", lw=1)
+            ax.annotate(f"fp cache: {p['mib']:.0f} MiB", (0.99, 100 * p["score"] - 2), xycoords=("axes fraction", "data"),
+                        va="top", ha="right", fontsize=7)
+        for p in (p for p in here if p["method"] not in FP_METHODS):
+            m = p["method"]
             budget = m.split("@")[1] if "@" in m else None
             star = m.startswith("specache")
-            ax.scatter(mib, score, color=color[family(m)], marker="*" if star else BUDGET_MARKERS.get(budget, "o"),
-                       s=170 if star else 45, edgecolors="k" if star else "none", zorder=3 if star else 2, alpha=0.85)
-        ax.set(xlabel="device KV MiB (mean over prompts)", ylabel="score x100", title=panel, ylim=(-5, 110))
+            ax.errorbar(p["mib"], 100 * p["score"], yerr=[[100 * (p["score"] - p["lo"])], [100 * (p["hi"] - p["score"])]],
+                        color=color[family(m)], marker="*" if star else BUDGET_MARKERS.get(budget, "o"),
+                        ms=13 if star else 6, mec="k" if star else "none", elinewidth=0.8, capsize=2, alpha=0.85,
+                        zorder=3 if star else 2)
+        ax.set(xlabel="device KV MiB in 16 bits (mean over prompts)", ylabel="score x100, 95% interval",
+               title=panel, ylim=(-5, 110))
         ax.grid(alpha=0.3)
     handles = [Line2D([], [], color=color[f], marker="*" if f.startswith("specache") else "o", ls="", label=f)
                for f in families]
-    handles += [Line2D([], [], color="grey", marker=mk, ls="", label=f"press at {b}") for b, mk in BUDGET_MARKERS.items()]
+    handles += [Line2D([], [], color="grey", marker=mk, ls="", label=f"at {b}") for b, mk in BUDGET_MARKERS.items()]
     fig.legend(handles=handles, loc="center right", fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 1 - 2.3 / (6 * len(panels) + 2.5), 1))
     fig.savefig(path, dpi=120)
@@ -298,6 +360,7 @@ def parse_args(argv=None):
     n = sub.add_parser("niah", parents=[grid], help="NIAH prompts x presses x budgets, rows in OUT")
     n.add_argument("--lengths", default="8000")
     n.add_argument("--depths", default="0,0.25,0.5,0.75,1.0")
+    n.add_argument("--needles", default="0", help="which needles (tools/tasks.py NEEDLES; 0: Kamradt's)")
     n.add_argument("--max-new-tokens", type=int, default=24)
     g = sub.add_parser("ruler", parents=[grid], help="RULER samples x presses x budgets, rows in OUT")
     g.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")

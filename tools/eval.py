@@ -4,14 +4,11 @@ ablation), and SpeCache's hit rates by decode step (rebuttal Q2/Q6). The data, s
 and scorers are in tools/tasks.py; this file runs them through generate.py and writes the tables.
 
     python tools/eval.py prompt --length 3000 --depth 0.5 > needle.txt       # a NIAH prompt (user turn)
-    python tools/eval.py prompt --hf checkpoints/gemma-3-270m --prompt-form completion --length 1000 > needle.txt
     python tools/eval.py niah --hf checkpoints/gemma-3-270m --prompt-form completion --quick --out results/gemma-niah
-    python tools/eval.py niah --quick --out results/quick-niah               # a few minutes
     python tools/eval.py niah --methods full,kivi-1bit,specache-1bit --lengths 1000,2000,4000,8000 --out results/niah
     python tools/eval.py ruler --lengths 4000 --samples 5 --out results/ruler
     python tools/eval.py ppl --methods kivi-1bit,kivi-1bit-orig,specache-1bit,specache-1bit-orig --out results/ppl
     python tools/eval.py hitrate --methods specache-1bit,specache-2bit --out results/hitrate
-    python tools/eval.py niah --methods specache-1bit --k 16,32,64,128 --out results/k-sweep   # Figure 5-style sweep
     python tools/eval.py quantspec --lengths 4000,8000 --gammas 0,1,2,4,6 --out results/quantspec    # acceptance rates
     python tools/eval.py saliency --lengths 2000,4000 --out results/saliency     # ZipCache: probe vs exact saliency
 
@@ -44,7 +41,7 @@ from config import CacheConfig  # noqa: E402
 from tools.eval_report import (Results, begin_cells, end_cells, init_cells, mean, my_cells,  # noqa: E402
                                 write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
                                 write_ruler_report, write_saliency_report)
-from tools.tasks import (PROMPT_FORMS, RULER_TASKS, essay_ids, essay_window, niah, niah_score,  # noqa: E402
+from tools.tasks import (NEEDLES, PROMPT_FORMS, RULER_TASKS, essay_ids, essay_window, niah, niah_score,  # noqa: E402
                          render, ruler_max_new, ruler_sample, ruler_score, summary_prompt)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the machine is shared; see cpu-toolchain notes
@@ -105,8 +102,7 @@ class PrefillReplay:
     1.5B model at 32k they would take 5.6 GB)."""
 
     def __init__(self, chunk: int = 2048, keep_queries: bool = True):
-        self.chunk, self.key, self.recorded, self.logits = chunk, None, None, None
-        self.keep_queries = keep_queries
+        self.chunk, self.key, self.recorded, self.logits, self.keep_queries = chunk, None, None, None, keep_queries
 
     def __call__(self, model, prompt):
         from generate import prefill
@@ -116,8 +112,7 @@ class PrefillReplay:
             B, P = prompt.shape
             w, a = model.tok_embeddings.weight, model.args
             self.recorded = model.setup_caches(lambda i: _Recorder(B, a.n_kv_heads, P, a.head_dim, w.dtype, w.device,
-                                                                   sliding_window=a.window(i),
-                                                                   keep_queries=self.keep_queries))
+                                                                   sliding_window=a.window(i), keep=self.keep_queries))
             self.logits, self.key = prefill(model, prompt, self.chunk), key
             for layer, cache in zip(model.layers, caches):
                 layer.attention.kv_cache = cache
@@ -130,9 +125,9 @@ class _Recorder(FullCache):
     """A prefill-only FullCache for PrefillReplay (a ring for a layer with a shorter sliding window)
     that also keeps the queries of a layer that attends to every position (unless keep_queries=False)."""
 
-    def __init__(self, *args, keep_queries=True, **kw):
+    def __init__(self, *args, keep=True, **kw):
         super().__init__(*args, **kw)
-        self.keep_queries = keep_queries
+        self.keep_queries = keep
 
     def prefill(self, q, k, v, input_pos):
         if not self.ring and self.keep_queries:
@@ -281,20 +276,23 @@ def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
     """Greedy answer to a task sample: the fields every generation cell records (plus the text)."""
     ids = runner.encode_prompt(render(runner.tok, sample))
     text, stats = runner.generate(m, ids, max_new)
+    args = runner.model.args
     return dict(output=text, prompt_tokens=len(ids), spec_exact_hit_rate=stats["spec_exact_hit_rate"],
                 prefill_s=round(stats["prefill_s"], 2), resyncs=stats["resyncs"], decode_steps=stats["decode_steps"],
-                decode_tok_s=round(stats["decode_tok_s"], 2), bits=m.bits_per_value(runner.model.args.head_dim))
+                decode_tok_s=round(stats["decode_tok_s"], 2),
+                bits=m.bits_per_value(args.head_dim, args.n_heads // args.n_kv_heads))
 
 
 def cmd_niah(a, runner, methods, results):
-    cells = [(dict(base_fields("niah", a, m), length=L, depth=d, max_new=a.max_new_tokens, **form_fields(a)), m)
-             for L in a.lengths for d in a.depths for m in methods]  # prompt-major: one prefill per prompt
-    sample = lru_cache(None)(lambda L, d: niah(runner.tok, L, d, a.prompt_form))
+    cells = [(dict(base_fields("niah", a, m), length=L, depth=d, max_new=a.max_new_tokens, **form_fields(a),
+                   **({"needle": n} if n else {})), m)  # (needle 0, Kamradt's, left out of the key: older rows)
+             for L in a.lengths for n in a.needles for d in a.depths for m in methods]  # prompt-major: a prefill each
+    sample = lru_cache(1)(lambda L, d, n: niah(runner.tok, L, d, a.prompt_form, n))
 
     def run(f, m):
-        s = sample(f["length"], f["depth"])
+        s = sample(f["length"], f["depth"], f.get("needle", 0))
         out = answer(runner, m, s, f["max_new"])
-        return dict(label=label(m, methods), score=niah_score(out["output"]), **out, prompt_form=s.form,
+        return dict(label=label(m, methods), score=niah_score(out["output"], s.answers), **out, prompt_form=s.form,
                     needle_depth=round(s.meta["needle_char"] / max(1, s.meta["context_chars"]), 4))
 
     run_cells(cells, results, run, "niah")
@@ -488,6 +486,7 @@ SUBCOMMANDS = {  # name: (help, its own options)
     "niah": ("needle in a haystack grid + heatmap", [
         ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
         ("--depths", dict(default=None, help="needle depths in [0, 1]")),
+        ("--needles", dict(default="0", help="which needles (tools/tasks.py NEEDLES; 0: Kamradt's)")),
         ("--max-new-tokens", dict(type=int, default=32))]),
     "ruler": ("RULER-style tasks", [
         ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
@@ -556,7 +555,9 @@ def parse_args(argv=None):
             setattr(a, name, value)
     a.lengths = parse_int_list(a.lengths, "lengths")
     if a.cmd == "niah":
-        a.depths = [float(x) for x in a.depths.split(",")]
+        a.depths, a.needles = [float(x) for x in a.depths.split(",")], parse_int_list(a.needles, "needles", low=0)
+        if max(a.needles) >= len(NEEDLES):
+            raise SystemExit(f"error: --needles: there are {len(NEEDLES)} needles (0-{len(NEEDLES) - 1})")
         if any(not 0 <= d <= 1 for d in a.depths):
             raise SystemExit("error: --depths are fractions in [0, 1]")
     if a.cmd == "quantspec":

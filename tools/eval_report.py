@@ -165,8 +165,8 @@ def write_niah_report(results: Results):
     rows = [[lb, bits_column(recs, lb)] + [pct(mean([r["score"] for r in where(recs, label=lb, length=L)])) for L in lengths]
             + [pct(mean([r["score"] for r in where(recs, label=lb)]))] for lb in labels_of(recs)]
     results.write_md("Needle in a haystack",
-                     "Score: share of the needle's key phrases (" + ", ".join(KEY_PHRASES) + ") in the greedy answer, "
-                     "x100, mean over depths. Deterministic string match: no GPT-4 judge offline (the paper rates 1-10 "
+                     "Score: share of the needle's key phrases (" + ", ".join(KEY_PHRASES) + " for Kamradt's needle; "
+                     "tools/tasks.py NEEDLES) in the greedy answer, x100, mean over depths and needles. Deterministic string match: no GPT-4 judge offline (the paper rates 1-10 "
                      "with GPT-4). bits: device bits per stored K/V element (codes, scales, refinement; "
                      "config.CacheConfig.bits_per_value). " + forms,
                      md_table(["method", "bits"] + [f"{L} tok" for L in lengths] + ["avg"], rows),
@@ -185,8 +185,10 @@ def plot_niah(recs, labels, path):
                              squeeze=False, sharey=True)
     for ax, lb in zip(axes[0], labels):
         grid = np.full((len(depths), len(lengths)), np.nan)
-        for r in where(recs, label=lb):
-            grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["score"]
+        for d in depths:  # the mean over the needles at that depth and length
+            for L in lengths:
+                m = mean([r["score"] for r in where(recs, label=lb, depth=d, length=L)])
+                grid[depths.index(d), lengths.index(L)] = np.nan if m is None else m
         im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
         for (i, j), v in np.ndenumerate(grid):
             if not np.isnan(v):

@@ -2,7 +2,8 @@
 
     python tools/figures.py [--results results] [--out docs]
 
-Writes docs/h100-step-time.png, docs/h100-kernels.png, docs/niah.png and docs/hitrate-per-layer.png.
+Writes docs/h100-step-time.png, docs/h100-kernels.png, docs/niah.png, docs/hitrate-per-layer.png,
+docs/long-context-niah.png and docs/baselines-score-vs-bytes.png.
 Every number comes from a results file (JSON/JSONL; the 2026-11-22 kernel table exists only as markdown,
 so that one is parsed). A missing input ends with one `error:` line naming what is missing.
 """
@@ -255,8 +256,23 @@ def hitrate_per_layer(results: Path, out: Path):
     return save(fig, out)
 
 
+BASELINES_DIR = "baselines/2026-11-27-gemma"  # the grid docs/baselines.md reports
+
+
+def baselines(results: Path, out: Path):
+    """Score (95% interval) against 16-bit device bytes for every method of the baselines' grid: the points
+    `tools/baselines_grid.py report` wrote to summary.json, drawn as its own figure draws them."""
+    from tools.baselines_grid import figure
+    path = results / BASELINES_DIR / "summary.json"
+    if not path.exists():
+        raise MissingInput(f"{path} (tools/baselines_grid.py report --out {path.parent} ... writes it)")
+    figure(json.loads(path.read_text()), out)
+    return out
+
+
 FIGURES = {"h100-step-time.png": step_time, "h100-kernels.png": kernels, "niah.png": niah,
-           "hitrate-per-layer.png": hitrate_per_layer, "long-context-niah.png": long_context_niah}
+           "hitrate-per-layer.png": hitrate_per_layer, "long-context-niah.png": long_context_niah,
+           "baselines-score-vs-bytes.png": baselines}
 
 
 def main(argv=None):

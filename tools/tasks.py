@@ -154,23 +154,57 @@ COMPLETION_CUE = "According to the text above, the best thing to do in San Franc
 KEY_PHRASES = ("sandwich", "dolores park", "sunny day")
 
 
-def niah_sample(n_words: int, depth: float, form: str = "chat") -> Sample:
-    """The first n_words words of the essays with the needle at the start of the sentence at char
-    fraction `depth` (0 = first sentence, 1 = after the last), then (chat) the paper's question,
+@dataclass(frozen=True)
+class Needle:
+    sentence: str
+    question: str  # the chat form's question (the retrieval cue follows it)
+    cue: str  # the completion form's start of the needle's sentence
+    phrases: tuple  # what the score looks for
+
+
+# Needle 0 is Kamradt's; 1-4 are in the same form, so that a grid of depths x needles gives more prompts
+# than depths alone, with answers no essay sentence gives.
+NEEDLES = (
+    Needle(NEEDLE, QUESTION, COMPLETION_CUE, KEY_PHRASES),
+    Needle("The secret ingredient in Grandma Rosa's tomato sauce is a spoonful of smoked paprika, a pinch of cinnamon "
+           "and a handful of fresh basil.", "What is the secret ingredient in Grandma Rosa's tomato sauce?",
+           "According to the text above, the secret ingredient in Grandma Rosa's tomato sauce is",
+           ("smoked paprika", "cinnamon", "basil")),
+    Needle("The best way to spend a rainy afternoon in Lisbon is to ride tram 28, visit the tile museum and eat "
+           "custard tarts in Belem.", "What is the best way to spend a rainy afternoon in Lisbon?",
+           "According to the text above, the best way to spend a rainy afternoon in Lisbon is",
+           ("tram 28", "tile museum", "custard tarts")),
+    Needle("The password that opens the old library's hidden door is silver lantern, quiet river, seven owls.",
+           "What is the password that opens the old library's hidden door?",
+           "According to the text above, the password that opens the old library's hidden door is",
+           ("silver lantern", "quiet river", "seven owls")),
+    Needle("The captain's favourite breakfast on a long voyage is oatmeal with dried apricots, black coffee and a "
+           "boiled egg.", "What is the captain's favourite breakfast on a long voyage?",
+           "According to the text above, the captain's favourite breakfast on a long voyage is",
+           ("dried apricots", "black coffee", "boiled egg")),
+)
+
+
+def niah_sample(n_words: int, depth: float, form: str = "chat", needle: int = 0) -> Sample:
+    """The first n_words words of the essays with needle `needle` (NEEDLES) at the start of the sentence
+    at char fraction `depth` (0 = first sentence, 1 = after the last), then (chat) the paper's question,
     retrieval cue included, in the user turn (SmolLM2 answers it with the sentence; the cue as the
     start of the assistant turn works too), or (completion) the start of the needle's sentence for
     a base model to finish."""
+    n = NEEDLES[needle]
     context = "".join(essay_units()[:n_words]).rstrip()
     pos = len(context) if depth >= 1 else sentence_start_before(context, int(len(context) * depth))
-    context, at = insert_at(context, pos, NEEDLE)
-    ask = f"{QUESTION} {RETRIEVAL_CUE}" if check_form(form) == "chat" else COMPLETION_CUE
-    return Sample(f"{context}\n\n{ask}", list(KEY_PHRASES), "",
-                  dict(needle_char=at, context_chars=len(context) - len(NEEDLE)), form)
+    context, at = insert_at(context, pos, n.sentence)
+    ask = f"{n.question} {RETRIEVAL_CUE}" if check_form(form) == "chat" else n.cue
+    return Sample(f"{context}\n\n{ask}", list(n.phrases), "",
+                  dict(needle_char=at, context_chars=len(context) - len(n.sentence), needle=needle), form)
 
 
-def niah(tok, length: int, depth: float, form: str = "chat") -> Sample:
-    """The NIAH sample of `length` prompt tokens (chat template or BOS included) with the needle at `depth`."""
-    return build_to_length(tok, lambda n: niah_sample(n, depth, form), length, len(essay_units()))
+def niah(tok, length: int, depth: float, form: str = "chat", needle: int = 0) -> Sample:
+    """The NIAH sample of `length` prompt tokens (chat template or BOS included) with needle `needle` at `depth`."""
+    if not 0 <= needle < len(NEEDLES):
+        raise ValueError(f"needle {needle}: there are {len(NEEDLES)} (0-{len(NEEDLES) - 1})")
+    return build_to_length(tok, lambda n: niah_sample(n, depth, form, needle), length, len(essay_units()))
 
 
 # ==== RULER (Hsieh et al. 2024): templates and generators of nvidia-long-context-eval, re-implemented ====
@@ -452,9 +486,9 @@ def recall_any(pred: str, refs) -> float:
     return float(any(_found(pred, refs)))
 
 
-def niah_score(pred: str) -> float:
+def niah_score(pred: str, phrases=KEY_PHRASES) -> float:
     """Fraction of the needle's key phrases in the answer (a stand-in for the paper's GPT-4 judge)."""
-    return recall_all(pred, KEY_PHRASES)
+    return recall_all(pred, phrases)
 
 
 def ruler_score(task: str, pred: str, refs) -> float:
