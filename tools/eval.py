@@ -276,11 +276,10 @@ def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
     """Greedy answer to a task sample: the fields every generation cell records (plus the text)."""
     ids = runner.encode_prompt(render(runner.tok, sample))
     text, stats = runner.generate(m, ids, max_new)
-    args = runner.model.args
     return dict(output=text, prompt_tokens=len(ids), spec_exact_hit_rate=stats["spec_exact_hit_rate"],
                 prefill_s=round(stats["prefill_s"], 2), resyncs=stats["resyncs"], decode_steps=stats["decode_steps"],
                 decode_tok_s=round(stats["decode_tok_s"], 2),
-                bits=m.bits_per_value(args.head_dim, args.n_heads // args.n_kv_heads))
+                bits=m.bits_per_value(runner.model.args.head_dim, runner.model.args.n_heads // runner.model.args.n_kv_heads))
 
 
 def cmd_niah(a, runner, methods, results):
