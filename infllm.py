@@ -47,6 +47,7 @@ import cache as kv
 from cache import FullCache, KVCaches, MemoryMeter, check_fits, deployed_nbytes, exact_attention, plan_layers
 from config import NO_FETCH, CacheConfig
 from prefetch import Prefetcher
+from topk import Picked
 
 EMPTY = FullCache.EMPTY  # position of a slot never written
 N_INIT = 128  # InfLLM's initial tokens (n_init) when a budget sets the sizes
@@ -209,7 +210,7 @@ class InfLLMCache(nn.Module):
         rows, valid = self.select(q[:, :, 0], n_out)
         self.ring_pos.copy_(torch.where(valid, rows, EMPTY))
         bufs = [self.ring_k, self.ring_v]
-        self.prefetcher.start(self.layer_idx, bufs, torch.where(valid, rows, -1), None, k, v, pos)
+        self.prefetcher.start(self.layer_idx, bufs, Picked(torch.where(valid, rows, -1), valid), k, v, pos)
         self.prefetcher.wait(self.layer_idx, bufs, now=True)
         if self.layer_idx == self.prefetcher.n_layers - 1:
             self.prefetcher.end_step()
