@@ -50,8 +50,8 @@ def fits(store, D: int, M: int, dtype) -> bool:
     two of at least 32 with whole 32-bit code words per row, at most 4 value groups, at most 16 query
     rows per kv head, key groups of 32 or 64 tokens."""
     NGV = D // min(store.group_v, D)
-    return (dtype in (torch.float16, torch.bfloat16) and store.bits in GLUON_BITS and store.k_codes_lo is None
-            and store.k_ref is None and D & (D - 1) == 0 and D >= 32 and (D * store.bits) % 32 == 0
+    return (dtype in (torch.float16, torch.bfloat16) and store.bits in GLUON_BITS
+            and D & (D - 1) == 0 and D >= 32 and (D * store.bits) % 32 == 0
             and NGV in (1, 2, 4) and M <= 16 and store.group_k in (32, 64))
 
 
@@ -157,10 +157,10 @@ def _value_group(acc, p, ps_scale, zv, alpha_t, vbytes, V4: gl.constexpr, LA: gl
 
 
 @gluon.jit
-def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_chan, n_quant_ptr, f_idx, f_valid,
+def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, f_idx, f_valid,
                        out_part, lse_part, logits, qk_scale, S, D, T, M, K, SPLIT_LEN, NS,
                        BITS: gl.constexpr, GROUP_K: gl.constexpr, NGV: gl.constexpr, HAS_FETCH: gl.constexpr,
-                       HAS_CHAN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_K: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_K: gl.constexpr,
                        NW: gl.constexpr, SEL: gl.constexpr = 0):
     """Grid (B*Hkv, n_splits): program `split` attends to quantized slots [split*SPLIT_LEN, +SPLIT_LEN) below
     n_quant (SPLIT_LEN a multiple of NW*GROUP_K), warp w to key groups w, w + NW, ...; writes the
@@ -328,8 +328,6 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_
             a = acc3
         res = gl.sum(a * (wscale_t / vpow), 0) / l_t  # [DG, M]
         ch = g * DG + oc
-        if HAS_CHAN:  # ZipCache eq. 6: every dequantized value row is multiplied by c
-            res = res * gl.load(v_chan + bh * D + ch).to(gl.float32)
         gl.store(out_part + (part * M + om2) * D + ch, res, mask=o_ok)
     lse = gl.where(has, (m_all + gl.log2(gl.where(has, l_all, 1.0))) * 0.6931471805599453, -float("inf"))
     mm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, SL))
@@ -351,11 +349,11 @@ def launch(q, store, k_codes, v_codes, fetched, out_part, lse_part, logits, sm_s
     K = f.k.shape[2] if f is not None else 0
     c = lambda x: x.contiguous() if x is not None else q  # noqa: E731
     _attn_planes_gluon[(B * Hkv, n_splits)](
-        q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero), c(store.v_chan),
+        q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero),
         c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q, out_part, lse_part,
         logits, sm_scale_log2, S, D, T, M, K, split_len, NS,
         BITS=store.bits, GROUP_K=store.group_k, NGV=D // min(store.group_v, D), HAS_FETCH=f is not None,
-        HAS_CHAN=store.v_chan is not None, BLOCK_M=8 if M <= 8 else 16, BLOCK_D=D,
+        BLOCK_M=8 if M <= 8 else 16, BLOCK_D=D,
         BLOCK_K=max(32, triton.next_power_of_2(max(K, 1))), NW=WARPS, SEL=select, num_warps=WARPS)
 
 

@@ -1,19 +1,103 @@
-"""The attention's quantized slots for codes read through a view, beside kernels.py's plain-code
-kernel: QuantSpec's INT8 view of two 4-bit planes (16*U + L - 8, scale s4/16) and ZipCache's mixed
-precision (each key group's salient rows refined by 2^RB: 2^(RB+1) U + 2L, scale s_hi/2).
-kernels.attention_lowbit_triton launches `_attn_views_kernel` for the programs over quantized slots
-where `lowbit.has_views(store)` holds, and its own kernel's fp-row program and combine beside it (as
-for attn_gluon.py); it also applies ZipCache's channel scale to the partials. The torch reference is
-kernels.attention_lowbit_ref (lowbit.key_logits / value_sum); tests/test_kernels.py checks them.
+"""The siblings' low-bit tuple and its attention: codes read through a view, beside kernels.py's
+plain KIVI codes. QuantSpec's INT8 view of two 4-bit planes (16*U + L - 8, scale s4/16) and ZipCache's
+mixed precision (each key group's salient rows refined by 2^RB: 2^(RB+1) U + 2L, scale s_hi/2) and
+channel-separable values (eq. 6: the dequantized values times a per-channel scale c).
+
+  ViewKV            KIVI's LowBitKV (the upper codes, scales, zeros) plus the view's parts; the same
+                    methods as LowBitKV, so kernels.attention_lowbit_ref is its torch reference
+  attention_views   kernels.attention_lowbit for a ViewKV: on CUDA (or use_op) the Triton launch
+                    behind its custom op, `_attn_views_kernel` running the quantized programs and
+                    kernels.py's fp-row program and combine the rest; else the torch reference
 """
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from lowbit import code_layout, dot_precision, interpreter_upcast
+import kernels
+import quant
+from lowbit import (Fetched, LowBitKV, Residual, Tensor, code_logits, code_value_sum, dot_precision, from_op_inputs,
+                    interpreter_upcast, op_inputs)
 from tiles import (fetched_hits, fetched_positions, key_group, key_scores, load_codes, query_rows,
                    logits_rows, softmax_start, store_logits, store_partial,
                    word_block)
+
+
+class ViewKV(NamedTuple):
+    """A low-bit store read through a view: `kv` holds what KIVI's holds (QuantSpec: the upper INT4
+    planes; ZipCache: the upper codes and the scales of the salient bit-width), the rest is None or 0
+    where the store has no such part."""
+    kv: LowBitKV
+    k_codes_lo: Optional[Tensor] = None  # QuantSpec's 8-bit view: the lower 4-bit planes
+    v_codes_lo: Optional[Tensor] = None
+    v_chan: Optional[Tensor] = None  # ZipCache: per-channel value scale [B,Hkv,D] (eq. 6)
+    # ZipCache mixed precision (zipcache.quantize_mixed): the lower codes of each key group's n_ref
+    # salient rows, and each slot's place among them (255: not salient, reads the midpoint)
+    k_ref: Optional[Tensor] = None  # [B,Hkv,S/group_k*n_ref,D*ref_bits/8] uint8
+    v_ref: Optional[Tensor] = None
+    ref_map: Optional[Tensor] = None  # [B,Hkv,S] uint8
+    ref_bits: int = 0
+    n_ref: int = 0
+
+    @property
+    def k_codes(self) -> Tensor:
+        return self.kv.k_codes
+
+    @property
+    def n_quant(self) -> Tensor:
+        return self.kv.n_quant
+
+    def unit_div(self) -> int:
+        """What the stored scales are divided by for `codes`' integers: QuantSpec's s4/16, ZipCache's s_hi/2."""
+        return 16 if self.k_codes_lo is not None else 2 if self.k_ref is not None else 1
+
+    def codes(self, kv: str) -> Tensor:
+        """Integer codes of the keys (kv="k") or values as fp32 [B,Hkv,S,D]: the upper codes, QuantSpec's
+        INT8 view 16*U + L - 8, or ZipCache's mixed codes (each salient row's lower codes gathered from
+        the compact refinement rows of its key group)."""
+        s = self.kv
+        lo, ref = (self.k_codes_lo, self.k_ref) if kv == "k" else (self.v_codes_lo, self.v_ref)
+        c = quant.unpack_bits(s.k_codes if kv == "k" else s.v_codes, s.bits, torch.int32)
+        if lo is not None:
+            c = 16 * c + quant.unpack_bits(lo, 4, torch.int32) - 8
+        if ref is not None:
+            B, Hkv, S, D = c.shape
+            has = self.ref_map != 255
+            row = torch.arange(S, device=c.device) // s.group_k * self.n_ref + torch.where(has, self.ref_map.long(), 0)
+            lower = quant.unpack_bits(ref, self.ref_bits, torch.int32).gather(2, row[..., None].expand(B, Hkv, S, D))
+            c = (c << (self.ref_bits + 1)) + torch.where(has[..., None], 2 * lower, 2 ** self.ref_bits - 1)
+        return c.float()
+
+    def key_logits(self, qg) -> Tensor:
+        return code_logits(qg, self.codes("k"), self.kv.k_scale.float() / self.unit_div(), self.kv.k_zero,
+                           self.kv.group_k)
+
+    def value_sum(self, p, keep) -> Tensor:
+        out = code_value_sum(p, self.codes("v"), self.kv.v_scale.float() / self.unit_div(), self.kv.v_zero,
+                             self.kv.group_v, keep)
+        return out if self.v_chan is None else out * self.v_chan.float()[:, :, None, :]  # eq. 6: x' = dequant * c
+
+    def dequantized(self) -> tuple[Tensor, Tensor]:
+        """Keys and values in fp32 [B,Hkv,S,D]."""
+        s, div = self.kv, self.unit_div()
+        k = quant.dequantize_codes(self.codes("k"), s.k_scale.float() / div, s.k_zero, s.group_k, "tokens")
+        D = s.v_codes.shape[-1] * 8 // s.bits
+        v = quant.dequantize_codes(self.codes("v"), s.v_scale.float() / div, s.v_zero, min(s.group_v, D), "channels")
+        return k, (v if self.v_chan is None else v * self.v_chan.float()[..., None, :])
+
+    def first_tokens(self, n: int) -> "ViewKV":
+        cut = lambda x, m=n: None if x is None else x[:, :, :m]  # noqa: E731
+        refs = n // self.kv.group_k * self.n_ref
+        return self._replace(kv=self.kv.first_tokens(n), k_codes_lo=cut(self.k_codes_lo), v_codes_lo=cut(self.v_codes_lo),
+                             ref_map=cut(self.ref_map), k_ref=cut(self.k_ref, refs), v_ref=cut(self.v_ref, refs))
+
+    def read_bytes(self, n_quant: int) -> int:
+        total = self.kv.read_bytes(n_quant)
+        total += sum(t[:, :, :n_quant].nbytes for t in (self.k_codes_lo, self.v_codes_lo, self.ref_map) if t is not None)
+        refs = n_quant // self.kv.group_k * self.n_ref
+        total += sum(t[:, :, :refs].nbytes for t in (self.k_ref, self.v_ref) if t is not None)
+        return total + (self.v_chan.nbytes if self.v_chan is not None else 0)
 
 
 @triton.jit
@@ -65,20 +149,69 @@ def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
     store_partial(out_part, lse_part, (bh * NPARTS + split) * M + offs_m, m_ok, offs_d, d_ok, D, acc, m_i, l_i)
 
 
-def launch(q, store, fetched, out_part, lse_part, logits, qk_scale, n_splits: int, split_len: int, NS: int, BLOCK_M: int,
-           BLOCK_K: int, select: int = 0, **launch):
-    """The quantized programs (bh, split < n_splits) of one attention step; kernels.py launches the rest."""
+def _code_view(store: ViewKV, D: int):
+    """(WORDS, k_lo, v_lo, k_ref, v_ref): 32-bit word views of the view's parts where the plain codes are
+    words (kernels.code_layout) and the refinement rows whole words too, else the bytes."""
+    words = D & (D - 1) == 0 and (D * store.kv.bits) % 32 == 0 and (D * store.ref_bits) % 32 == 0
+    view = (lambda t: None if t is None else t.contiguous().view(torch.int32)) if words else \
+        (lambda t: None if t is None else t.contiguous())
+    return (words, view(store.kv.k_codes), view(store.kv.v_codes), view(store.k_codes_lo), view(store.v_codes_lo),
+            view(store.k_ref), view(store.v_ref))
+
+
+def launch(store: ViewKV, q, fetched, out_part, lse_part, logits, qk_scale, n_splits: int, split_len: int, NS: int,
+           BLOCK_M: int, BLOCK_K: int, select: int = 0, **launch):
+    """The quantized programs (bh, split < n_splits) of one attention step (kernels.attention_lowbit_triton
+    launches the rest), then ZipCache's channel scale on their partials (eq. 6)."""
     B, H, T, D = q.shape
-    Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
-    words, BLOCK_D, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref = code_layout(store, D)
+    s = store.kv
+    Hkv, S = s.k_codes.shape[1], s.k_codes.shape[2]
+    words, k_codes, v_codes, k_lo, v_lo, k_ref, v_ref = _code_view(store, D)
     c = lambda x: x.contiguous() if x is not None else q  # noqa: E731 (absent inputs: any valid pointer)
     f = fetched
     _attn_views_kernel[(B * Hkv, n_splits)](
-        q, k_codes, c(k_lo), c(store.k_scale), c(store.k_zero), v_codes, c(v_lo), c(store.v_scale), c(store.v_zero),
-        c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q,
+        q, k_codes, c(k_lo), c(s.k_scale), c(s.k_zero), v_codes, c(v_lo), c(s.v_scale), c(s.v_zero),
+        c(s.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q,
         out_part, lse_part, logits, c(k_ref), c(v_ref), c(store.ref_map), qk_scale, S, f.k.shape[2] if f else 0, D,
         T, (H // Hkv) * T, split_len, store.n_ref, NS,
-        BITS=store.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
-        WORDS=words, GROUP_K=store.group_k, NGV=D // min(store.group_v, D), HAS_FETCH=f is not None,
-        DOT=dot_precision(q.dtype), UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+        BITS=s.bits, HIER=store.k_codes_lo is not None, RB=store.ref_bits if store.k_ref is not None else 0,
+        WORDS=words, GROUP_K=s.group_k, NGV=D // min(s.group_v, D), HAS_FETCH=f is not None,
+        DOT=dot_precision(q.dtype), UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_K=BLOCK_K, SEL=select, **launch)
+    if store.v_chan is not None:  # zipcache.txt eq. 6: the quantized values times c
+        out_part[:, :n_splits] *= store.v_chan.float().reshape(B * Hkv, 1, 1, D)
+
+
+def attention_views_triton(q, store: ViewKV, residual: Residual, fetched: Optional[Fetched], sm_scale, select=0,
+                           **launch_kw):
+    """kernels.attention_lowbit_triton with this module's quantized programs."""
+    def quantized(*args, **kw):
+        return launch(store, *args, **kw)
+    return kernels.attention_lowbit_triton(q, store.kv, residual, fetched, sm_scale, select=select,
+                                           quantized=quantized, **launch_kw)
+
+
+# The op takes the tuples' tensors flat (lowbit.op_inputs), the view's parts after them.
+@torch.library.custom_op("specache::attention_views", mutates_args=())
+def _attention_views_op(q: Tensor, tensors: list[Tensor], ints: list[int], optional: list[Optional[Tensor]],
+                        view: list[Optional[Tensor]], view_ints: list[int], sm_scale: float,
+                        select: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    kv, residual, fetched = from_op_inputs(tensors, ints, optional)
+    out = attention_views_triton(q, ViewKV(kv, *view, *view_ints), residual, fetched, sm_scale, select=select)
+    return out if select else (*out, q.new_empty(0, dtype=torch.float32))
+
+
+@_attention_views_op.register_fake
+def _(q, tensors, ints, optional, view, view_ints, sm_scale, select=0):
+    return kernels.attention_fake(q, tensors, select)
+
+
+def attention_views(q, store: ViewKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None, select=0):
+    """kernels.attention_lowbit for a store read through a view (same results, same arguments)."""
+    if q.is_cuda if use_op is None else use_op:
+        tensors, ints, optional = op_inputs(store.kv, residual, fetched)
+        view = [store.k_codes_lo, store.v_codes_lo, store.v_chan, store.k_ref, store.v_ref, store.ref_map]
+        out = _attention_views_op(q, list(tensors), list(ints), list(optional), view, [store.ref_bits, store.n_ref],
+                                  float(sm_scale), select)
+        return out if select else out[:2]
+    return kernels.attention_lowbit_ref(q, store, residual, fetched, sm_scale, select)

@@ -18,11 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-import lowbit
 import quant
 import topk
 from config import NO_FETCH, CacheConfig, FetchPolicy
-from lowbit import Fetched, LowBitKV, Residual
+from lowbit import Fetched, LowBitKV, Residual, check_attn_path
 from prefetch import Prefetcher
 
 def deployed_nbytes(*tensors) -> int:
@@ -193,6 +192,7 @@ class LowBitCache(nn.Module):
         self.zeros_buffer("res_len", (), dtype=torch.int64)
         self.meter = meter or MemoryMeter()  # counts prefill's transient fp K/V; setup_caches counts these buffers
         self.custom_ops = None  # kernels behind their custom ops: None = on CUDA; True on CPU (tests): the CUDA graph
+        self.attn_path = check_attn_path(config.attn_path)  # which Triton kernel reads the codes (kernels.py), fixed here
 
     def zeros_buffer(self, name, shape, dtype, fill=0):
         """A non-persistent buffer of `fill`s on the cache's device."""
@@ -242,8 +242,8 @@ class LowBitCache(nn.Module):
 
     def dequantized(self, n: int):
         """Full-precision view of quantized tokens [0, n) (prefill only: it materializes them)."""
-        part = lowbit.first_tokens(self.stored(), n)
-        return lowbit.dequant_keys(part).to(self.k_res.dtype), lowbit.dequant_values(part).to(self.v_res.dtype)
+        k, v = self.stored().first_tokens(n).dequantized()
+        return k.to(self.k_res.dtype), v.to(self.v_res.dtype)
 
     # ---- Algorithm 1: prefill, one layer and one chunk of the prompt ----------------------------
     def prefill(self, q, k, v, input_pos):
@@ -305,8 +305,12 @@ class LowBitCache(nn.Module):
         """Attention of the step's T query tokens (already appended to the residual) over
         quantized + residual (+ fetched fp rows replacing their quantized copies); select > 0: also the
         last `select` tokens' logits, which the selection reads (kernels.attention_lowbit)."""
-        return kernels.attention_lowbit(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale,
-                                        use_op=self.custom_ops, attn_path=self.config.attn_path, select=select)
+        return self.attention(q, self.stored(), self.residual_rows(q.shape[2]), fetched, select)
+
+    def attention(self, q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], select: int = 0):
+        """The low-bit attention these codes take (a sibling's store overrides it with its own kernel)."""
+        return kernels.attention_lowbit(q, store, residual, fetched, self.sm_scale, use_op=self.custom_ops,
+                                        attn_path=self.attn_path, select=select)
 
     def commit_step(self, keep: int = 1):
         """Static-shape end of a decode step: the first `keep` step tokens stay; a full residual is
@@ -343,7 +347,7 @@ class LowBitCache(nn.Module):
     def read_bytes(self, step_tokens: int = 1, stored: Optional[LowBitKV] = None) -> int:
         """Bytes a decode step's attention reads: codes and scales of the quantized tokens (`stored`,
         default self.stored()) and the fp residual rows."""
-        return lowbit.lowbit_read_bytes(stored or self.stored(), int(self.n_quant)) + \
+        return (stored or self.stored()).read_bytes(int(self.n_quant)) + \
             self.k_res[:, :, :1].nbytes * 2 * (int(self.res_len) + step_tokens)
 
 
@@ -531,7 +535,7 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
     FullCache; the others the configured cache, and SpeCache's host store holds only them.
     `store`: the LowBitCache class of the configuration's quantizer (`store_kw` to its constructor;
     generate.setup_caches picks it), under SpeCache for the specache kind; max_step_tokens: the
-    most tokens a step feeds (QuantSpec's verify steps: gamma + 1).
+    most tokens a step feeds.
     Raises ValueError on what the model or the kernels cannot run."""
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind != "full" and config.scheme != store.scheme:

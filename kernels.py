@@ -28,10 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-import attn_views
-from lowbit import (DEFAULT_ATTN_PATH, Fetched, LowBitKV, Residual, Tensor, code_layout, dot_precision,
-                    from_op_inputs, has_views, interpreted, interpreter_upcast, key_logits, op_inputs, plane_codes_mode,
-                    planes_fit, replaced_mask, take_planes, value_sum)
+from lowbit import (Fetched, LowBitKV, Residual, Tensor, check_attn_path, code_layout, dot_precision, from_op_inputs,
+                    interpreted, interpreter_upcast, op_inputs, plane_codes_mode, planes_fit, replaced_mask)
 from tiles import (LOG2E, codes_tile, fetched_hits, fetched_mask, fetched_positions, key_scores, logits_rows,
                    online_softmax, plane_codes, plane_key_scores, query_rows, softmax_start, store_logits, store_partial,
                    tile_channels, word_block)
@@ -43,7 +41,8 @@ from tiles import (LOG2E, codes_tile, fetched_hits, fetched_mask, fetched_positi
 def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, select=0):
     """Softmax attention of the T query tokens over three parts: the quantized slots [0, n_quant)
     without the fetched positions, the fetched fp rows, and the residual rows (causal). select > 0:
-    also the last `select` tokens' logits for the selection (selection_logits)."""
+    also the last `select` tokens' logits for the selection (selection_logits). `store` reads its codes
+    through its own methods (key_logits, value_sum), so any tuple with those methods runs here."""
     B, H, T, D = q.shape
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, dev = (H // Hkv) * T, q.device
@@ -58,13 +57,13 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
     if fetched is not None:
         fp_parts.append((fetched.k, fetched.v, fetched.valid[:, :, None, :]))
     # scores of each part, masked; one softmax over all of them
-    scores = [torch.where(keep_q[:, :, None, :], key_logits(qg, store), -math.inf)]
+    scores = [torch.where(keep_q[:, :, None, :], store.key_logits(qg), -math.inf)]
     scores += [torch.where(keep, qg @ k.float().transpose(-1, -2), -math.inf) for k, _, keep in fp_parts]
     m = torch.stack([x.amax(-1) for x in scores], -1).amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, 0.0)
     p = [torch.exp(x - m) for x in scores]
     l = sum(x.sum(-1, keepdim=True) for x in p)
-    out = value_sum(p[0], store, keep_q)
+    out = store.value_sum(p[0], keep_q)
     for pi, (_, v, keep) in zip(p[1:], fp_parts):  # garbage rows are zeroed: NaN would leak through p = 0
         rows_ok = keep.any(-2) if keep.shape[-2] > 1 else keep[..., 0, :]
         out = out + pi @ torch.where(rows_ok.expand(B, Hkv, -1)[..., None], v.float(), 0.0)
@@ -123,7 +122,7 @@ def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
     [split*SPLIT_LEN, +SPLIT_LEN) below n_quant; the last one to the fetched and residual fp rows.
     Each writes (out, lse) partial `split` of NPARTS for the kv head's G*T query rows m = g*T + t.
     SPLIT0 offsets the program index (grid (B*Hkv, 1) with SPLIT0 = n_splits: the fp-row program
-    alone, beside attn_gluon's or attn_views' quantized programs); QUANT=False compiles it only.
+    alone, beside another kernel's quantized programs); QUANT=False compiles it only.
     PLANES (the bit-plane path, for the quantized slots): the tile's columns are channels in
     plane-major order (tiles.plane_codes), and its rows hold RG copies of the query rows, copy g taking
     the values' channel group g: one value dot serves every channel group (each with its own
@@ -287,39 +286,38 @@ DECODE_LAUNCH = dict(num_warps=2, num_stages=1)
 FP_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)  # the fp-row program alone: <= 128 registers (not timed)
 
 
-def _planes_layout(store: LowBitKV, D: int, M: int, dtype, attn_path=None):
-    """(RG, BLOCK_M, CODES, CODE_OFF) of the bit-plane path, or None (words; QuantSpec's INT8 view, ZipCache's
-    mixed codes, rows not whole 32-bit words, D or value groups not powers of two, or > 32 tile rows)."""
+def _planes_layout(store: LowBitKV, D: int, M: int, dtype):
+    """(RG, BLOCK_M, CODES, CODE_OFF) of the bit-plane tiles: RG row copies of the M query rows, one per
+    value channel group."""
     NGV = D // min(store.group_v, D)
-    rows = triton.next_power_of_2(M) * NGV
-    if not take_planes(planes_fit(store, D, M), attn_path, "attention path"):
-        return None
-    return (NGV, max(16, rows)) + plane_codes_mode(store, D, dtype)
+    return (NGV, max(16, triton.next_power_of_2(M) * NGV)) + plane_codes_mode(store, D, dtype)
 
 
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
-                            n_splits=None, attn_path=None, select=0, **launch):
+                            attn_path="words", n_splits=None, select=0, quantized=None, **launch):
+    """The Triton attention on one path (config.ATTN_PATHS; the planes and Gluon paths need a layout
+    planes_fit takes). `quantized`: a launcher of the quantized programs in place of this module's (a
+    store read through its own kernel); this module then launches the fp-row program and the combine."""
     B, H, T, D = q.shape
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
-    group_v = min(store.group_v, D)
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
-    words, BLOCK_D, k_codes, v_codes, *_ = code_layout(store, D)
-    plane = _planes_layout(store, D, M, q.dtype, attn_path)
+    path = check_attn_path(attn_path)
+    if path != "words" and not planes_fit(store, D, M):
+        raise ValueError(f"the {path} attention path does not take this cache layout (lowbit.planes_fit)")
+    gluon = path == "gluon"
+    if gluon:  # attn_gluon runs the quantized programs (a split: whole warps' key groups); imported here: only Gluon needs it
+        import attn_gluon
+        if interpreted() or not attn_gluon.fits(store, D, M, q.dtype):
+            raise ValueError("the Gluon path takes compiled 16-bit launches that attn_gluon.fits")
+    words, BLOCK_D, k_codes, v_codes = code_layout(store, D)
+    plane = _planes_layout(store, D, M, q.dtype) if path != "words" else None
     if plane is not None:  # bytes, not words
         k_codes, v_codes = store.k_codes.contiguous(), store.v_codes.contiguous()
     RG, BLOCK_M, CODES, CODE_OFF = plane or (1, max(16, triton.next_power_of_2(M)), 0, 0.0)
     n_blocks = triton.cdiv(S, store.group_k)
     if n_splits is None:
         n_splits = min(n_blocks, max(1, programs_target(q.device) // BH))
-    # Gluon: attn_gluon runs the quantized programs (a split: whole warps' key groups); imported here: only Gluon needs it
-    gluon = plane is not None and (attn_path or DEFAULT_ATTN_PATH) == "gluon"
-    if gluon:
-        import attn_gluon
-        gluon = not interpreted() and attn_gluon.fits(store, D, M, q.dtype)
-        if attn_path and not gluon:
-            raise ValueError("the Gluon path takes compiled 16-bit launches that attn_gluon.fits")
-    views = has_views(store)  # QuantSpec's INT8 view, ZipCache's mixed codes: attn_views runs the quantized programs
     per_split = attn_gluon.WARPS if gluon else 1
     split_len = triton.cdiv(triton.cdiv(n_blocks, max(1, n_splits)), per_split) * per_split * store.group_k
     n_splits = max(1, triton.cdiv(S, split_len))
@@ -337,21 +335,20 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     if gluon:
         attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS,
                           select)
-    if views:
-        attn_views.launch(q, store, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS, BLOCK_M, BLOCK_K,
-                          select, **{**decode, **launch})
-    fp_rows_only = gluon or views  # (the program after the quantized ones: grid (BH, 1) from SPLIT0 = n_splits)
+    elif quantized is not None:
+        quantized(q, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS, BLOCK_M, BLOCK_K, select,
+                  **{**decode, **launch})
+    fp_rows_only = gluon or quantized is not None  # (the program after the quantized ones: grid (BH, 1), SPLIT0 = n_splits)
     _attn_split_kernel[(BH, 1 if fp_rows_only else NS)](
         q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero), c(store.n_quant),
         c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q, c(f.k) if f else q,
         c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length), out_part, lse_part, logits, qk_scale, S,
         R, K, D, T, M, split_len,
-        n_splits if fp_rows_only else 0, NS, BITS=store.bits, WORDS=words, GROUP_K=store.group_k, NGV=D // group_v,
-        HAS_FETCH=f is not None, DOT=dot_precision(q.dtype), UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M,
-        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_F=64, PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF,
-        QUANT=not fp_rows_only, SEL=select, **{**decode, **(FP_ROWS_LAUNCH if gluon else {}), **launch})
-    if store.v_chan is not None and not gluon:  # zipcache.txt eq. 6: the quantized values times c (Gluon applies it)
-        out_part[:, :n_splits] *= store.v_chan.float().reshape(BH, 1, 1, D)
+        n_splits if fp_rows_only else 0, NS, BITS=store.bits, WORDS=words, GROUP_K=store.group_k,
+        NGV=D // min(store.group_v, D), HAS_FETCH=f is not None, DOT=dot_precision(q.dtype),
+        UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_F=64,
+        PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF, QUANT=not fp_rows_only, SEL=select,
+        **{**decode, **(FP_ROWS_LAUNCH if gluon else {}), **launch})
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,
@@ -365,27 +362,32 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
 # The ops take the tuples' tensors flat (custom ops take tensors, not tuples): lowbit.op_inputs / from_op_inputs.
 @torch.library.custom_op("specache::attention_lowbit", mutates_args=())
 def _attention_lowbit_op(q: Tensor, tensors: list[Tensor], ints: list[int], optional: list[Optional[Tensor]],
-                         sm_scale: float, attn_path: Optional[str] = None, select: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                         sm_scale: float, attn_path: str, select: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     out = attention_lowbit_triton(q, *from_op_inputs(tensors, ints, optional), sm_scale, attn_path=attn_path,
                                   select=select)
     return out if select else (*out, q.new_empty(0, dtype=torch.float32))
 
 
-@_attention_lowbit_op.register_fake
-def _(q, tensors, ints, optional, sm_scale, attn_path=None, select=0):
-    # contiguous, like the real op (which makes q contiguous first), whatever q's strides
+def attention_fake(q, tensors, select):
+    """The shapes an attention op returns (contiguous, like the real op, which makes q contiguous first)."""
     B, H, T, _ = q.shape
     Hkv, S = tensors[0].shape[1:3]
     logits = q.new_empty((B, Hkv, H // Hkv * select, S) if select else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), logits
 
 
+@_attention_lowbit_op.register_fake
+def _(q, tensors, ints, optional, sm_scale, attn_path, select=0):
+    return attention_fake(q, tensors, select)
+
+
 def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None,
-                     attn_path=None, select=0):
+                     attn_path="words", select=0):
     """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores), and with
     select > 0 the last `select` tokens' logits [B,Hkv,G*select,S] for topk.select (selection_logits).
     use_op: run the Triton kernel behind its custom op (default: on CUDA); True on CPU tensors gives a
-    compiled CPU step the CUDA step's graph, the kernel interpreted (TRITON_INTERPRET=1, tests). attn_path: ATTN_PATHS."""
+    compiled CPU step the CUDA step's graph, the kernel interpreted (TRITON_INTERPRET=1, tests). attn_path:
+    the Triton kernels' path (config.ATTN_PATHS), which a cache fixes when it is built (LowBitCache.attention)."""
     if q.is_cuda if use_op is None else use_op:
         tensors, ints, optional = op_inputs(store, residual, fetched)
         out = _attention_lowbit_op(q, list(tensors), list(ints), list(optional), float(sm_scale), attn_path, select)

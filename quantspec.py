@@ -30,24 +30,81 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cache
-import kernels
 import quant
+from attn_views import ViewKV, attention_views
 from cache import LowBitCache
 from config import CacheConfig
 from decoding import Decoding, cloned, compiled_step, prefill, sample
-from lowbit import LowBitKV, Residual
+from lowbit import Residual
 
 
-# ---- the draft's weights ---------------------------------------------------------------------------
+# ---- QuantSpec hierarchical INT8 = upper INT4 + lower INT4 (quantspec.txt §4.2) ------------------
+# Upper U in [0,15]: 4-bit asymmetric RTN, x ~ U*s4 + z. Lower L in [-8,7]: symmetric RTN of the
+# error x - (U*s4 + z) with s8 = s4/16, stored as L + 8. INT8 view: (16U + L)*s8 + z.
+def _quantize_hier(x, group, along, meta_dtype):
+    upper, scale, zero = quant.quantize_codes(x, 4, group, along, meta_dtype=meta_dtype)
+    err = quant.finite_fp32(x, meta_dtype) - quant.dequantize_codes(upper, scale, zero, group, along)
+    s8 = quant.expand_groups(scale, group, along) / 16
+    lower = quant.round_clamp(err / torch.where(s8 == 0, 1.0, s8), -8, 7) + 8
+    return quant.pack_bits(upper, 4), quant.pack_bits(lower.to(torch.uint8), 4), scale, zero
+
+
+def _dequantize_hier(codes_hi, codes_lo, scale, zero, group, along, view_bits, dtype):
+    upper = quant.unpack_bits(codes_hi, 4, torch.int32)
+    if view_bits == 4:
+        return quant.dequantize_codes(upper, scale, zero, group, along, dtype)
+    assert view_bits == 8, view_bits
+    int8 = 16 * upper.float() + quant.unpack_bits(codes_lo, 4, torch.int32).float() - 8
+    return quant.dequantize_codes(int8, scale.float() / 16, zero, group, along, dtype)
+
+
+def quantize_hier_keys(k, group, meta_dtype=torch.float16):
+    """-> (codes_hi, codes_lo) uint8 [B,H,T,D//2] each, scale (= s4) / zero [B,H,T//group,D]."""
+    return _quantize_hier(k, group, "tokens", meta_dtype)
+
+
+def quantize_hier_values(v, group, meta_dtype=torch.float16):
+    return _quantize_hier(v, quant.value_group(group, v.shape[-1]), "channels", meta_dtype)
+
+
+def dequantize_hier_keys(codes_hi, codes_lo, scale, zero, group, view_bits=8, dtype=torch.float32):
+    return _dequantize_hier(codes_hi, codes_lo, scale, zero, group, "tokens", view_bits, dtype)
+
+
+def dequantize_hier_values(codes_hi, codes_lo, scale, zero, group, view_bits=8, dtype=torch.float32):
+    group = quant.value_group(group, codes_hi.shape[-1] * 2)
+    return _dequantize_hier(codes_hi, codes_lo, scale, zero, group, "channels", view_bits, dtype)
+
+
+# ---- QuantSpec's draft weights: group-wise INT4, weight-only (quantspec.txt §4.1) -------------------
+def quantize_weight_int4(w: torch.Tensor, group: int):
+    """w [N, K] -> (codes uint8 [N, K] in [0, 15], scale, zero [N, K // group] fp32) with
+    w ~ code * scale + zero per group of `group` input features (eq. 2 at 4 bits, asymmetric RTN)."""
+    N, K = w.shape
+    if K % group:
+        raise ValueError(f"in_features {K} is not a multiple of the weight group {group}")
+    wg = w.float().reshape(N, K // group, group)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = (hi - lo) / 15
+    codes = quant.round_clamp((wg - lo) / torch.where(scale == 0, 1.0, scale), 0, 15)
+    return codes.to(torch.uint8).reshape(N, K), scale.squeeze(-1), lo.squeeze(-1)
+
+
+def dequantize_weight_int4(codes, scale, zero, group, dtype=torch.float32):
+    N, K = codes.shape
+    w = codes.float().reshape(N, K // group, group) * scale[..., None] + zero[..., None]
+    return w.reshape(N, K).to(dtype)
+
+
 class Int4Linear(nn.Module):
-    """y = x @ W'^T with W' the group-wise INT4 copy of W (quant.quantize_weight_int4). Runs ATen's
+    """y = x @ W'^T with W' the group-wise INT4 copy of W (quantize_weight_int4). Runs ATen's
     int4 weight-only matmul (CPU: `_weight_int4pack_mm_for_cpu`, CUDA: `_weight_int4pack_mm`, both
     with bf16 activations, as they require), or the torch reference (dequantize, then matmul) where
     those are missing."""
 
     def __init__(self, weight: torch.Tensor, group: int = 32):
         super().__init__()
-        codes, scale, zero = quant.quantize_weight_int4(weight, group)
+        codes, scale, zero = quantize_weight_int4(weight, group)
         self.out_features, self.in_features, self.group = weight.shape[0], weight.shape[1], group
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
@@ -73,7 +130,7 @@ class Int4Linear(nn.Module):
         return None, sz
 
     def reference(self, x):
-        w = quant.dequantize_weight_int4(self.codes, self.scale, self.zero, self.group, x.dtype)
+        w = dequantize_weight_int4(self.codes, self.scale, self.zero, self.group, x.dtype)
         return F.linear(x, w)
 
     def forward(self, x):
@@ -130,6 +187,9 @@ class HierCache(LowBitCache):
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
                  max_step_tokens=2, meter=None):
         super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens, meter)
+        if self.attn_path != "words":  # (attn_views has one kernel: the word path's)
+            raise ValueError(f"cache {config.name}: the QuantSpec store's codes are read on the words attention path "
+                             f"only, not {self.attn_path!r}")
         self.view_bits = config.bits
         self.zeros_buffer("k_codes_lo", self.k_codes.shape, dtype=torch.uint8)
         self.zeros_buffer("v_codes_lo", self.v_codes.shape, dtype=torch.uint8)
@@ -138,14 +198,18 @@ class HierCache(LowBitCache):
     def code_bits(config: CacheConfig) -> int:
         return 4  # each plane
 
-    def stored(self, view_bits=None) -> LowBitKV:
+    def stored(self, view_bits=None) -> ViewKV:
         """The view `view_bits` (4 or 8; default the configuration's) as the kernels read it."""
-        s = super().stored()
-        return s._replace(k_codes_lo=self.k_codes_lo, v_codes_lo=self.v_codes_lo) if (view_bits or self.view_bits) == 8 else s
+        if (view_bits or self.view_bits) == 8:
+            return ViewKV(super().stored(), k_codes_lo=self.k_codes_lo, v_codes_lo=self.v_codes_lo)
+        return ViewKV(super().stored())
+
+    def attention(self, q, store: ViewKV, residual, fetched, select: int = 0):
+        return attention_views(q, store, residual, fetched, self.sm_scale, use_op=self.custom_ops, select=select)
 
     def quantize(self, k, v, row0, first_group):
-        kc, kl, ks, kz = quant.quantize_hier_keys(k, self.group, self.k_scale.dtype)
-        vc, vl, vs, vz = quant.quantize_hier_values(v, self.group_v, self.k_scale.dtype)
+        kc, kl, ks, kz = quantize_hier_keys(k, self.group, self.k_scale.dtype)
+        vc, vl, vs, vz = quantize_hier_values(v, self.group_v, self.k_scale.dtype)
         return dict(k_codes=kc, k_codes_lo=kl, v_codes=vc, v_codes_lo=vl, v_scale=vs, v_zero=vz), dict(k_scale=ks, k_zero=kz)
 
     def read_bytes(self, step_tokens: int = 1, view_bits=None) -> int:
@@ -186,8 +250,7 @@ class QuantSpecCache(HierCache):
         rows = at + torch.arange(T, device=k.device)
         self.k_res.index_copy_(2, rows, k)
         self.v_res.index_copy_(2, rows, v)
-        out, _ = kernels.attention_lowbit(q, self.stored(4 if draft else 8), Residual(self.k_res, self.v_res, at + T),
-                                          None, self.sm_scale, use_op=self.custom_ops)
+        out, _ = self.attention(q, self.stored(4 if draft else 8), Residual(self.k_res, self.v_res, at + T), None)
         if draft:
             self.n_draft.add_(T)
         return out

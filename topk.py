@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit import Fetched, LowBitKV, key_logits
+from lowbit import Fetched, LowBitKV
 from tiles import LOG2E
 from transfer import host_row, record_rows, record_rows_tile, square_tile_warps, transfer_rows_ref, write_new_rows
 
@@ -72,7 +72,7 @@ def topk_lowbit_ref(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: 
     B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     G = H // Hkv
-    prob = _row_scores(key_logits(q_rows.float().reshape(B, Hkv, G * R, D) * sm_scale, store), lse_rows, G, R)
+    prob = _row_scores(store.key_logits(q_rows.float().reshape(B, Hkv, G * R, D) * sm_scale), lse_rows, G, R)
     if fetched is not None:
         prob = _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched)
     pos = torch.arange(S, device=q_row.device)

@@ -30,12 +30,11 @@ def require_default_checkpoint():
     return DEFAULT_CKPT
 
 
-def planes_where_they_fit(store, D, M=None):
-    """attn_path "planes" where the bit-plane tiles take the layout (M query rows per kv head; None: the
-    top-k's keys alone), else None (lowbit.DEFAULT_ATTN_PATH): the tests that cover the plane path name it."""
+def planes_where_they_fit(store, D, M):
+    """attn_path "planes" where the bit-plane tiles take the layout (M query rows per kv head), else "words":
+    the tests that cover the plane path name it. A sibling's tuple (attn_views.ViewKV) reads words only."""
     import lowbit
-    fits = lowbit._plane_keys_fit(store, D) if M is None else lowbit.planes_fit(store, D, M)
-    return "planes" if fits else None
+    return "planes" if isinstance(store, lowbit.LowBitKV) and lowbit.planes_fit(store, D, M) else "words"
 
 
 def setup(model, kind, batch=1, max_seq_len=None, **fields):

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import attn_gluon
-import lowbit
 from tests.test_kernels import make_case
 
 
@@ -86,16 +85,16 @@ def test_the_kernels_arithmetic_matches_the_references(D, bits, gv, dtype):
     M = 6
     qg = c.q[0, :3].float().reshape(M, D)  # kv head 0's query rows
     # the same products rounded once to the model's dtype, everything else exact: what the kernel computes
-    codes = lowbit._codes(c.store, "k")[0, 0].double()  # [S, D] natural order
+    codes = c.store.codes("k")[0, 0].double()  # [S, D] natural order
     gk = c.store.group_k
     rounded = torch.cat([(qg * c.store.k_scale[0, 0, g].float()).to(dtype).double() @ codes[g * gk:(g + 1) * gk].T
                          + (qg.double() @ c.store.k_zero[0, 0, g].double())[:, None] for g in range(128 // gk)], 1)
     got = model_logits(qg, c.store, dtype)
     torch.testing.assert_close(got, rounded, atol=1e-6, rtol=1e-6)
-    want = lowbit.key_logits(qg[None, None], c.store)[0, 0]  # and the fp32 reference, within the dtype's rounding
+    want = c.store.key_logits(qg[None, None])[0, 0]  # and the fp32 reference, within the dtype's rounding
     torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item(), rtol=0)
     p = torch.softmax(want, -1)
-    vcodes = lowbit._codes(c.store, "v")[0, 0].double()
+    vcodes = c.store.codes("v")[0, 0].double()
     ngv, dg = D // min(gv, D), min(gv, D)
     rounded_v = torch.cat([(p * c.store.v_scale[0, 0, :, g].float()).to(dtype).double() @ vcodes[:, g * dg:(g + 1) * dg]
                            + (p.double() @ c.store.v_zero[0, 0, :, g].double())[:, None] for g in range(ngv)], 1)
@@ -114,12 +113,11 @@ def model_rounding_error(c) -> float:
             st = c.store._replace(**{f: getattr(c.store, f)[b:b + 1, h:h + 1] for f in
                                      ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")})
             qg = c.q[b, h * G:(h + 1) * G].float().reshape(G * T, D)
-            st = st._replace(v_chan=None)  # (the models leave ZipCache's channel scale out: so does this)
             keep = torch.arange(st.k_codes.shape[2]) < n
-            exact = torch.where(keep, lowbit.key_logits(qg[None, None], st)[0, 0], float("-inf"))
+            exact = torch.where(keep, st.key_logits(qg[None, None])[0, 0], float("-inf"))
             p_exact = torch.softmax(exact * c.sm_scale, -1)
             p_model = torch.softmax(model_logits(qg, st, c.q.dtype)[:, :n] * c.sm_scale, -1)
-            out = lowbit.value_sum(p_exact[None, None], st, keep[None, None])[0, 0]
+            out = st.value_sum(p_exact[None, None], keep[None, None])[0, 0]
             worst = max(worst, (model_values(p_model.float(), st, c.q.dtype) - out).abs().max().item())
     return worst
 

@@ -21,8 +21,11 @@ import kernels  # noqa: E402
 import lowbit  # noqa: E402
 import tiles  # noqa: E402
 import quant  # noqa: E402
+import zipcache  # noqa: E402
+import quantspec  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
+from attn_views import ViewKV, attention_views_triton  # noqa: E402
 from lowbit import Fetched, LowBitKV, Residual  # noqa: E402
 from tests.helpers import planes_where_they_fit  # noqa: E402
 
@@ -42,6 +45,14 @@ class Case(NamedTuple):
 
     def args(self):
         return self.q, self.store, self.residual, self.fetched, self.sm_scale
+
+
+def triton_attention(c: "Case", **kw):
+    """The Triton launch a cache of this case's store runs (a sibling's view: attn_views')."""
+    if isinstance(c.store, ViewKV):
+        kw.pop("attn_path", None)
+        return attention_views_triton(*c.args(), **kw)
+    return kernels.attention_lowbit_triton(*c.args(), **kw)
 
 
 def rows(c: Case) -> int:
@@ -65,16 +76,16 @@ def make_case(B=1, Hkv=2, G=3, T=2, D=64, S=256, n_quant=160, R=64, res_len=37, 
     v_fp = torch.randn(B, Hkv, S, D, generator=g)
     lo = dict(k_codes_lo=None, v_codes_lo=None, v_chan=None)
     if hier:
-        k_codes, lo["k_codes_lo"], k_scale, k_zero = quant.quantize_hier_keys(k_fp, gk)
-        v_codes, lo["v_codes_lo"], v_scale, v_zero = quant.quantize_hier_values(v_fp, gv)
+        k_codes, lo["k_codes_lo"], k_scale, k_zero = quantspec.quantize_hier_keys(k_fp, gk)
+        v_codes, lo["v_codes_lo"], v_scale, v_zero = quantspec.quantize_hier_values(v_fp, gv)
         bits = 4
     elif mixed:
         bits_hi, n_ref = mixed
-        k_codes, kl, k_scale, k_zero = quant.quantize_mixed(k_fp, bits, bits_hi, gk, "tokens")
-        lo["v_chan"] = quant.channel_scale(v_fp) if zip else None
+        k_codes, kl, k_scale, k_zero = zipcache.quantize_mixed(k_fp, bits, bits_hi, gk, "tokens")
+        lo["v_chan"] = zipcache.channel_scale(v_fp) if zip else None
         v_src = v_fp / lo["v_chan"].float()[..., None, :] if zip else v_fp
-        v_codes, vl, v_scale, v_zero = quant.quantize_mixed(v_src, bits, bits_hi, gv, "channels")
-        lo["k_ref"], lo["v_ref"], ref_map = quant.compact_refinement(kl, vl, torch.rand(B, Hkv, S, generator=g), gk,
+        v_codes, vl, v_scale, v_zero = zipcache.quantize_mixed(v_src, bits, bits_hi, gv, "channels")
+        lo["k_ref"], lo["v_ref"], ref_map = zipcache.compact_refinement(kl, vl, torch.rand(B, Hkv, S, generator=g), gk,
                                                                      n_ref, bits_hi - bits)
         garbage = torch.randint(0, n_ref + 1, ref_map[:, :, n_quant:].shape, generator=g).to(torch.uint8)
         ref_map[:, :, n_quant:] = torch.where(garbage == n_ref, 255, garbage)
@@ -85,8 +96,8 @@ def make_case(B=1, Hkv=2, G=3, T=2, D=64, S=256, n_quant=160, R=64, res_len=37, 
     else:
         k_codes, k_scale, k_zero = quant.quantize_keys(k_fp, bits, gk)
         if zip:
-            lo["v_chan"] = quant.channel_scale(v_fp)
-            v_codes, v_scale, v_zero = quant.quantize_values_zip(v_fp, bits, gv, lo["v_chan"])
+            lo["v_chan"] = zipcache.channel_scale(v_fp)
+            v_codes, v_scale, v_zero = zipcache.quantize_values_zip(v_fp, bits, gv, lo["v_chan"])
         else:
             v_codes, v_scale, v_zero = quant.quantize_values(v_fp, bits, gv)
     for codes in (k_codes, v_codes, lo["k_codes_lo"], lo["v_codes_lo"]):
@@ -111,7 +122,9 @@ def make_case(B=1, Hkv=2, G=3, T=2, D=64, S=256, n_quant=160, R=64, res_len=37, 
         q, k_res, v_res = q.to(dtype), k_res.to(dtype), v_res.to(dtype)
         if fetched is not None:
             fetched = fetched._replace(k=fetched.k.to(dtype), v=fetched.v.to(dtype))
-    store = LowBitKV(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, torch.tensor(n_quant), bits, gk, gv, **lo)
+    store = LowBitKV(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, torch.tensor(n_quant), bits, gk, gv)
+    if any(x is not None for x in lo.values()):  # a sibling's codes: read through a view
+        store = ViewKV(store, **lo)
     return Case(q, store, Residual(k_res, v_res, torch.tensor(res_len)), fetched, D ** -0.5, dict(k=k_fp, v=v_fp))
 
 
@@ -119,7 +132,7 @@ def dense_attention(c: Case):
     """Loop-per-(batch, head, token) fp32 attention over everything that is valid."""
     B, H, T, D = c.q.shape
     Hkv, S = c.store.k_codes.shape[1], c.store.k_codes.shape[2]
-    keys, vals = lowbit.dequant_keys(c.store), lowbit.dequant_values(c.store)
+    keys, vals = c.store.dequantized()
     keep = torch.arange(S) < c.store.n_quant
     replaced = lowbit.replaced_mask(c.fetched, S) if c.fetched is not None else None
     out, lse = torch.zeros(B, H, T, D), torch.zeros(B, H, T)
@@ -212,7 +225,7 @@ def topk_inputs(G=3, n_quant=160, S=256, hier=False, k=16, seed=1, **kw) -> Topk
 def dense_topk_scores(t: TopkCase):
     B, H, D = t.q_row.shape
     Hkv, S = t.store.k_codes.shape[1], t.store.k_codes.shape[2]
-    keys = lowbit.dequant_keys(t.store)
+    keys = t.store.dequantized()[0]
     score = torch.full((B, Hkv, S), -1.0)
     for b in range(B):
         for j in range(Hkv):
@@ -248,30 +261,29 @@ def test_topk_mixed_precision_reference_matches_dense(bits, mixed):
 
 def test_mixed_precision_store_reads_as_the_quantizer_wrote():
     """The compact refinement rows and the slot map read back (kernels' dequantization) as
-    quant.dequantize_mixed of the unpacked lower codes: salient rows at bits_hi, others at the
+    zipcache.dequantize_mixed of the unpacked lower codes: salient rows at bits_hi, others at the
     midpoint; with every token salient, exactly eq. 2 at bits_hi."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, 64, 32, generator=g)
     sal = torch.rand(1, 2, 64, generator=g)
     for bits, hi, n_ref in ((2, 4, 6), (1, 3, 16), (2, 4, 16)):
-        up, low, sc, zr = quant.quantize_mixed(x, bits, hi, 16, "tokens")
-        k_ref, _, ref_map = quant.compact_refinement(low, low, sal, 16, n_ref, hi - bits)
+        up, low, sc, zr = zipcache.quantize_mixed(x, bits, hi, 16, "tokens")
+        k_ref, _, ref_map = zipcache.compact_refinement(low, low, sal, 16, n_ref, hi - bits)
         has = ref_map != 255
         assert has.view(1, 2, 4, 16).sum(-1).eq(n_ref).all()
         top = sal.view(1, 2, 4, 16).topk(n_ref, -1).indices  # the most salient of each group kept
         assert has.view(1, 2, 4, 16).gather(-1, top).all()
         v_meta = torch.ones(1, 2, 64, 1, dtype=sc.dtype)  # (the values are not read here)
-        store = LowBitKV(up, sc, zr, up, v_meta, v_meta,
-                         torch.tensor(64), bits, 16, 32, k_ref=k_ref, v_ref=k_ref, ref_map=ref_map, ref_bits=hi - bits,
-                         n_ref=n_ref)
-        want = quant.dequantize_mixed(up, low, has, sc, zr, bits, hi, 16, "tokens")
-        torch.testing.assert_close(lowbit.dequant_keys(store), want, atol=0, rtol=0)
+        store = ViewKV(LowBitKV(up, sc, zr, up, v_meta, v_meta, torch.tensor(64), bits, 16, 32),
+                       k_ref=k_ref, v_ref=k_ref, ref_map=ref_map, ref_bits=hi - bits, n_ref=n_ref)
+        want = zipcache.dequantize_mixed(up, low, has, sc, zr, bits, hi, 16, "tokens")
+        torch.testing.assert_close(store.dequantized()[0], want, atol=0, rtol=0)
         s_hi = sc.float().repeat_interleave(16, 2)
         err = (want - x).abs()
         assert (err[has] <= s_hi[has] / 2 + 1e-5).all()  # salient: round to nearest at bits_hi
         assert (err[~has] <= 2 ** (hi - bits - 1) * s_hi[~has] + 1e-5).all()  # others: the bin's midpoint
         if n_ref == 16:
-            c4, s4, z4 = quant._quantize(x, hi, 16, "tokens")
+            c4, s4, z4 = quant.quantize_codes(x, hi, 16, "tokens")
             torch.testing.assert_close(want, quant.dequantize_codes(c4, s4, z4, 16, "tokens"), atol=0, rtol=0)
 
 
@@ -328,7 +340,7 @@ def test_topk_of_two_tokens_is_the_best_of_each_and_first_is_excluded():
 def test_topk_exact_is_the_reference_on_full_precision_keys():
     """The oracle's exact top-k equals topk_lowbit_ref over an 8-bit-free 'store' of the same keys."""
     t = topk_inputs(G=3, n_quant=96, S=128, k=16)
-    keys = lowbit.dequant_keys(t.store)
+    keys = t.store.dequantized()[0]
     score, idx = topk.topk_exact(t.q_row, keys, t.store.n_quant, 16, t.sm_scale)
     logits = torch.einsum("bhgd,bhsd->bhgs", t.q_row.view(1, 2, 3, -1), keys) * t.sm_scale
     logits[..., 96:] = float("-inf")
@@ -358,7 +370,7 @@ def assert_same_topk(got, want, rtol=1e-5):
 def test_triton_attention_matches_reference(case):
     c = make_case(**CASES[case])
     want = kernels.attention_lowbit_ref(*c.args())
-    got = kernels.attention_lowbit_triton(*c.args(), attn_path=planes_where_they_fit(c.store, c.q.shape[-1], rows(c)))
+    got = triton_attention(c, attn_path=planes_where_they_fit(c.store, c.q.shape[-1], rows(c)))
     assert got[0].dtype == want[0].dtype and got[1].dtype == torch.float32
     torch.testing.assert_close(got[0], want[0], **tol(want[0].dtype, 1e-4))
     # 16-bit inputs: the dots take 16-bit operands (tensor cores), so lse is ~1e-3 relative off
@@ -367,39 +379,41 @@ def test_triton_attention_matches_reference(case):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case", ["G3-T2-fetch", "G1-T2-gk64-gv32", "G3-T2-fp16", "G4-T1-1bit-fetch-zip"])
+@pytest.mark.parametrize("case", ["G3-T2-fetch", "G1-T2-gk64-gv32", "G3-T2-fp16"])
 def test_triton_attention_word_path_matches_reference(case):
     """The word-unpacking path (the default, and what caches the bit-plane path does not take use) on
     cases the bit-plane path also takes."""
     c = make_case(**CASES[case])
-    assert kernels._planes_layout(c.store, c.q.shape[-1], rows(c), c.q.dtype, attn_path="planes") is not None
+    assert lowbit.planes_fit(c.store, c.q.shape[-1], rows(c))
     want = kernels.attention_lowbit_ref(*c.args())
-    got = kernels.attention_lowbit_triton(*c.args(), attn_path="words")
+    got = triton_attention(c, attn_path="words")
     torch.testing.assert_close(got[0], want[0], **tol(want[0].dtype, 1e-4))
 
 
 def test_bit_plane_path_takes_plain_codes_only():
-    hier, mixed, d48 = (make_case(**CASES[k]) for k in ("G3-T8-hier-fetch", "G1-T1-mixed-1/2", "B2-D48-4bit"))
-    for c in (hier, mixed, d48):
-        assert kernels._planes_layout(c.store, c.q.shape[-1], 8, c.q.dtype) is None
-        with pytest.raises(ValueError, match="bit-plane"):
-            kernels._planes_layout(c.store, c.q.shape[-1], 8, c.q.dtype, attn_path="planes")
+    """The plane and Gluon paths take the layouts planes_fit takes, by name: a layout they cannot take is an
+    error, not a silent fallback; a sibling's view (QuantSpec's INT8, ZipCache's mixed codes) is not a
+    LowBitKV at all and its cache refuses any path but words."""
+    d48, many = make_case(**CASES["B2-D48-4bit"]), make_case(G=4, T=8, gv=32)  # D 48; 32 query rows x 2 groups
+    for c in (d48, many):
+        assert not lowbit.planes_fit(c.store, c.q.shape[-1], rows(c))
+        with pytest.raises(ValueError, match="planes attention path does not take this cache layout"):
+            kernels.attention_lowbit_triton(*c.args(), attn_path="planes")
     plain = make_case(**CASES["G1-T2-gk64-gv32"])  # two value groups: two row copies of 2 query rows
-    assert kernels._planes_layout(plain.store, 64, 2, torch.float32, attn_path="planes") == (2, 16, 0, 0.0)
-    assert kernels._planes_layout(plain.store, 64, 2, torch.float16, attn_path="planes")[2:] == (1, 1024.0)  # (interpreted)
-    assert kernels._planes_layout(plain.store, 64, 32, torch.float32) is None  # 64 tile rows
+    assert kernels._planes_layout(plain.store, 64, 2, torch.float32) == (2, 16, 0, 0.0)
+    assert kernels._planes_layout(plain.store, 64, 2, torch.float16)[2:] == (1, 1024.0)  # (interpreted)
+    assert not lowbit.planes_fit(plain.store, 64, 32)  # 64 tile rows
+    for case in ("G3-T8-hier-fetch", "G1-T1-mixed-1/2"):
+        assert isinstance(make_case(**CASES[case]).store, ViewKV)
 
 
 def test_attention_path_is_one_rule_for_the_interpreter_and_a_gpu():
     """The default (what a GPU launch takes) is the interpreter's too, so the tests check what ships;
     the plane and Gluon paths are taken by name, unknown names and Gluon under the interpreter stop."""
     plain = make_case(**CASES["G1-T2-gk64-gv32"])
-    assert lowbit.DEFAULT_ATTN_PATH == "words"
-    assert kernels._planes_layout(plain.store, 64, 2, torch.float32) is None
-    assert lowbit.planes_for_keys(plain.store, 64, torch.float32) is None
-    assert lowbit.planes_for_keys(plain.store, 64, torch.float32, attn_path="gluon") == (0, 0.0)
+    assert lowbit.DEFAULT_ATTN_PATH == "words" and lowbit.check_attn_path(None) == "words"
     with pytest.raises(ValueError, match="unknown attention path 'tiles'"):
-        kernels._planes_layout(plain.store, 64, 2, torch.float32, attn_path="tiles")
+        kernels.attention_lowbit_triton(*plain.args(), attn_path="tiles")
     with pytest.raises(ValueError, match="Gluon path"):
         kernels.attention_lowbit_triton(*plain.args(), attn_path="gluon")
     from config import ATTN_PATHS, CacheConfig
@@ -448,7 +462,7 @@ def test_triton_attention_split_counts(n_splits):
     """Flash-decoding splits (some empty past n_quant) combine to the same result."""
     c = make_case(G=3, T=2, fetch=8, n_quant=96)
     want = kernels.attention_lowbit_ref(*c.args())
-    got = kernels.attention_lowbit_triton(*c.args(), n_splits=n_splits, attn_path=planes_where_they_fit(c.store, 64, 6))
+    got = triton_attention(c, n_splits=n_splits, attn_path=planes_where_they_fit(c.store, 64, 6))
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
 
@@ -472,8 +486,8 @@ def test_triton_attention_writes_the_reference_logits(case, select):
     c = make_case(**CASES[case])
     want_out, want_lse, want = kernels.attention_lowbit_ref(*c.args(), select=select)
     path = planes_where_they_fit(c.store, c.q.shape[-1], rows(c))
-    out, lse, got = kernels.attention_lowbit_triton(*c.args(), attn_path=path, select=select, n_splits=3)
-    plain = kernels.attention_lowbit_triton(*c.args(), attn_path=path, n_splits=3)
+    out, lse, got = triton_attention(c, attn_path=path, select=select, n_splits=3)
+    plain = triton_attention(c, attn_path=path, n_splits=3)
     assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
     B, Hkv = c.store.k_codes.shape[:2]
     assert got.shape == want.shape == (B, Hkv, c.q.shape[1] // Hkv * select, c.store.k_codes.shape[2])
@@ -510,7 +524,7 @@ def test_fused_selection_equals_the_separate_topk(G, T, n_quant, kw, k, first):
     tokens, nothing below `first`), ties aside; and exactly what select_ref picks from the same logits."""
     c = make_case(G=G, T=T, S=256, n_quant=n_quant, seed=1, **kw)
     path = planes_where_they_fit(c.store, c.q.shape[-1], rows(c))
-    _, lse, logits = kernels.attention_lowbit_triton(*c.args(), attn_path=path, select=T)
+    _, lse, logits = triton_attention(c, attn_path=path, select=T)
     got = topk.select_triton(logits, lse, c.store.n_quant, k, first, chunk=64)
     ref = topk.select_ref(logits, lse, c.store.n_quant, k, first)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
@@ -526,12 +540,12 @@ def test_triton_custom_ops_opcheck():
     without the selection's logits."""
     c = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
     tensors, ints, optional = lowbit.op_inputs(c.store, c.residual, c.fetched)
-    got = kernels._attention_lowbit_op(c.q, list(tensors), list(ints), list(optional), c.sm_scale)
+    got = kernels._attention_lowbit_op(c.q, list(tensors), list(ints), list(optional), c.sm_scale, "words")
     torch.testing.assert_close(got[:2], kernels.attention_lowbit_ref(*c.args()), atol=1e-4, rtol=1e-4)
     tests = ("test_schema", "test_faketensor")
     for select in (0, 2):
         torch.library.opcheck(kernels._attention_lowbit_op, (c.q, list(tensors), list(ints), list(optional),
-                                                             c.sm_scale, None, select), test_utils=tests)
+                                                             c.sm_scale, "words", select), test_utils=tests)
 
 
 @needs_interpreter
@@ -544,10 +558,11 @@ def test_triton_attention_op_fake_has_the_real_strides():
     q = c.q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B,T,H,D] memory
     assert not q.is_contiguous()
     tensors, ints, optional = lowbit.op_inputs(c.store, c.residual, c.fetched)
-    real = kernels._attention_lowbit_op(q, list(tensors), list(ints), list(optional), c.sm_scale)
+    real = kernels._attention_lowbit_op(q, list(tensors), list(ints), list(optional), c.sm_scale, "words")
     with FakeTensorMode() as mode:
         fake_in = [mode.from_tensor(x) for x in tensors]
-        fake = kernels._attention_lowbit_op(mode.from_tensor(q), fake_in, list(ints), list(optional), c.sm_scale)
+        fake = kernels._attention_lowbit_op(mode.from_tensor(q), fake_in, list(ints), list(optional), c.sm_scale,
+                                            "words")
     for r, f in zip(real, fake):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
 

@@ -110,3 +110,16 @@ def test_every_documented_script_answers_help(script):
     env = dict(os.environ, TRITON_INTERPRET="0")  # (triton_aot.py compiles: it refuses the interpreter)
     r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "usage:" in r.stdout, (r.stdout[-500:], r.stderr[-1500:])
+
+
+CORE = ("lowbit.py", "kernels.py", "topk.py", "cache.py", "quant.py", "prefetch.py", "transfer.py")
+SIBLING_NAMES = re.compile(r"quantspec|zipcache|hier|views|viewkv|v_chan|k_ref|v_ref|ref_map|ref_bits|n_ref|codes_lo|"
+                           r"salien|mixed", re.I)
+
+
+def test_the_core_names_no_sibling():
+    """KIVI and SpeCache's modules carry none of QuantSpec's or ZipCache's names, in code or comments:
+    the siblings extend the core from their own modules (zipcache.py, quantspec.py, attn_views.py)."""
+    found = [f"{name}:{i}: {m.group(0)}" for name in CORE
+             for i, line in enumerate((ROOT / name).read_text().splitlines(), 1) for m in SIBLING_NAMES.finditer(line)]
+    assert not found, "\n".join(found)

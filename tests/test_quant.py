@@ -4,6 +4,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import quant
+import zipcache
+import quantspec
 
 META = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -210,12 +212,12 @@ def test_group_validation_and_value_group_clamp():
 def test_zip_channel_scale_and_bound():
     v = keys_like_smollm2(seed=3)
     v[..., 5] = 0  # an all-zero channel must not divide by zero
-    c = quant.channel_scale(v)
+    c = zipcache.channel_scale(v)
     assert c.shape == (1, 3, 64) and torch.isfinite(c.float()).all() and (c.float() > 0).all()
     want = v.abs().amax(2).sqrt()
     assert torch.allclose(c.float(), torch.where(want > 0, want, 1.0), rtol=1e-3)
-    codes, s, z = quant.quantize_values_zip(v, 2, 64, c)
-    vr = quant.dequantize_values_zip(codes, s, z, 2, 64, c)
+    codes, s, z = zipcache.quantize_values_zip(v, 2, 64, c)
+    vr = zipcache.dequantize_values_zip(codes, s, z, 2, 64, c)
     assert torch.isfinite(vr).all()
     # tokenwise bound in the normalized space, scaled back per channel
     v_norm = v / c.float()[..., None, :]
@@ -231,8 +233,8 @@ def test_zip_channel_scale_and_bound():
 def test_hierarchical_views(along):
     x = keys_like_smollm2(seed=4)
     group = 32
-    qfn = quant.quantize_hier_keys if along == "keys" else quant.quantize_hier_values
-    dqfn = quant.dequantize_hier_keys if along == "keys" else quant.dequantize_hier_values
+    qfn = quantspec.quantize_hier_keys if along == "keys" else quantspec.quantize_hier_values
+    dqfn = quantspec.dequantize_hier_keys if along == "keys" else quantspec.dequantize_hier_values
     hi, lo, s4, z = qfn(x, group, meta_dtype=torch.float32)
     assert hi.shape == lo.shape == (*x.shape[:3], x.shape[3] // 2)
     # the 4-bit view is plain 4-bit asymmetric RTN with the same scale/zero
@@ -259,7 +261,7 @@ def test_quantized_bytes_matches_buffers(bits, group, meta_dtype):
     for kind, fn in (("key", quant.quantize_keys), ("value", quant.quantize_values)):
         nbytes = sum(t.nbytes for t in fn(x, bits, group, meta_dtype=meta_dtype))
         assert quant.quantized_bytes(kind, bits, group, D, meta_dtype) * T == nbytes
-    hier = sum(t.nbytes for t in quant.quantize_hier_keys(x, group, meta_dtype=meta_dtype))
+    hier = sum(t.nbytes for t in quantspec.quantize_hier_keys(x, group, meta_dtype=meta_dtype))
     assert quant.quantized_bytes("key", 8, group, D, meta_dtype) * T == hier
 
 
@@ -287,7 +289,7 @@ def test_compiled_least_squares_fit_stores_what_eager_stores(bits):
     x = torch.randn(1, 3, 128, 64, generator=g) * 2 + torch.randn(1, 3, 1, 64, generator=g)
 
     def fit(x):
-        return quant._quantize(x, bits, 16, "tokens", fit="lsq")
+        return quant.quantize_codes(x, bits, 16, "tokens", fit="lsq")
     torch._dynamo.reset()
     got = compile_step(torch.device("cpu"), fit)(x)
     for a, b in zip(got, fit(x)):

@@ -4,7 +4,6 @@ draft weights, one graph per step."""
 import pytest
 import torch
 
-import quant
 import quantspec as qs
 from config import CacheConfig
 import generate as gen
@@ -40,7 +39,6 @@ def test_greedy_quantspec_equals_target_decoding_and_cache_state(model, autoregr
     same cache afterwards (up to float noise: verifying several tokens in one matmul rounds
     differently, which can move a lower-plane code by one step), so no rejected token was ever
     quantized."""
-    from lowbit import dequant_keys, dequant_values
     ref, _, ref_caches = autoregressive
     out, stats, caches = run(model, gamma)
     assert out == ref
@@ -51,8 +49,8 @@ def test_greedy_quantspec_equals_target_decoding_and_cache_state(model, autoregr
         n = min(int(a.n_quant), int(b.n_quant))
         assert n >= 16 * 8
         step = float(b.k_scale[:, :, :n // 16].float().abs().max()) / 16  # one INT8-view step
-        for deq in (dequant_keys, dequant_values):
-            da, db = deq(a.stored())[:, :, :n], deq(b.stored())[:, :, :n]
+        for da, db in zip(a.stored().dequantized(), b.stored().dequantized()):
+            da, db = da[:, :, :n], db[:, :, :n]
             assert (da - db).abs().max() <= 2 * step and (da != db).float().mean() < 0.01
 
 
@@ -102,14 +100,14 @@ def test_greedy_acceptance_is_the_agreeing_prefix():
 def test_int4_draft_weights():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g)
-    codes, scale, zero = quant.quantize_weight_int4(w, 32)
-    err = (quant.dequantize_weight_int4(codes, scale, zero, 32) - w).abs()
+    codes, scale, zero = qs.quantize_weight_int4(w, 32)
+    err = (qs.dequantize_weight_int4(codes, scale, zero, 32) - w).abs()
     assert (err <= scale.repeat_interleave(32, 1) / 2 + 1e-6).all() and codes.max() <= 15
     lin = qs.Int4Linear(w, 32)
     x = torch.randn(3, 64, generator=g)
     torch.testing.assert_close(lin(x), lin.reference(x), atol=0.05, rtol=0.02)  # bf16 activations
     with pytest.raises(ValueError, match="multiple of the weight group"):
-        quant.quantize_weight_int4(torch.randn(4, 40), 32)
+        qs.quantize_weight_int4(torch.randn(4, 40), 32)
 
 
 def test_cli_rejects_what_quantspec_cannot_do():

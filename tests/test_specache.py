@@ -129,7 +129,6 @@ def test_sinks_stay_in_fp16_and_are_never_fetched(model):
     """sinkN: the first N positions are attended in fp16 from the device once quantized; top-k
     never spends a fetched row on them."""
     from config import CacheConfig
-    from lowbit import dequant_keys
     cfg = CacheConfig("specache", bits=1, group=16, residual=32, k=8, sinks=4)
     caches = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
     prefetcher = caches.prefetcher

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from config import CacheConfig
-from quant import probe_positions
 from generate import decode_step, setup_caches
-from zipcache import ZipCache
+from zipcache import ZipCache, probe_positions
 from tests.helpers import run_generate, tiny_model
 
 PROMPT_LEN, NEW = 100, 40

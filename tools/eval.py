@@ -396,7 +396,7 @@ def cmd_saliency(a, runner, methods, results):
     exact salient set the probes select, per key group (what the cache keeps: round(ratio x group)
     per group) and over the whole prompt (the paper's top ratio); and the same for H2O's accumulated
     attention (eq. 7), the metric eq. 8 corrects."""
-    from quant import normalized_attention, probe_positions
+    from zipcache import normalized_attention, probe_positions
     cells = [(dict(cmd="saliency", model=a.checkpoint.name, length=L, sample=i, ratio=a.salient_ratio, group=g), None)
              for L in a.lengths for i in range(a.samples) for g in a.group_list]
 

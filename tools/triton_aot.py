@@ -306,6 +306,7 @@ def cases(quick=False):
     calls the Triton launchers the way the decode step does, so the launchers choose blocks, bits and
     flags themselves."""
     import attn_gluon
+    import attn_views
     import kernels
     import lowbit
     import topk
@@ -314,6 +315,8 @@ def cases(quick=False):
     from generate import STORES
 
     def both_paths(q, store, *args, select=0):  # the word path, and the bit-plane paths where they fit the layout
+        if isinstance(store, attn_views.ViewKV):  # a sibling's codes: its one kernel
+            return attn_views.attention_views_triton(q, store, *args, select=select)
         M = q.shape[1] // store.k_codes.shape[1] * q.shape[2]
         paths = ("words", "planes") + (("gluon",) if attn_gluon.fits(store, q.shape[-1], M, q.dtype) else ())
         for path in paths if lowbit.planes_fit(store, q.shape[-1], M) and not quick else ("words",):  # (--quick: the default)
