@@ -19,9 +19,8 @@ import kernels
 import quant
 from lowbit import (Fetched, LowBitKV, Residual, Tensor, code_logits, code_value_sum, dot_precision, from_op_inputs,
                     interpreter_upcast, op_inputs)
-from tiles import (fetched_hits, fetched_positions, key_group, key_scores, load_codes, query_rows,
-                   logits_rows, softmax_start, store_logits, store_partial,
-                   word_block)
+from tiles import (codes_tile, fetched_hits, fetched_positions, key_scores, logits_rows, query_rows, softmax_start,
+                   store_logits, store_partial, word_block)
 
 
 class ViewKV(NamedTuple):
@@ -98,6 +97,53 @@ class ViewKV(NamedTuple):
         refs = n_quant // self.kv.group_k * self.n_ref
         total += sum(t[:, :, :refs].nbytes for t in (self.k_ref, self.v_ref) if t is not None)
         return total + (self.v_chan.nbytes if self.v_chan is not None else 0)
+
+
+@triton.jit
+def refinement_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
+    """ZipCache mixed precision: (compact refinement row, has one) of each of a key group's rows;
+    grp_row = the group's first refinement row (flat)."""
+    if RB > 0:
+        slot = tl.load(ref_map + rows, mask=n_ok, other=255).to(tl.int32)
+        has = n_ok & (slot != 255)
+        return grp_row * N_REF + tl.where(has, slot, 0), has
+    return rows, n_ok
+
+
+@triton.jit
+def integer_units(scale, HIER: tl.constexpr, RB: tl.constexpr):
+    """A stored scale in the units of load_codes' integers: QuantSpec's INT8 view counts sixteenths
+    of the upper plane's step, ZipCache's mixed codes halves of the salient step."""
+    if HIER:
+        scale = scale / 16
+    if RB > 0:
+        scale = scale / 2
+    return scale
+
+
+@triton.jit
+def key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER: tl.constexpr, RB: tl.constexpr):
+    """A key group's constants for the key dot: its per-channel scale (divided to match load_codes'
+    integers) and zero, and its rows' refinement rows (ZipCache). grp: the flat group index."""
+    sk = integer_units(tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32), HIER, RB)
+    zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    ref_rows, ref_ok = refinement_rows(ref_map, rows, n_ok, grp, N_REF, RB)
+    return sk, zk, ref_rows, ref_ok
+
+
+@triton.jit
+def load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
+                RB: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """codes_tile for every store: KIVI's c, QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16),
+    or ZipCache's mixed codes 2^(RB+1) U + (2L where the row has refinement row `ref_rows`, else
+    2^RB - 1) (scale s_hi/2). `codes`/`lo`/`ref` point at int32 words (WORDS) or bytes."""
+    c = codes_tile(codes, rows, n_ok, offs_d, D, BITS, WORDS, BLOCK_N, BLOCK_D)
+    if HIER:  # (both planes have 4 bits)
+        c = 16 * c + codes_tile(lo, rows, n_ok, offs_d, D, BITS, WORDS, BLOCK_N, BLOCK_D) - 8
+    if RB > 0:
+        low = codes_tile(ref, ref_rows, ref_ok, offs_d, D, RB, WORDS, BLOCK_N, BLOCK_D)
+        c = (c << (RB + 1)) + tl.where(ref_ok[:, None], 2 * low, (1 << RB) - 1)
+    return c
 
 
 @triton.jit

@@ -1,7 +1,6 @@
-"""Triton building blocks of the decode kernels (kernels.py, attn_views.py, topk.py) that read
-low-bit tiles: key group constants, code tiles unpacked from 32-bit words or bytes (KIVI's codes_tile;
-load_codes adds QuantSpec's INT8 view and ZipCache's mixed codes), the key scores and a key group's
-attention step on them, the bit-plane tiles of the attention kernel's plane path, fetched-row masks,
+"""Triton building blocks of the decode kernels (kernels.py, topk.py, and the siblings' attn_views.py)
+that read low-bit tiles: code tiles unpacked from 32-bit words or bytes (codes_tile), the key scores
+and a key group's attention step on them, the bit-plane tiles of the attention kernel's plane path, fetched-row masks,
 the online softmax and a program's partial. Their torch counterparts are quant.py's unpacking and kernels.py's
 references; the kernels that use them are checked against those (tests/test_kernels.py)."""
 import triton
@@ -9,38 +8,6 @@ import triton.language as tl
 
 # log2(e): the kernels' scores are in log2 units (exp2); launchers scale by LOG2E.value
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def refinement_rows(ref_map, rows, n_ok, grp_row, N_REF, RB: tl.constexpr):
-    """ZipCache mixed precision: (compact refinement row, has one) of each of a key group's rows;
-    grp_row = the group's first refinement row (flat)."""
-    if RB > 0:
-        slot = tl.load(ref_map + rows, mask=n_ok, other=255).to(tl.int32)
-        has = n_ok & (slot != 255)
-        return grp_row * N_REF + tl.where(has, slot, 0), has
-    return rows, n_ok
-
-
-@triton.jit
-def integer_units(scale, HIER: tl.constexpr, RB: tl.constexpr):
-    """A stored scale in the units of load_codes' integers: QuantSpec's INT8 view counts sixteenths
-    of the upper plane's step, ZipCache's mixed codes halves of the salient step."""
-    if HIER:
-        scale = scale / 16
-    if RB > 0:
-        scale = scale / 2
-    return scale
-
-
-@triton.jit
-def key_group(k_scale, k_zero, ref_map, rows, n_ok, grp, offs_d, d_ok, D, N_REF, HIER: tl.constexpr, RB: tl.constexpr):
-    """A key group's constants for the key dot: its per-channel scale (divided to match load_codes'
-    integers) and zero, and its rows' refinement rows (ZipCache). grp: the flat group index."""
-    sk = integer_units(tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32), HIER, RB)
-    zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    ref_rows, ref_ok = refinement_rows(ref_map, rows, n_ok, grp, N_REF, RB)
-    return sk, zk, ref_rows, ref_ok
 
 
 @triton.jit
@@ -63,24 +30,9 @@ def codes_tile(codes, rows, n_ok, offs_d, D, BITS: tl.constexpr, WORDS: tl.const
 
 
 @triton.jit
-def load_codes(codes, lo, rows, n_ok, offs_d, D, ref, ref_rows, ref_ok, BITS: tl.constexpr, HIER: tl.constexpr,
-                RB: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """codes_tile for every store: KIVI's c, QuantSpec's INT8 view 16*U + L - 8 (its scale is s4/16),
-    or ZipCache's mixed codes 2^(RB+1) U + (2L where the row has refinement row `ref_rows`, else
-    2^RB - 1) (scale s_hi/2). `codes`/`lo`/`ref` point at int32 words (WORDS) or bytes."""
-    c = codes_tile(codes, rows, n_ok, offs_d, D, BITS, WORDS, BLOCK_N, BLOCK_D)
-    if HIER:  # (both planes have 4 bits)
-        c = 16 * c + codes_tile(lo, rows, n_ok, offs_d, D, BITS, WORDS, BLOCK_N, BLOCK_D) - 8
-    if RB > 0:
-        low = codes_tile(ref, ref_rows, ref_ok, offs_d, D, RB, WORDS, BLOCK_N, BLOCK_D)
-        c = (c << (RB + 1)) + tl.where(ref_ok[:, None], 2 * low, (1 << RB) - 1)
-    return c
-
-
-@triton.jit
 def key_scores(qt, sk, zk, ck, dt: tl.constexpr, DOT: tl.constexpr):
     """q.k' of the query tile qt [BLOCK_M, BLOCK_D] (fp32, scaled) against a key group's integer codes
-    ck [BLOCK_N, BLOCK_D] (codes_tile, load_codes): the group's per-channel scale sk and zero zk fold
+    ck [BLOCK_N, BLOCK_D] (codes_tile): the group's per-channel scale sk and zero zk fold
     into the query, q.k' = (q*s_k).c + q.z_k, so the dot runs on exact integer codes."""
     s = tl.dot((qt * sk[None, :]).to(dt), tl.trans(ck.to(dt)), input_precision=DOT)
     return s + tl.sum(qt * zk[None, :], 1)[:, None]
@@ -92,7 +44,7 @@ def word_block(s, keep, cv, m_i, l_i, acc, v_scale, v_zero, rows, n_ok, offs_d, 
     """One key group of the attention on integer codes: the scores s where `keep` (-inf elsewhere) into
     the online softmax, then acc += sum_n p_n v'_n from the value codes cv [BLOCK_N, BLOCK_D], each channel
     group's per-token scale and zero folded into the probabilities, sum_n p_n (c_n s_n + z_n) =
-    (p*s).c + sum_n p_n z_n. UNITS divides the stored value scales to match the codes (integer_units)."""
+    (p*s).c + sum_n p_n z_n. UNITS divides the stored value scales where the codes count finer steps."""
     s = tl.where(keep[None, :], s, -float("inf"))
     m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
     for j in tl.static_range(NGV):

@@ -9,7 +9,7 @@ scale c, then quantized per token, and read back as dequant * c. With `salient` 
 the rest `bits`. Saliency is the normalized attention of eq. 8: at prefill from probe queries (eq. 9:
 5% recent + 5% random of the chunk), while decoding from every real token's attention to the residual
 rows, accumulated until they are quantized. The kernels read these codes through attn_views.ViewKV's
-v_chan, k_ref, v_ref and ref_map (attn_views.attention_views, tiles.load_codes).
+v_chan, k_ref, v_ref and ref_map (attn_views.attention_views, attn_views.load_codes).
 """
 import math
 from typing import Optional
