@@ -454,7 +454,7 @@ class SpeCache(LowBitCache):
     def read_bytes(self, step_tokens: int = 1) -> int:
         """LowBitCache's, plus the fp rows (sinks and fetched), plus the selection's pass over the logits the
         attention wrote (4 bytes per position and selecting query row; the speculative token's: G rows a kv
-        head). Re-ranking's candidate keys cross the bus into registers (topk.rerank_rows): bus bytes,
+        head). Re-ranking's candidate keys cross the bus into registers (transfer.rerank_rows): bus bytes,
         not device reads."""
         logits = 4 * self.k_res.shape[0] * self.prefetcher.query_heads * int(self.n_quant)
         return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + logits

@@ -95,6 +95,27 @@ def replaced_mask(fetched: Fetched, S: int) -> Tensor:
     return torch.zeros(*fetched.idx.shape[:2], S, dtype=torch.bool, device=fetched.idx.device).scatter(2, safe, fetched.valid)
 
 
+def row_scores(logits, lse_rows, G, R):
+    """logits [B,Hkv,G*R,N] of query rows m = g*R + r -> score [B,Hkv,N]: the attention probability
+    summed over the kv head's G query heads, the best of the R query tokens."""
+    B, Hkv, _, N = logits.shape
+    p = torch.exp(logits - lse_rows.float().reshape(B, Hkv, G * R, 1))
+    return p.view(B, Hkv, G, R, N).sum(2).amax(2)
+
+
+def as_rows(q_row, lse_row):
+    """[B,H,D] / [B,H] (one query token) or [B,H,R,D] / [B,H,R] (R tokens) -> the 4-d / 3-d form."""
+    return (q_row[:, :, None], lse_row[:, :, None]) if q_row.dim() == 3 else (q_row, lse_row)
+
+
+def fp_row_scores(q_rows, lse_rows, keys, sm_scale):
+    """row_scores of fp keys [B,Hkv,N,D] for query rows [B,H,R,D] -> [B,Hkv,N]."""
+    B, H, R, D = q_rows.shape
+    Hkv = keys.shape[1]
+    qg = q_rows.float().reshape(B, Hkv, (H // Hkv) * R, D) * sm_scale
+    return row_scores(qg @ keys.float().transpose(-1, -2), lse_rows, H // Hkv, R)
+
+
 def code_logits(qg, c, k_scale, k_zero, g: int) -> Tensor:
     """qg [B,Hkv,M,D] . keys whose integer codes c [B,Hkv,S,D] (fp32) dequantize as c * scale + zero per
     channel and group of g tokens (scale [B,Hkv,S/g,D] fp32, in the codes' units) -> [B,Hkv,M,S]. The

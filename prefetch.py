@@ -12,17 +12,18 @@ ring and its fetch_idx/fetch_valid): write the step's real token to the host sto
 do not cross the bus again (transfer.record_rows). `pick` is a topk.Selection (the speculative path: the
 top-k of the logits the attention kernel wrote), a topk.Picked (rows chosen already: the oracle) or None
 (the token only). With re-ranking (name part rrN) the picked rows are low-bit candidates and
-topk.rerank_rows picks the k of them by their fp keys, on the side stream.
+transfer.rerank_rows picks the k of them by their fp keys, on the side stream.
 
-On CUDA, from the selection to the ring (every function the rows pass through, launches included):
+On CUDA, from the selection to the ring, every function the rows pass through, launches included
+(8 in 3 files):
   main stream: Prefetcher.start -> _select_fetch_op (the custom op) -> Prefetcher._start_async
-               -> Prefetcher._stage -> topk.select_triton -> topk._select_kernel: ONE launch picks
-               the rows, lays them out in the ring (fetch_idx/fetch_valid), writes the transfer's
-               host row per slot and stages the token's K/V; then record consumed[l]
+               -> topk.select_triton -> topk._select_kernel: ONE launch picks the rows, lays them out
+               in the ring (fetch_idx/fetch_valid), writes the slot map (slot_rows: the host row each
+               ring slot receives, -1 = keeps its row) and stages the token's K/V; record consumed[l]
   side stream: wait consumed[l] -> Prefetcher._transfer -> transfer.transfer_rows_triton
                -> transfer._transfer_rows_kernel (it reads pinned host memory through unified virtual
                addressing, so the indices never leave the device and nothing syncs); record fetched[l]
-With re-ranking the side stream runs topk.rerank_rows_triton's three launches instead.
+With re-ranking the side stream runs transfer.rerank_rows_triton's three launches instead.
 The side stream reads only memory this module owns (staging, host store) and writes only the
 layer's ring buffers (`new_ring`, or `register_ring`'s; with re-ranking also fetch_idx and
 fetch_valid), so graph-internal temporaries that a compiled step frees and reuses while the side
@@ -45,8 +46,9 @@ from typing import Optional
 
 import torch
 
-from topk import Picked, Selection, rerank_rows_ref, rerank_rows_triton, rerank_scratch, select_ref, select_triton
-from transfer import keep_sink_rows, keep_sinks_triton, record_rows, transfer_rows_ref, transfer_rows_triton
+from topk import Picked, Selection, select_ref, select_triton
+from transfer import (keep_sink_rows, keep_sinks_triton, record_rows, rerank_rows_ref, rerank_rows_triton, rerank_scratch,
+                      transfer_rows_ref, transfer_rows_triton)
 
 Tensor = torch.Tensor
 # The custom ops below run outside the graph and need the Prefetcher (its streams, events, staging).
@@ -161,7 +163,7 @@ class Prefetcher:
         """Side stream, events and the staging buffers the side stream reads."""
         L, B, H, _, D = self.host_k.shape
         dt, dev = self.host_k.dtype, self.device
-        self.stage_idx = torch.zeros(L, B, H, self.k, dtype=torch.int64, device=dev)
+        self.slot_rows = torch.zeros(L, B, H, self.k, dtype=torch.int64, device=dev)  # host row per ring slot, -1 keeps
         self.stage_k = torch.zeros(L, B, H, 1, D, dtype=dt, device=dev)
         self.stage_v = torch.zeros(L, B, H, 1, D, dtype=dt, device=dev)
         self.stage_pos = torch.zeros(L, dtype=torch.int64, device=dev)
@@ -238,7 +240,7 @@ class Prefetcher:
         pick: a topk.Selection (the top-k of the attention's logits: the speculative path; on the async
         path one launch selects, lays the ring out and stages the transfer's inputs), a topk.Picked (rows
         chosen already: the oracle), or None (the token only). With `rerank` the picked rows are
-        candidates, and the k whose fp keys score best for its query rows are fetched (topk.rerank_rows)."""
+        candidates, and the k whose fp keys score best for its query rows are fetched (transfer.rerank_rows)."""
         if self.async_ops and isinstance(pick, Selection):
             q_rows, _, sm_scale = pick.rerank or (None, None, 0.0)
             torch.ops.specache.select_fetch(bufs, pick.logits, pick.lse, pick.n_quant, pick.k, pick.first, q_rows,
@@ -301,28 +303,28 @@ class Prefetcher:
             rerank_rows_triton(self.host_k[layer], self.host_v[layer], *bufs, cand, cand_valid, q_rows, lse_rows,
                                sm_scale, new_k, new_v, new_pos, self.ring_offs[layer], scratch=self.rerank_scratch)
 
-    def _transfer(self, layer, ring_k, ring_v, idx, new_k, new_v, new_pos):
+    def _transfer(self, layer, ring_k, ring_v, slot_rows, new_k, new_v, new_pos):
         """The transfer itself, on the current stream (re-ranking's, `_rerank`, reads over UVA with
         either impl)."""
         if not self.triton:
             if new_k is not None:
                 self._append_host(layer, new_k, new_v, new_pos)
-            if idx is not None:
-                transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, None, None, None,
+            if slot_rows is not None:
+                transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, slot_rows, None, None, None,
                                   self.ring_offs[layer])
         elif self.impl == "uva":
-            transfer_rows_triton(self.host_k[layer], self.host_v[layer], ring_k, ring_v, idx, new_k, new_v, new_pos,
+            transfer_rows_triton(self.host_k[layer], self.host_v[layer], ring_k, ring_v, slot_rows, new_k, new_v, new_pos,
                                  self.ring_offs[layer])
         else:  # staged: indices to the host (one sync: eager only), gather, one non_blocking copy
             if new_k is not None:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, None, new_k, new_v, new_pos)
-            if idx is not None:  # (slots with idx -1 keep their row)
-                idx_host = idx.to("cpu")
+            if slot_rows is not None:  # (slots with slot_rows -1 keep their row)
+                rows_host = slot_rows.to("cpu")
                 pairs = ((self.host_k, self.staging_k, ring_k), (self.host_v, self.staging_v, ring_v))
                 for host, staging, ring in pairs:
-                    torch.gather(host[layer], 2, idx_host.clamp(min=0)[..., None].expand_as(staging), out=staging)
+                    torch.gather(host[layer], 2, rows_host.clamp(min=0)[..., None].expand_as(staging), out=staging)
                     slots = ring[:, :, self.ring_offs[layer]:]
-                    slots.copy_(torch.where(idx[..., None] >= 0, staging.to(ring.device, non_blocking=True), slots))
+                    slots.copy_(torch.where(slot_rows[..., None] >= 0, staging.to(ring.device, non_blocking=True), slots))
 
     # ---- the async path (run by the custom ops) ----------------------------------------------------
     def _check_ring(self, layer, bufs):
@@ -335,54 +337,49 @@ class Prefetcher:
     def _main(self):
         return self.dm.current_stream(self.device) if self.on_cuda else self.dm.current_stream()
 
-    def _run_side(self, layer, work):
-        """work() on the side stream, after the main stream's staging (consumed[layer])."""
+    def _start_async(self, layer, bufs, pick, new_k, new_v, new_pos):
+        """`start` on the async path (its custom ops). The main stream stages what the side stream reads, as
+        the step's tensors are temporaries the graph reuses right after: a Selection on the Triton path in one
+        launch (topk.select_triton: the top-k, the ring's record, the slot map, the token), else torch's
+        copies. Then the side stream, after the staging (consumed[layer]), moves the rows or re-ranks."""
+        self._check_ring(layer, bufs)
+        staged_new = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None else None
+        token = (new_k, new_v, new_pos, *staged_new) if staged_new is not None else None
+        rerank = pick.rerank if pick is not None else None
+        slot_rows = self.slot_rows[layer] if pick is not None and rerank is None else None
+        cand = (self.stage_cand[layer], self.stage_cand_valid[layer]) if rerank is not None else None
+        cand_q = (self.stage_q[layer], self.stage_lse[layer]) if rerank is not None else None
+        if isinstance(pick, Selection) and self.triton:
+            record = None if slot_rows is None or len(bufs) < 4 else (bufs[2], bufs[3], self.ring_offs[layer], slot_rows)
+            assert cand is not None or record is not None, "a selection without re-ranking needs the ring's record"
+            select_triton(*pick[:5], out=cand, record=record, stage_q=(rerank[0], *cand_q) if rerank else None,
+                          token=token)
+        else:
+            self._stage_torch(layer, bufs, pick, token, slot_rows, cand, cand_q)
         self.consumed[layer].record(self._main())
         self.side.wait_event(self.consumed[layer])  # the layer's buffers are free, staging is written
         with self.dm.stream(self.side):
-            work()
+            if rerank is not None:
+                self._rerank(layer, bufs, *cand, *cand_q, rerank[2], *(staged_new or (None,) * 3))
+            else:
+                self._transfer(layer, bufs[0], bufs[1], slot_rows, *(staged_new or (None,) * 3))
             self.fetched[layer].record(self.side)
 
-    def _start_async(self, layer, bufs, pick, new_k, new_v, new_pos):
-        """`start` on the async path (its custom ops): the main stream stages what the side stream reads
-        (the step's tensors are temporaries the graph reuses right after), then the transfer, or
-        re-ranking, runs on the side stream."""
-        self._check_ring(layer, bufs)
-        staged_new = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None else None
-        rerank = pick.rerank if pick is not None else None
-        if rerank is not None:
-            s_cand = (self.stage_cand[layer], self.stage_cand_valid[layer])
-            s_q = (self.stage_q[layer], self.stage_lse[layer])
-            self._stage(layer, bufs, pick, new_k, new_v, new_pos, staged_new, s_cand=s_cand, s_q=s_q)
-            self._run_side(layer, lambda: self._rerank(layer, bufs, *s_cand, *s_q, rerank[2], *(staged_new or (None,) * 3)))
-        else:
-            s_idx = self.stage_idx[layer] if pick is not None else None
-            self._stage(layer, bufs, pick, new_k, new_v, new_pos, staged_new, s_idx=s_idx)
-            self._run_side(layer, lambda: self._transfer(layer, bufs[0], bufs[1], s_idx, *(staged_new or (None,) * 3)))
-
-    def _stage(self, layer, bufs, pick, new_k, new_v, new_pos, staged_new, s_idx=None, s_cand=None, s_q=None):
-        """The main stream's part of a fetch: the transfer's inputs into buffers the side stream owns, and the
-        ring's record. A Selection on the Triton path is one launch (topk.select_triton); otherwise torch's
-        copies (the oracle's and the token-only writes, and the CPU reference of the same)."""
-        token = (new_k, new_v, new_pos, *staged_new) if staged_new is not None else None
-        if isinstance(pick, Selection) and self.triton:
-            record = None if s_idx is None or len(bufs) < 4 else (bufs[2], bufs[3], self.ring_offs[layer], s_idx)
-            assert s_cand is not None or record is not None, "a selection without re-ranking needs the ring's record"
-            select_triton(*pick[:5], out=s_cand, record=record,
-                          stage_q=(pick.rerank[0], *s_q) if s_q is not None else None, token=token)
-            return
+    def _stage_torch(self, layer, bufs, pick, token, slot_rows, cand, cand_q):
+        """The staging in torch: the oracle's rows and the token-only writes, and the CPU reference of
+        select_triton's (the slot map, or re-ranking's candidates and query rows; the token)."""
         if pick is not None:
             idx, valid = select_ref(*pick[:5]) if isinstance(pick, Selection) else pick[:2]
-            if s_cand is not None:
-                s_cand[0].copy_(idx)
-                s_cand[1].copy_(valid)
-                s_q[0].copy_(pick.rerank[0])  # (one selecting token staged for two: broadcast, as the kernel's r % R)
-                s_q[1].copy_(pick.rerank[1])
+            if cand is not None:
+                cand[0].copy_(idx)
+                cand[1].copy_(valid)
+                cand_q[0].copy_(pick.rerank[0])  # (one selecting token staged for two: broadcast, as the kernel's r % R)
+                cand_q[1].copy_(pick.rerank[1])
             else:
                 record = self._record(layer, bufs, valid)
-                s_idx.copy_(record_rows(idx, *record) if record is not None else idx)
+                slot_rows.copy_(record_rows(idx, *record) if record is not None else idx)
         if token is not None:
-            for dst, src in zip(staged_new, (new_k, new_v, new_pos.reshape(()))):
+            for dst, src in zip(token[3:], (token[0], token[1], token[2].reshape(()))):
                 dst.copy_(src)
 
     def _wait_async(self, layer):

@@ -202,3 +202,12 @@ def tile_channels(offs_c, BLOCK_D: tl.constexpr, BITS: tl.constexpr, PLANES: tl.
     else:
         offs_d = offs_c
     return offs_d
+
+
+@triton.jit
+def best_row(p, offs_g, g_ok, R: tl.constexpr):
+    """p [BLOCK_G, N] probabilities of query rows m = g*R + r -> max_r sum_g p: [N]."""
+    best = tl.sum(tl.where((g_ok & (offs_g % R == 0))[:, None], p, 0.0), 0)
+    for r in tl.static_range(1, R):
+        best = tl.maximum(best, tl.sum(tl.where((g_ok & (offs_g % R == r))[:, None], p, 0.0), 0))
+    return best

@@ -1,4 +1,4 @@
-"""Which quantized positions' fp16 rows to fetch (SpeCache §3.3, Algorithm 3's ArgTopK), and re-ranking.
+"""Which quantized positions' fp16 rows to fetch (SpeCache §3.3, Algorithm 3's ArgTopK).
 
   select_ref / select_triton  the k positions with the largest attention probability under the selecting
                 token(s), from the logits the attention kernel wrote while it attended (kernels.py: the
@@ -8,9 +8,6 @@
                 layer: the radix selection, and what the transfer needs (the ring layout, staged inputs).
   topk_lowbit_ref  the same top-k scored from the stored codes (tests and tools/probe.py).
   topk_exact    the top-k from full-precision keys (the oracle fetch, hit rates).
-  rerank_exact  the k best of N*k candidates by their fp keys (re-ranking's reference).
-  rerank_rows   re-ranking where the keys land: the candidates' fp keys read from the host store score
-                them, and the k best go to the ring (Triton on the side stream, prefetch.py).
 
 A torch reference beside each Triton kernel; prefetch.Prefetcher runs them (CUDA: Triton; CPU: the references).
 """
@@ -20,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit import Fetched, LowBitKV
-from tiles import LOG2E
-from transfer import host_row, record_rows, record_rows_tile, square_tile_warps, transfer_rows_ref, write_new_rows
+from lowbit import Fetched, LowBitKV, as_rows, fp_row_scores, row_scores
+from tiles import LOG2E, best_row
 
 Tensor = torch.Tensor
 
@@ -30,33 +26,12 @@ Tensor = torch.Tensor
 # =============================================================================================
 # torch references (the CPU path)
 # =============================================================================================
-def _row_scores(logits, lse_rows, G, R):
-    """logits [B,Hkv,G*R,N] of query rows m = g*R + r -> score [B,Hkv,N]: the attention probability
-    summed over the kv head's G query heads, the best of the R query tokens."""
-    B, Hkv, _, N = logits.shape
-    p = torch.exp(logits - lse_rows.float().reshape(B, Hkv, G * R, 1))
-    return p.view(B, Hkv, G, R, N).sum(2).amax(2)
-
-
-def as_rows(q_row, lse_row):
-    """[B,H,D] / [B,H] (one query token) or [B,H,R,D] / [B,H,R] (R tokens) -> the 4-d / 3-d form."""
-    return (q_row[:, :, None], lse_row[:, :, None]) if q_row.dim() == 3 else (q_row, lse_row)
-
-
-def _fp_row_scores(q_rows, lse_rows, keys, sm_scale):
-    """topk_lowbit's score of fp keys [B,Hkv,N,D] for query rows [B,H,R,D] -> [B,Hkv,N]."""
-    B, H, R, D = q_rows.shape
-    Hkv = keys.shape[1]
-    qg = q_rows.float().reshape(B, Hkv, (H // Hkv) * R, D) * sm_scale
-    return _row_scores(qg @ keys.float().transpose(-1, -2), lse_rows, H // Hkv, R)
-
-
 def _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched: Fetched):
     """Algorithm 3 takes ArgTopK of the attention that already used the fetched fp rows: their
     positions get exact scores, so a row that matters keeps its place whatever its low-bit copy
     scores. Invalid fetch slots write back the scratch slot's own value (position S-1 >= n_quant)."""
     S = prob.shape[2]
-    exact = _fp_row_scores(q_rows, lse_rows, fetched.k, sm_scale)
+    exact = fp_row_scores(q_rows, lse_rows, fetched.k, sm_scale)
     safe = torch.where(fetched.valid, fetched.idx, S - 1)
     return prob.scatter(-1, safe, torch.where(fetched.valid, exact, prob.gather(-1, safe)))
 
@@ -72,7 +47,7 @@ def topk_lowbit_ref(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: 
     B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
     G = H // Hkv
-    prob = _row_scores(store.key_logits(q_rows.float().reshape(B, Hkv, G * R, D) * sm_scale), lse_rows, G, R)
+    prob = row_scores(store.key_logits(q_rows.float().reshape(B, Hkv, G * R, D) * sm_scale), lse_rows, G, R)
     if fetched is not None:
         prob = _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched)
     pos = torch.arange(S, device=q_row.device)
@@ -98,14 +73,6 @@ def topk_exact(q_row, keys, n_quant, k, sm_scale, first: int = 0):
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).view(B, Hkv, G, R, S).sum(2).amax(2)  # [B,Hkv,S]
     score, idx = torch.where(valid, probs, -1.0).topk(k, dim=-1)
     return score, torch.where(score >= 0, idx, 0)
-
-
-def rerank_exact(q_row, lse_row, keys, valid, k, sm_scale):
-    """The k best of C candidates by their fp keys [B,Hkv,C,D] (valid [B,Hkv,C]), scored as topk_lowbit
-    scores (probability summed over the kv head's query heads, best of R tokens) -> (score, index
-    into the C candidates) [B,Hkv,k]; invalid candidates score -1."""
-    prob = _fp_row_scores(*as_rows(q_row, lse_row), keys, sm_scale)
-    return torch.where(valid, prob, -1.0).topk(k, dim=-1)
 
 
 # =============================================================================================
@@ -158,15 +125,6 @@ def select_ref(logits, lse_rows, n_quant, k: int, first: int = 0):
     return idx, score.gather(-1, idx) >= 0
 
 
-@triton.jit
-def best_row(p, offs_g, g_ok, R: tl.constexpr):
-    """p [BLOCK_G, N] probabilities of query rows m = g*R + r -> max_r sum_g p: [N]."""
-    best = tl.sum(tl.where((g_ok & (offs_g % R == 0))[:, None], p, 0.0), 0)
-    for r in tl.static_range(1, R):
-        best = tl.maximum(best, tl.sum(tl.where((g_ok & (offs_g % R == r))[:, None], p, 0.0), 0))
-    return best
-
-
 # ---- radix selection, 8 bits a round (FlashInfer's top_k, Quest's RAFT select), one program a kv head ----
 # A score p >= 0 has the key bits(p) + 1 (the fp32 bits of a non-negative float order as integers); a position
 # that is no candidate has key 0. Keys fit 31 bits, so int32 shifts never sign-extend. Round r histograms digit
@@ -195,7 +153,7 @@ def _bucket(h, need):
 
 @triton.jit
 def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, work, sel_idx, sel_ok, S, S_PAD, K, FIRST, G,
-                   Hkv, fetch_idx, fetch_valid, s_idx, RING, OFF,
+                   Hkv, fetch_idx, fetch_valid, slot_rows, RING, OFF,
                    q, q_sb, q_sh, q_sr, q_sd, s_q, s_lse, new_k, new_v, n_sb, n_sh, n_sd, new_pos, s_k, s_v, s_pos, D,
                    R: tl.constexpr, RS: tl.constexpr, RECORD: tl.constexpr, STAGE_Q: tl.constexpr,
                    HAS_NEW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -205,7 +163,7 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, work, sel_i
     radix rounds over them, then the K selected positions in position order to sel_idx/sel_ok. RECORD (the
     plain transfer): lay them out in the ring as transfer.record_rows does (a row the ring holds keeps its slot;
     the others take the freed slots in order) into fetch_idx/fetch_valid [.., RING] from slot OFF, and give the
-    transfer its host row per ring slot, s_idx (-1: keep). STAGE_Q (re-ranking, whose candidates are
+    transfer its host row per ring slot, slot_rows (-1: keep). STAGE_Q (re-ranking, whose candidates are
     sel_idx/sel_ok): the query rows and their lse, RS rows a head from the R tokens, into s_q/s_lse. HAS_NEW:
     the step's token new_k/new_v and new_pos into s_k/s_v/s_pos. The staged inputs are what the side stream
     reads: the step's own tensors are graph temporaries."""
@@ -260,10 +218,9 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, work, sel_i
         n_take += (total & 0xFFFF) + tl.minimum(total >> 16, ties_left)
         n_tie += total >> 16
     offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
     if RECORD:
         _record(keys + bh * S_PAD, work + bh * 2 * BLOCK_K, sel_idx + bh * K, sel_ok + bh * K,
-                fetch_idx + bh * RING + OFF, fetch_valid + bh * RING + OFF, s_idx + bh * K, offs_k, K, S_PAD)
+                fetch_idx + bh * RING + OFF, fetch_valid + bh * RING + OFF, slot_rows + bh * K, offs_k, K, S_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     if STAGE_Q:  # query row m = g*RS + r of the kv head, from selecting token r % R
@@ -283,7 +240,7 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, work, sel_i
 
 
 @triton.jit
-def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, s_idx, offs_k, K, S_PAD):
+def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, slot_rows, offs_k, K, S_PAD):
     """transfer.record_rows for one kv head in O(k): `where` (the spent keys) maps a position to the ring slot
     that holds it, checked against fetch_idx (entries the map never set hold stale keys); `work` [2, BLOCK_K]
     holds which slots keep their row, then the free slots in order."""
@@ -308,20 +265,20 @@ def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, s_idx, offs_k,
     tl.store(free_list + tl.cumsum(free_i, 0) - free_i, offs_k, mask=free)
     tl.store(fetch_idx + offs_k, pos * 0, mask=free)  # a freed slot holds nothing unless a new row lands there
     tl.store(fetch_valid + offs_k, tl.zeros_like(free_i).to(tl.int8), mask=free)
-    tl.store(s_idx + offs_k, pos * 0 - 1, mask=k_ok)
+    tl.store(slot_rows + offs_k, pos * 0 - 1, mask=k_ok)
     tl.debug_barrier()
     miss = ok & ~held
     miss_i = miss.to(tl.int32)
     to = tl.load(free_list + tl.cumsum(miss_i, 0) - miss_i, mask=miss, other=0)
     tl.store(fetch_idx + to, pos, mask=miss)
     tl.store(fetch_valid + to, miss_i.to(tl.int8), mask=miss)
-    tl.store(s_idx + to, pos, mask=miss)
+    tl.store(slot_rows + to, pos, mask=miss)
 
 
 def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, record=None, stage_q=None, token=None,
                   chunk: int = 1024):
     """select_ref in one launch (_select_kernel), -> (idx, valid) [B,Hkv,k]; `out`: where to write them
-    (re-ranking: its staged candidates). record = (fetch_idx, fetch_valid, off, s_idx): lay the rows out in
+    (re-ranking: its staged candidates). record = (fetch_idx, fetch_valid, off, slot_rows): lay the rows out in
     the ring and give the transfer its host rows (record_rows); stage_q = (q_rows [B,H,R',D], s_q [B,H,RS,D],
     s_lse [B,H,RS]); token = (new_k, new_v, new_pos, s_k, s_v, s_pos). Strided inputs are read in place."""
     B, Hkv, GR, S = logits.shape
@@ -339,9 +296,9 @@ def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, r
                                            torch.empty(B, Hkv, k, dtype=torch.bool, device=dev))
     assert idx.is_contiguous() and ok.is_contiguous() and idx.shape == ok.shape == (B, Hkv, k)
     any_t = keys  # absent inputs: any valid pointer
-    fetch_idx, fetch_valid, off, s_idx = record if record is not None else (any_t, any_t, 0, any_t)
+    fetch_idx, fetch_valid, off, slot_rows = record if record is not None else (any_t, any_t, 0, any_t)
     if record is not None:
-        assert fetch_idx.is_contiguous() and fetch_valid.is_contiguous() and s_idx.shape == (B, Hkv, k)
+        assert fetch_idx.is_contiguous() and fetch_valid.is_contiguous() and slot_rows.shape == (B, Hkv, k)
         fetch_valid = fetch_valid.view(torch.int8)
     q, s_q, s_lse = stage_q if stage_q is not None else (any_t, any_t, any_t)
     q_strides, RS = (q.stride(), s_q.shape[2]) if stage_q is not None else ((0,) * 4, 1)
@@ -351,165 +308,9 @@ def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, r
     D = s_k.shape[-1] if token is not None else s_q.shape[-1] if stage_q is not None else 1
     _select_kernel[(BH,)](
         logits, lse_rows, *lse_rows.stride(), n_quant, keys, work, idx, ok.view(torch.int8), S, S_PAD, k, first, G,
-        Hkv, fetch_idx, fetch_valid, s_idx, fetch_idx.shape[-1] if record is not None else 0, off,
+        Hkv, fetch_idx, fetch_valid, slot_rows, fetch_idx.shape[-1] if record is not None else 0, off,
         q, *q_strides, s_q, s_lse, new_k, new_v, *new_strides, new_pos, s_k, s_v, s_pos, D,
         R=R, RS=RS, RECORD=record is not None, STAGE_Q=stage_q is not None, HAS_NEW=token is not None, CHUNK=chunk,
         BLOCK_G=max(2, triton.next_power_of_2(G * R)), BLOCK_K=BLOCK_K, BLOCK_M=max(2, triton.next_power_of_2(G * RS)),
         BLOCK_D=triton.next_power_of_2(D), num_warps=SELECT_WARPS)
     return idx, ok
-
-
-# =============================================================================================
-# re-ranking: the k best of N*k candidates by their fp keys, read from the host (side stream)
-# =============================================================================================
-# Of the selecting token's low-bit top-(N*k) candidates (name part rrN), the k whose fp keys score best
-# go to the ring, with their positions: three launches on the side stream (prefetch.py) where the
-# candidates' keys land. One program per candidate reads its fp key and scores it; one per kv head
-# ranks the candidates and lays the winners out (record_rows: rows the ring holds stay); one per
-# candidate writes a winner the ring lacks. Bus bytes per layer and kv head: N*k keys + at most k values.
-RERANK_WARPS = 1  # one candidate per program: more warps only repeat its fixed cost (static count; not timed)
-# The layout launch ranks a kv head's candidates in one [C, C] tile: ptxas took 8-39 s at 512 and 170 s at
-# 1,024 (sm_90/sm_80, the CPU compile gate), so the GPU path stops at 256 (rerank x k; the reference has no limit).
-RERANK_MAX_CANDIDATES = 256
-
-
-def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
-                    sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
-    """Of the candidate host rows cand [B,Hkv,C] (cand_valid: real ones), keep the K = ring slots - ring_off
-    whose fp keys score best for the query rows q_rows [B,H,R,D] (lse_rows [B,H,R]; the score of
-    topk.rerank_exact); lay them out in ring slots [ring_off, ...) as record_rows does (a row the
-    ring holds keeps its slot, the others, best first, take the freed slots), write the keys and
-    values of the rows the ring lacks, their positions and validity (score >= 0) to
-    fetch_idx/fetch_valid, and the real token (new_*) to host row new_pos, whose candidate copy is
-    taken from new_k/new_v."""
-    C = cand.shape[2]
-    keys = host_k.gather(2, cand[..., None].expand(*cand.shape, host_k.shape[-1]))
-    if new_k is not None:
-        keys = torch.where((cand == new_pos)[..., None], new_k.to(keys.dtype), keys)
-    score, pick = rerank_exact(q_rows, lse_rows, keys, cand_valid, min(ring_k.shape[2] - ring_off, C), sm_scale)
-    rows = record_rows(cand.gather(-1, pick), score >= 0, fetch_idx, fetch_valid, ring_off)
-    transfer_rows_ref(host_k, host_v, ring_k, ring_v, rows, new_k, new_v, new_pos, ring_off)
-
-
-@triton.jit
-def _rerank_score_kernel(host_k, cand, cand_valid, q, lse, new_k, new_pos_ptr, keys, score, sm_scale, S, C, D, M,
-                         R: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, C): program (bh, c) reads candidate c's fp key (UVA on CUDA; the token's own row
-    from new_k), keeps it in the device scratch keys [B*Hkv, C, D] and writes its score
-    score[bh, c] = max over r of sum over g of exp(sm_scale * q_{g,r} . k_c - lse_{g,r}) (-1: not
-    a candidate) for the kv head's M = G*R query rows (row m = g*R + r). One host row per program,
-    as in the transfer: the reads are in flight together instead of one kv head's C rows in turn."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_m = tl.arange(0, BLOCK_M)
-    d_ok, m_ok = offs_d < D, offs_m < M
-    i = tl.load(cand + bh * C + c).to(tl.int64)
-    ok = tl.load(cand_valid + bh * C + c) != 0
-    new_pos = -1
-    if HAS_NEW:
-        new_pos = tl.load(new_pos_ptr).to(tl.int64)
-    # the ring's dtype: what gets scored is what gets fetched
-    key = host_row(host_k, new_k, bh, i, new_pos, S, D, offs_d, HAS_NEW).to(keys.dtype.element_ty)
-    tl.store(keys + (bh * C + c) * D + offs_d, key, mask=d_ok)
-    qm = tl.load(q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    logits = tl.sum(qm.to(tl.float32) * key.to(tl.float32)[None, :], 1) * sm_scale  # [BLOCK_M]
-    p = tl.exp(logits - tl.load(lse + bh * M + offs_m, mask=m_ok, other=float("inf")))
-    best = tl.sum(best_row(p[:, None], offs_m, m_ok, R), 0)
-    tl.store(score + bh * C + c, tl.where(ok, best, -1.0))
-
-
-@triton.jit
-def _rerank_layout_kernel(cand, score, fetch_idx, fetch_valid, target, C, K, RING, OFF, BLOCK_C: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    """Grid (B*Hkv,): rank the kv head's C candidates by score (ties to the lower index, so the top-K
-    needs no sort) and lay the K best out as record_rows does: a winner the ring already holds keeps
-    its slot; the others, best first, take the freed slots. Writes fetch_idx/fetch_valid [.., RING]
-    from slot OFF and target[bh, c], the ring slot candidate c's key and value go to (-1: none,
-    not a winner or already held)."""
-    bh = tl.program_id(0).to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_C)
-    c_ok = offs_c < C
-    s = tl.load(score + bh * C + offs_c, mask=c_ok, other=-2.0)  # (-2 beats nothing)
-    i = tl.load(cand + bh * C + offs_c, mask=c_ok, other=-1)
-    ahead = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (offs_c[None, :] < offs_c[:, None]))
-    rank = tl.sum(ahead.to(tl.int32), 1)
-    ok = c_ok & (rank < K) & (s >= 0)  # the real winners
-    offs_k = tl.arange(0, BLOCK_K)
-    put = record_rows_tile(fetch_idx, fetch_valid, bh * RING + OFF + offs_k, offs_k < K, i, ok, rank, BY_RANK=True)
-    to_slot = tl.where(tl.max(put.to(tl.int32), 0) > 0, tl.sum(tl.where(put, offs_k[:, None], 0), 0), -1)
-    tl.store(target + bh * C + offs_c, to_slot, mask=c_ok)
-
-
-@triton.jit
-def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, new_pos_ptr, S, C, D, RING,
-                        OFF, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, C + 1): program (bh, c < C) writes candidate c's key (from the scratch) and value
-    (from the host over UVA; the token's own row from new_v) to ring slot OFF + target[bh, c] if it
-    has one: only the winners the ring lacks move their values over the bus. Program C writes the
-    step's token to host row new_pos."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    new_pos = -1
-    if HAS_NEW:
-        new_pos = tl.load(new_pos_ptr).to(tl.int64)
-    if c < C:
-        slot = tl.load(target + bh * C + c)
-        if slot >= 0:
-            i = tl.load(cand + bh * C + c).to(tl.int64)
-            dst = (bh * RING + OFF + slot) * D + offs_d
-            tl.store(ring_k + dst, tl.load(keys + (bh * C + c) * D + offs_d, mask=d_ok), mask=d_ok)
-            val = host_row(host_v, new_v, bh, i, new_pos, S, D, offs_d, HAS_NEW)
-            tl.store(ring_v + dst, val.to(ring_v.dtype.element_ty), mask=d_ok)
-    else:
-        if HAS_NEW:  # the token's own row to the host (its candidate copies came from new_k/new_v)
-            write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs_d)
-
-
-def rerank_scratch(B, Hkv, C, D, dtype, device):
-    """Device scratch of the re-ranking launches: the candidates' fp keys, their scores and ring slots."""
-    if C > RERANK_MAX_CANDIDATES:
-        raise ValueError(f"re-ranking {C} candidates a kv head (rerank x k) on the GPU: at most {RERANK_MAX_CANDIDATES} "
-                         "(one [C, C] tile ranks them); use a smaller k or rerank")
-    return (torch.empty(B, Hkv, C, D, dtype=dtype, device=device),
-            torch.empty(B, Hkv, C, dtype=torch.float32, device=device),
-            torch.empty(B, Hkv, C, dtype=torch.int32, device=device))
-
-
-def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
-                       sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0, scratch=None):
-    """rerank_rows_ref in three launches: one program per candidate (read its key, score it), one
-    per kv head (rank, lay out the winners), one per candidate (move a winner the ring lacks).
-    scratch: rerank_scratch(...) (the Prefetcher preallocates one, shared by its layers: the side
-    stream runs them in turn); allocated here when None."""
-    B, Hkv, S, D = host_k.shape
-    C, (H, R) = cand.shape[2], q_rows.shape[1:3]
-    for t in (host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid):
-        assert t.is_contiguous()
-    keys, score, target = scratch if scratch is not None else rerank_scratch(B, Hkv, C, D, ring_k.dtype, ring_k.device)
-    assert keys.shape == (B, Hkv, C, D) and keys.dtype == ring_k.dtype and score.shape == target.shape == (B, Hkv, C)
-    has_new, any_t = new_k is not None, ring_k  # absent inputs: any valid pointer
-    new_k, new_v, pos = (new_k.contiguous(), new_v.contiguous(), new_pos) if has_new else (any_t, any_t, any_t)
-    cand, M, BLOCK_D = cand.contiguous(), H // Hkv * R, triton.next_power_of_2(D)
-    K = min(ring_k.shape[2] - ring_off, C)
-    _rerank_score_kernel[(B * Hkv, C)](
-        host_k, cand, cand_valid.contiguous().view(torch.int8), q_rows.contiguous(), lse_rows.float().contiguous(),
-        new_k, pos, keys, score, float(sm_scale), S, C, D, M, R,
-        HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
-    _rerank_layout_kernel[(B * Hkv,)](cand, score, fetch_idx, fetch_valid.view(torch.int8), target, C, K,
-                                      ring_k.shape[2], ring_off, BLOCK_C=triton.next_power_of_2(C),
-                                      BLOCK_K=triton.next_power_of_2(K),
-                                      num_warps=max(8, square_tile_warps(triton.next_power_of_2(C))))  # ([C, C] ranks)
-    _rerank_pick_kernel[(B * Hkv, C + 1)](
-        host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, pos, S, C, D, ring_k.shape[2], ring_off,
-        HAS_NEW=has_new, BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
-
-
-def rerank_rows(*args, scratch=None, **kw):
-    """The re-ranking transfer on the current stream: the Triton kernels when the ring is on CUDA, else the reference."""
-    if args[2].is_cuda:
-        rerank_rows_triton(*args, scratch=scratch, **kw)
-    else:
-        rerank_rows_ref(*args, **kw)

@@ -4,12 +4,12 @@ and stages the transfer's inputs is topk.py's one launch. A torch reference besi
 
   transfer_rows  one launch per layer and step, K and V together, on a small persistent grid: write
                  the step's real token (new_k/new_v [B,Hkv,1,D]) to host row new_pos, and gather
-                 host rows idx [B,Hkv,k] into the layer's ring (a row equal to new_pos comes from
-                 new_k/new_v: the same kernel cannot be relied on to have written it to the host
-                 first; idx -1: the slot keeps the row it holds, see record_rows).
+                 into each ring slot the host row the slot map names (slot_rows [B,Hkv,k]; a row equal
+                 to new_pos comes from new_k/new_v: the same kernel cannot be relied on to have written
+                 it to the host first; -1: the slot keeps the row it holds, see record_rows).
   record_rows    which ring slot each selected row goes to (a row the ring holds keeps its slot);
                  host_row / write_new_rows: the Triton reads and writes of the host store that
-                 re-ranking's kernels (topk.rerank_rows) share.
+                 re-ranking's kernels (rerank_rows, below) share.
 
 On CUDA the host store is pinned and the kernels read it directly over unified virtual
 addressing (UVA): the indices never leave the device and nothing syncs. On CPU the references
@@ -18,6 +18,9 @@ run (host and device memory are one).
 import torch
 import triton
 import triton.language as tl
+
+from lowbit import as_rows, fp_row_scores
+from tiles import best_row
 
 
 def record_rows(idx, valid, fetch_idx, fetch_valid, off):
@@ -73,23 +76,23 @@ def square_tile_warps(block: int) -> int:
 # =============================================================================================
 # the transfer: torch reference (CPU) and Triton kernel (CUDA), one launch for K and V
 # =============================================================================================
-def transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0):
-    """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], idx [B,Hkv,k] or None, new_*
-    [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., idx]
-    where idx >= 0 (-1: the slot keeps its row; ring slots before ring_off hold rows kept on the
+def transfer_rows_ref(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, new_pos, ring_off=0):
+    """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], slot_rows [B,Hkv,k] or None, new_*
+    [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., slot_rows]
+    where slot_rows >= 0 (-1: the slot keeps its row; ring slots before ring_off hold rows kept on the
     device: attention sinks)."""
     if new_k is not None:
         pos = new_pos.reshape(1).to(host_k.device)
         host_k.index_copy_(2, pos, new_k.to(host_k.device, host_k.dtype))
         host_v.index_copy_(2, pos, new_v.to(host_v.device, host_v.dtype))
-    if idx is not None:
+    if slot_rows is not None:
         B, Hkv, S, D = host_k.shape
-        idx = idx.to(host_k.device)
-        flat = (idx.clamp(min=0) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
+        slot_rows = slot_rows.to(host_k.device)
+        flat = (slot_rows.clamp(min=0) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
         for host, ring in ((host_k, ring_k), (host_v, ring_v)):
             rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D).to(ring.dtype)
             slots = ring[:, :, ring_off:] if ring_off else ring
-            slots.copy_(torch.where(idx[..., None] >= 0, rows, slots))
+            slots.copy_(torch.where(slot_rows[..., None] >= 0, rows, slots))
 
 
 # =============================================================================================
@@ -155,14 +158,14 @@ TRANSFER_WARPS = 1  # one warp moves a tile's 16 rows (fewest instructions per r
 
 
 @triton.jit
-def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF, BH,
-                          HAS_IDX: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, new_pos_ptr, S, K, D, RING, OFF, BH,
+                          HAS_ROWS: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                           EVEN_D: tl.constexpr = False):
     """Grid (P,), P <= TRANSFER_PROGRAMS: a small persistent grid, so the side stream holds few SMs
     while the main stream computes. Program p gathers the tiles p, p + P, ... of BLOCK_R ring slots
-    (of one kv head each): slot j of kv head bh gets K and V host row idx[bh, j] (UVA on CUDA: each row a
+    (of one kv head each): slot j of kv head bh gets K and V host row slot_rows[bh, j] (UVA on CUDA: each row a
     whole, aligned D-vector, so the reads are coalesced), a row equal to the token's position from
-    new_k/new_v, nothing for idx -1 (the slot keeps its row). Then it writes the step's token to
+    new_k/new_v, nothing for slot_rows -1 (the slot keeps its row). Then it writes the step's token to
     host row new_pos for kv heads p, p + P, ..., and to the ring slot that selected it, if any (one
     search per kv head instead of a per-row choice in the gather loop)."""
     p = tl.program_id(0)
@@ -174,12 +177,12 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
     new_pos = -1  # (no row is the token without HAS_NEW)
     if HAS_NEW:
         new_pos = tl.load(new_pos_ptr).to(tl.int64)
-    if HAS_IDX:
+    if HAS_ROWS:
         TPH = (K + BLOCK_R - 1) // BLOCK_R  # tiles per kv head: a tile's rows share one kv head (no per-row division)
         for tile in range(p, BH * TPH, n_prog):
             bh = (tile // TPH).to(tl.int64)
             j = (tile - bh * TPH) * BLOCK_R + tl.arange(0, BLOCK_R)
-            i = tl.load(idx + bh * K + j, mask=j < K, other=-1).to(tl.int64)
+            i = tl.load(slot_rows + bh * K + j, mask=j < K, other=-1).to(tl.int64)
             ok = (j < K) & (i >= 0) & (i < S)
             src = (bh * S + i)[:, None] * D + offs_d[None, :]
             dst = (bh * RING + OFF + j)[:, None] * D + offs_d[None, :]
@@ -189,11 +192,11 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
     if HAS_NEW:
         for bh in range(p, BH, n_prog):
             write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs_d)  # (bh * S + new_pos: int64)
-            if HAS_IDX:  # the ring slot (at most one) that selected the token: its row from new_k/new_v,
+            if HAS_ROWS:  # the ring slot (at most one) that selected the token: its row from new_k/new_v,
                 BLOCK_K: tl.constexpr = 4 * BLOCK_R  # whose host row may not be written yet (the loop skipped it)
                 for k0 in range(0, K, BLOCK_K):
                     j = k0 + tl.arange(0, BLOCK_K)
-                    hit = (j < K) & (tl.load(idx + bh * K + j, mask=j < K, other=-1).to(tl.int64) == new_pos)
+                    hit = (j < K) & (tl.load(slot_rows + bh * K + j, mask=j < K, other=-1).to(tl.int64) == new_pos)
                     slot = tl.max(tl.where(hit, j, -1), 0)
                     ok = offs_d < tl.where(slot >= 0, D, 0)
                     dst = (bh * RING + OFF + slot) * D + offs_d
@@ -201,25 +204,189 @@ def _transfer_rows_kernel(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new
                     tl.store(ring_v + dst, tl.load(new_v + bh * D + offs_d, mask=ok, other=0.0).to(ring_v.dtype.element_ty), mask=ok)
 
 
-def transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off=0,
+def transfer_rows_triton(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, new_pos, ring_off=0,
                          programs=TRANSFER_PROGRAMS):
     B, Hkv, S, D = host_k.shape
-    K = idx.shape[2] if idx is not None else 0
+    K = slot_rows.shape[2] if slot_rows is not None else 0
     for t in (host_k, host_v, ring_k, ring_v):
         assert t.is_contiguous()
     any_t = ring_k  # absent inputs: any valid pointer
     grid = (max(1, min(programs, max(triton.cdiv(B * Hkv * K, TRANSFER_ROWS), B * Hkv))),)
     _transfer_rows_kernel[grid](
-        host_k, host_v, ring_k, ring_v, idx.contiguous() if idx is not None else any_t,
+        host_k, host_v, ring_k, ring_v, slot_rows.contiguous() if slot_rows is not None else any_t,
         new_k.contiguous() if new_k is not None else any_t, new_v.contiguous() if new_v is not None else any_t,
         new_pos if new_pos is not None else any_t, S, K, D, ring_k.shape[2], ring_off, B * Hkv,
-        HAS_IDX=idx is not None, HAS_NEW=new_k is not None, BLOCK_R=TRANSFER_ROWS, BLOCK_D=triton.next_power_of_2(D),
+        HAS_ROWS=slot_rows is not None, HAS_NEW=new_k is not None, BLOCK_R=TRANSFER_ROWS, BLOCK_D=triton.next_power_of_2(D),
         EVEN_D=D == triton.next_power_of_2(D), num_warps=TRANSFER_WARPS)
 
 
-def transfer_rows(host_k, host_v, ring_k, ring_v, idx, new_k=None, new_v=None, new_pos=None, ring_off=0):
+def transfer_rows(host_k, host_v, ring_k, ring_v, slot_rows, new_k=None, new_v=None, new_pos=None, ring_off=0):
     """The transfer on the current stream: the Triton kernel when the ring is on CUDA, else the reference."""
     if ring_k.is_cuda:
-        transfer_rows_triton(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
+        transfer_rows_triton(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, new_pos, ring_off)
     else:
-        transfer_rows_ref(host_k, host_v, ring_k, ring_v, idx, new_k, new_v, new_pos, ring_off)
+        transfer_rows_ref(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, new_pos, ring_off)
+
+
+# =============================================================================================
+# re-ranking: the k best of N*k candidates by their fp keys, read from the host (side stream)
+# =============================================================================================
+# Of the selecting token's low-bit top-(N*k) candidates (name part rrN), the k whose fp keys score best
+# go to the ring, with their positions: three launches on the side stream (prefetch.py) where the
+# candidates' keys land. One program per candidate reads its fp key and scores it; one per kv head
+# ranks the candidates and lays the winners out (record_rows: rows the ring holds stay); one per
+# candidate writes a winner the ring lacks. Bus bytes per layer and kv head: N*k keys + at most k values.
+RERANK_WARPS = 1  # one candidate per program: more warps only repeat its fixed cost (static count; not timed)
+# The layout launch ranks a kv head's candidates in one [C, C] tile: ptxas took 8-39 s at 512 and 170 s at
+# 1,024 (sm_90/sm_80, the CPU compile gate), so the GPU path stops at 256 (rerank x k; the reference has no limit).
+RERANK_MAX_CANDIDATES = 256
+
+
+def rerank_exact(q_row, lse_row, keys, valid, k, sm_scale):
+    """The k best of C candidates by their fp keys [B,Hkv,C,D] (valid [B,Hkv,C]), scored as topk_lowbit
+    scores (probability summed over the kv head's query heads, best of R tokens) -> (score, index
+    into the C candidates) [B,Hkv,k]; invalid candidates score -1."""
+    prob = fp_row_scores(*as_rows(q_row, lse_row), keys, sm_scale)
+    return torch.where(valid, prob, -1.0).topk(k, dim=-1)
+
+
+def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
+                    sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
+    """Of the candidate host rows cand [B,Hkv,C] (cand_valid: real ones), keep the K = ring slots - ring_off
+    whose fp keys score best for the query rows q_rows [B,H,R,D] (lse_rows [B,H,R]; the score of
+    rerank_exact); lay them out in ring slots [ring_off, ...) as record_rows does (a row the
+    ring holds keeps its slot, the others, best first, take the freed slots), write the keys and
+    values of the rows the ring lacks, their positions and validity (score >= 0) to
+    fetch_idx/fetch_valid, and the real token (new_*) to host row new_pos, whose candidate copy is
+    taken from new_k/new_v."""
+    C = cand.shape[2]
+    keys = host_k.gather(2, cand[..., None].expand(*cand.shape, host_k.shape[-1]))
+    if new_k is not None:
+        keys = torch.where((cand == new_pos)[..., None], new_k.to(keys.dtype), keys)
+    score, pick = rerank_exact(q_rows, lse_rows, keys, cand_valid, min(ring_k.shape[2] - ring_off, C), sm_scale)
+    rows = record_rows(cand.gather(-1, pick), score >= 0, fetch_idx, fetch_valid, ring_off)
+    transfer_rows_ref(host_k, host_v, ring_k, ring_v, rows, new_k, new_v, new_pos, ring_off)
+
+
+@triton.jit
+def _rerank_score_kernel(host_k, cand, cand_valid, q, lse, new_k, new_pos_ptr, keys, score, sm_scale, S, C, D, M,
+                         R: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, C): program (bh, c) reads candidate c's fp key (UVA on CUDA; the token's own row
+    from new_k), keeps it in the device scratch keys [B*Hkv, C, D] and writes its score
+    score[bh, c] = max over r of sum over g of exp(sm_scale * q_{g,r} . k_c - lse_{g,r}) (-1: not
+    a candidate) for the kv head's M = G*R query rows (row m = g*R + r). One host row per program,
+    as in the transfer: the reads are in flight together instead of one kv head's C rows in turn."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_m = tl.arange(0, BLOCK_M)
+    d_ok, m_ok = offs_d < D, offs_m < M
+    i = tl.load(cand + bh * C + c).to(tl.int64)
+    ok = tl.load(cand_valid + bh * C + c) != 0
+    new_pos = -1
+    if HAS_NEW:
+        new_pos = tl.load(new_pos_ptr).to(tl.int64)
+    # the ring's dtype: what gets scored is what gets fetched
+    key = host_row(host_k, new_k, bh, i, new_pos, S, D, offs_d, HAS_NEW).to(keys.dtype.element_ty)
+    tl.store(keys + (bh * C + c) * D + offs_d, key, mask=d_ok)
+    qm = tl.load(q + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    logits = tl.sum(qm.to(tl.float32) * key.to(tl.float32)[None, :], 1) * sm_scale  # [BLOCK_M]
+    p = tl.exp(logits - tl.load(lse + bh * M + offs_m, mask=m_ok, other=float("inf")))
+    best = tl.sum(best_row(p[:, None], offs_m, m_ok, R), 0)
+    tl.store(score + bh * C + c, tl.where(ok, best, -1.0))
+
+
+@triton.jit
+def _rerank_layout_kernel(cand, score, fetch_idx, fetch_valid, target, C, K, RING, OFF, BLOCK_C: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Grid (B*Hkv,): rank the kv head's C candidates by score (ties to the lower index, so the top-K
+    needs no sort) and lay the K best out as record_rows does: a winner the ring already holds keeps
+    its slot; the others, best first, take the freed slots. Writes fetch_idx/fetch_valid [.., RING]
+    from slot OFF and target[bh, c], the ring slot candidate c's key and value go to (-1: none,
+    not a winner or already held)."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    s = tl.load(score + bh * C + offs_c, mask=c_ok, other=-2.0)  # (-2 beats nothing)
+    i = tl.load(cand + bh * C + offs_c, mask=c_ok, other=-1)
+    ahead = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (offs_c[None, :] < offs_c[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), 1)
+    ok = c_ok & (rank < K) & (s >= 0)  # the real winners
+    offs_k = tl.arange(0, BLOCK_K)
+    put = record_rows_tile(fetch_idx, fetch_valid, bh * RING + OFF + offs_k, offs_k < K, i, ok, rank, BY_RANK=True)
+    to_slot = tl.where(tl.max(put.to(tl.int32), 0) > 0, tl.sum(tl.where(put, offs_k[:, None], 0), 0), -1)
+    tl.store(target + bh * C + offs_c, to_slot, mask=c_ok)
+
+
+@triton.jit
+def _rerank_pick_kernel(host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, new_pos_ptr, S, C, D, RING,
+                        OFF, HAS_NEW: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv, C + 1): program (bh, c < C) writes candidate c's key (from the scratch) and value
+    (from the host over UVA; the token's own row from new_v) to ring slot OFF + target[bh, c] if it
+    has one: only the winners the ring lacks move their values over the bus. Program C writes the
+    step's token to host row new_pos."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    new_pos = -1
+    if HAS_NEW:
+        new_pos = tl.load(new_pos_ptr).to(tl.int64)
+    if c < C:
+        slot = tl.load(target + bh * C + c)
+        if slot >= 0:
+            i = tl.load(cand + bh * C + c).to(tl.int64)
+            dst = (bh * RING + OFF + slot) * D + offs_d
+            tl.store(ring_k + dst, tl.load(keys + (bh * C + c) * D + offs_d, mask=d_ok), mask=d_ok)
+            val = host_row(host_v, new_v, bh, i, new_pos, S, D, offs_d, HAS_NEW)
+            tl.store(ring_v + dst, val.to(ring_v.dtype.element_ty), mask=d_ok)
+    else:
+        if HAS_NEW:  # the token's own row to the host (its candidate copies came from new_k/new_v)
+            write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs_d)
+
+
+def rerank_scratch(B, Hkv, C, D, dtype, device):
+    """Device scratch of the re-ranking launches: the candidates' fp keys, their scores and ring slots."""
+    if C > RERANK_MAX_CANDIDATES:
+        raise ValueError(f"re-ranking {C} candidates a kv head (rerank x k) on the GPU: at most {RERANK_MAX_CANDIDATES} "
+                         "(one [C, C] tile ranks them); use a smaller k or rerank")
+    return (torch.empty(B, Hkv, C, D, dtype=dtype, device=device),
+            torch.empty(B, Hkv, C, dtype=torch.float32, device=device),
+            torch.empty(B, Hkv, C, dtype=torch.int32, device=device))
+
+
+def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
+                       sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0, scratch=None):
+    """rerank_rows_ref in three launches: one program per candidate (read its key, score it), one
+    per kv head (rank, lay out the winners), one per candidate (move a winner the ring lacks).
+    scratch: rerank_scratch(...) (the Prefetcher preallocates one, shared by its layers: the side
+    stream runs them in turn); allocated here when None."""
+    B, Hkv, S, D = host_k.shape
+    C, (H, R) = cand.shape[2], q_rows.shape[1:3]
+    for t in (host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid):
+        assert t.is_contiguous()
+    keys, score, target = scratch if scratch is not None else rerank_scratch(B, Hkv, C, D, ring_k.dtype, ring_k.device)
+    assert keys.shape == (B, Hkv, C, D) and keys.dtype == ring_k.dtype and score.shape == target.shape == (B, Hkv, C)
+    has_new, any_t = new_k is not None, ring_k  # absent inputs: any valid pointer
+    new_k, new_v, pos = (new_k.contiguous(), new_v.contiguous(), new_pos) if has_new else (any_t, any_t, any_t)
+    cand, M, BLOCK_D = cand.contiguous(), H // Hkv * R, triton.next_power_of_2(D)
+    K = min(ring_k.shape[2] - ring_off, C)
+    _rerank_score_kernel[(B * Hkv, C)](
+        host_k, cand, cand_valid.contiguous().view(torch.int8), q_rows.contiguous(), lse_rows.float().contiguous(),
+        new_k, pos, keys, score, float(sm_scale), S, C, D, M, R,
+        HAS_NEW=has_new, BLOCK_M=triton.next_power_of_2(M), BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
+    _rerank_layout_kernel[(B * Hkv,)](cand, score, fetch_idx, fetch_valid.view(torch.int8), target, C, K,
+                                      ring_k.shape[2], ring_off, BLOCK_C=triton.next_power_of_2(C),
+                                      BLOCK_K=triton.next_power_of_2(K),
+                                      num_warps=max(8, square_tile_warps(triton.next_power_of_2(C))))  # ([C, C] ranks)
+    _rerank_pick_kernel[(B * Hkv, C + 1)](
+        host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, pos, S, C, D, ring_k.shape[2], ring_off,
+        HAS_NEW=has_new, BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
+
+
+def rerank_rows(*args, scratch=None, **kw):
+    """The re-ranking transfer on the current stream: the Triton kernels when the ring is on CUDA, else the reference."""
+    if args[2].is_cuda:
+        rerank_rows_triton(*args, scratch=scratch, **kw)
+    else:
+        rerank_rows_ref(*args, **kw)

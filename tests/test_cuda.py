@@ -140,11 +140,11 @@ def test_fused_selection_matches_the_reference(bits, S, dtype, attn_path):
     Hkv = dc.store.k_codes.shape[1]
     ring = [torch.full((1, Hkv, 4 + 64), -1, device=DEV), torch.zeros(1, Hkv, 4 + 64, dtype=torch.bool, device=DEV)]
     want_ring = [t.clone() for t in ring]
-    s_idx = torch.empty(1, Hkv, 64, dtype=torch.long, device=DEV)
-    got = topk.select_triton(logits, lse, dc.store.n_quant, 64, 4, record=(*ring, 4, s_idx))
+    slot_rows = torch.empty(1, Hkv, 64, dtype=torch.long, device=DEV)
+    got = topk.select_triton(logits, lse, dc.store.n_quant, 64, 4, record=(*ring, 4, slot_rows))
     want = topk.select_ref(logits, lse, dc.store.n_quant, 64, 4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(s_idx, transfer.record_rows(*want, *want_ring, 4)) and torch.equal(ring[0], want_ring[0])
+    assert torch.equal(slot_rows, transfer.record_rows(*want, *want_ring, 4)) and torch.equal(ring[0], want_ring[0])
     # the reference in fp32 over the same (16-bit) values: a bf16 reference rounds the dequantized keys
     # and the logits to 8 bits, and at 32k positions near-ties around the k-th then swap (seen on an H100)
     c32 = on(c, float_dtype=torch.float32)
@@ -194,12 +194,12 @@ def test_rerank_from_pinned_host_memory_keeps_the_best_candidates(R):
     pos, sm = torch.tensor(77), D ** -0.5
     keys = host[0].gather(2, cand[..., None].expand(-1, -1, -1, D))
     keys[0, 0, 3] = new[0][0, 0, 0]
-    score = torch.where(valid, topk._fp_row_scores(q, lse, keys, sm), -1.0)  # every candidate's exact score
+    score = torch.where(valid, lowbit.fp_row_scores(q, lse, keys, sm), -1.0)  # every candidate's exact score
     want = score.topk(K, dim=-1)
     fetch = [torch.zeros(B, Hkv, off + K, D, dtype=torch.bfloat16, device=DEV) for _ in range(2)] + \
             [torch.full((B, Hkv, off + K), -1, device=DEV), torch.zeros(B, Hkv, off + K, dtype=torch.bool, device=DEV)]
     pinned = [h.pin_memory() for h in host] if ON_GPU else [h.clone() for h in host]
-    (topk.rerank_rows if ON_GPU else topk.rerank_rows_triton)(
+    (transfer.rerank_rows if ON_GPU else transfer.rerank_rows_triton)(
         *pinned, *fetch, on(cand), on(valid), on(q), on(lse), sm, *on(tuple(new)), on(pos), ring_off=off)
     if ON_GPU:
         torch.cuda.synchronize()

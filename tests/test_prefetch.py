@@ -109,16 +109,15 @@ def fake_async(prefetcher: Prefetcher, delay=0.02, join_each_step=False):
     prefetcher.consumed = [FakeEvent() for _ in range(L)]
     prefetcher.fetched = [FakeEvent(str(layer)) for layer in range(L)]
 
-    def delayed_side_work(layer, work):  # Prefetcher._run_side, with the work landing late
-        def late():
-            time.sleep(delay)
-            work()
-            log.append(f"copied {layer}")
-        prefetcher.consumed[layer].record(prefetcher.dm.current_stream())
-        side.wait_event(prefetcher.consumed[layer])
-        side.submit(late)
-        prefetcher.fetched[layer].record(side)
-    prefetcher._run_side = delayed_side_work
+    def lands_late(work):  # Prefetcher._transfer / _rerank, as the side stream runs them: after `delay`
+        def submit(layer, *args, **kw):
+            def late():
+                time.sleep(delay)
+                work(layer, *args, **kw)
+                log.append(f"copied {layer}")
+            side.submit(late)
+        return submit
+    prefetcher._transfer, prefetcher._rerank = lands_late(prefetcher._transfer), lands_late(prefetcher._rerank)
     return log
 
 
@@ -270,9 +269,9 @@ def test_rerank_on_the_side_stream_lands_late_and_reads_staged_inputs():
 def test_the_gpu_rerank_refuses_more_candidates_than_its_rank_tile():
     """rerank x k above RERANK_MAX_CANDIDATES would be ranked in one tile that ptxas takes minutes on:
     a clear error when the scratch is made (the Prefetcher makes it at set-up on CUDA)."""
-    topk.rerank_scratch(1, 2, topk.RERANK_MAX_CANDIDATES, 16, torch.float32, "cpu")
+    transfer.rerank_scratch(1, 2, transfer.RERANK_MAX_CANDIDATES, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match="re-ranking 512 candidates a kv head.*at most 256"):
-        topk.rerank_scratch(1, 2, 512, 16, torch.float32, "cpu")
+        transfer.rerank_scratch(1, 2, 512, 16, torch.float32, "cpu")
 
 
 def test_square_tiles_get_warps_by_their_size():
@@ -303,7 +302,7 @@ def test_triton_rerank_matches_reference(with_new, R, off):
     if with_new:  # the token's candidate wins its kv head: its key and value must come from new_k/new_v
         new[0][1, 2, 0] = 3 * q[1, 2 * G, 0]
     outs = []
-    for fn in (topk.rerank_rows_ref, topk.rerank_rows_triton):
+    for fn in (transfer.rerank_rows_ref, transfer.rerank_rows_triton):
         hk, hv = (h.clone() for h in host)
         bufs = [torch.zeros(B, Hkv, off + K, D), torch.zeros(B, Hkv, off + K, D),
                 torch.full((B, Hkv, off + K), -1), torch.zeros(B, Hkv, off + K, dtype=torch.bool)]
@@ -322,7 +321,7 @@ def test_triton_rerank_matches_reference(with_new, R, off):
         first = [t.clone() for t in outs[0]]
         cand2 = torch.where(torch.arange(C) % 2 == 0, cand.roll(1, -1), (cand + 1) % S)
         q2 = q + 0.5 * torch.randn(q.shape, generator=g)
-        for fn, (hk, hv, *bufs) in zip((topk.rerank_rows_ref, topk.rerank_rows_triton), outs):
+        for fn, (hk, hv, *bufs) in zip((transfer.rerank_rows_ref, transfer.rerank_rows_triton), outs):
             fn(hk, hv, *bufs, cand2, valid, q2, lse, 0.2, ring_off=off)
         assert torch.equal(ref_ok, tri_ok) and torch.equal(ref_idx, tri_idx)
         assert torch.equal(ref_k[ref_ok], tri_k[tri_ok]) and torch.equal(ref_v[ref_ok], tri_v[tri_ok])
@@ -346,7 +345,7 @@ def test_one_selecting_token_staged_for_two_then_reranked():
     assert torch.equal(s_q[:, :, 0], q1[:, :, 0]) and torch.equal(s_q[:, :, 1], q1[:, :, 0])
     host = [torch.randn(B, Hkv, S, D, generator=g) for _ in range(2)]
     picked_rows = []
-    for q_rows, lse_rows, fn in ((s_q, s_lse, topk.rerank_rows_triton), (q1, lse1, topk.rerank_rows_ref)):
+    for q_rows, lse_rows, fn in ((s_q, s_lse, transfer.rerank_rows_triton), (q1, lse1, transfer.rerank_rows_ref)):
         bufs = [torch.zeros(B, Hkv, K, D), torch.zeros(B, Hkv, K, D), torch.full((B, Hkv, K), -1),
                 torch.zeros(B, Hkv, K, dtype=torch.bool)]
         fn(*host, *bufs, *cand, q_rows, lse_rows, 0.2)

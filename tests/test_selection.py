@@ -75,10 +75,10 @@ def test_the_ring_layout_is_record_rows(k):
         logits = base + 0.4 * step * torch.randn(base.shape, generator=g)
         idx, valid = topk.select_ref(logits, lse, torch.tensor(640), k, first=4)
         rows = transfer.record_rows(idx, valid, *want_ring, 4)
-        s_idx = torch.empty(B, Hkv, k, dtype=torch.long)
-        got = topk.select_triton(logits, lse, torch.tensor(640), k, first=4, record=(*ring, 4, s_idx), chunk=128)
+        slot_rows = torch.empty(B, Hkv, k, dtype=torch.long)
+        got = topk.select_triton(logits, lse, torch.tensor(640), k, first=4, record=(*ring, 4, slot_rows), chunk=128)
         assert torch.equal(got[0], idx) and torch.equal(got[1], valid)
-        assert torch.equal(s_idx, rows) and torch.equal(ring[0], want_ring[0]) and torch.equal(ring[1], want_ring[1])
+        assert torch.equal(slot_rows, rows) and torch.equal(ring[0], want_ring[0]) and torch.equal(ring[1], want_ring[1])
         kept += int((rows == -1).sum())
     assert kept > 0 and (ring[0][:, :, :4] == -1).all()
 
@@ -138,10 +138,10 @@ def test_every_selecting_policy_gets_the_reference_rows(monkeypatch, fetch, rera
             continue
         ring = [t.clone() for t in bufs[2:]]
         rows = transfer.record_rows(*want, *bufs[2:], off)
-        s_idx = torch.empty_like(rows)
-        got = topk.select_triton(*sel[:5], record=(*ring, off, s_idx))
+        slot_rows = torch.empty_like(rows)
+        got = topk.select_triton(*sel[:5], record=(*ring, off, slot_rows))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        assert torch.equal(s_idx, rows) and torch.equal(ring[0], bufs[2]) and torch.equal(ring[1], bufs[3])
+        assert torch.equal(slot_rows, rows) and torch.equal(ring[0], bufs[2]) and torch.equal(ring[1], bufs[3])
 
 
 @needs_interpreter

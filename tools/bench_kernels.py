@@ -113,9 +113,9 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     cand = torch.stack([torch.randperm(context, generator=g, device=device)[:C] for _ in range(Hkv)])[None]
     fetch_idx, fetch_valid = torch.zeros_like(idx), torch.zeros(1, Hkv, K, dtype=torch.bool, device=device)
     q_rows, lse_rows = q1, torch.full((1, Hkv * G, 1), 4.0, device=device)
-    scratch = topk.rerank_scratch(1, Hkv, C, D, dtype, device)
+    scratch = transfer.rerank_scratch(1, Hkv, C, D, dtype, device)
     add(f"re-rank {C} candidate keys, fetch the {K} best's values (+ write 1)",
-        lambda: topk.rerank_rows(hk, hv, rk, rv, fetch_idx, fetch_valid, cand, torch.ones_like(cand, dtype=torch.bool),
+        lambda: transfer.rerank_rows(hk, hv, rk, rv, fetch_idx, fetch_valid, cand, torch.ones_like(cand, dtype=torch.bool),
                                      q_rows, lse_rows, 1 / D ** 0.5, new, new, pos, scratch=scratch),
         rk.nbytes * (C + K) // K, "host -> device over PCIe on CUDA: 2k keys + k values per kv head")
     # The side stream's cost to the main stream. On the H100 (2026-11-23) a 16 KB main-stream copy that

@@ -36,8 +36,8 @@ LOOPS = {
     "_select_kernel": [("keys", "CHUNK", "position", None), ("round 1", "CHUNK", "position", None),
                        ("round 2", "CHUNK", "position", None), ("round 3", "CHUNK", "position", None),
                        ("collect", "CHUNK", "position", None)],
-    "_transfer_rows_kernel": [("rows", "BLOCK_R", "row", "HAS_IDX"), ("new token", 1, "kv head", ("HAS_NEW", "!HAS_IDX")),
-                              ("token slot", ("BLOCK_R", 4), "slot", ("HAS_NEW", "HAS_IDX"))],
+    "_transfer_rows_kernel": [("rows", "BLOCK_R", "row", "HAS_ROWS"), ("new token", 1, "kv head", ("HAS_NEW", "!HAS_ROWS")),
+                              ("token slot", ("BLOCK_R", 4), "slot", ("HAS_NEW", "HAS_ROWS"))],
 }
 
 # kernel -> (budget per item, item, the minimum it is 4x of: what it counts)
@@ -113,7 +113,7 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
     if kern == "_select_kernel":  # (every refining round counted: an upper bound, they stop once the k-th's bucket is whole)
         return H, {name: nq * H for name, *_ in LOOPS[kern]}, nq * H, "position"
     if kern == "_transfer_rows_kernel":
-        rows = s["k"] * H if _cx(row, "HAS_IDX") else 0
+        rows = s["k"] * H if _cx(row, "HAS_ROWS") else 0
         progs = min(16, max(-(-rows // _cx(row, "BLOCK_R")), H))
         new = H if _cx(row, "HAS_NEW") else 0
         return progs, {"rows": rows, "new token": new, "token slot": s["k"] * new}, rows or H, "row" if rows else "kv head"

@@ -322,7 +322,7 @@ def cases(quick=False):
         for path in paths if lowbit.planes_fit(store, q.shape[-1], M) and not quick else ("words",):  # (--quick: the default)
             kernels.attention_lowbit_triton(q, store, *args, attn_path=path, select=select)
 
-    def selection(c, cfg, q, token=True):  # the one launch after the attention, as Prefetcher._stage calls it
+    def selection(c, cfg, q, token=True):  # the one launch after the attention, as Prefetcher._start_async calls it
         B, Hkv, S = c.k_codes.shape[:3]
         G, T, D = q.shape[1] // Hkv, q.shape[2], q.shape[3]
         R = T if cfg.policy.selects == "both" else 1
@@ -384,7 +384,7 @@ def cases(quick=False):
             for G, R, new_or_none in ((4, 1, new), (3, 2, None)):  # re-ranking: 128 candidates, k 64 after 4 sinks
                 fetch = [torch.zeros(1, 2, 68, D, dtype=dtype), torch.zeros(1, 2, 68, D, dtype=dtype),
                          torch.zeros(1, 2, 68, dtype=torch.long), torch.zeros(1, 2, 68, dtype=torch.bool)]
-                topk.rerank_rows_triton(*host, *fetch, idx.repeat(1, 1, 2), torch.ones(1, 2, 128, dtype=torch.bool),
+                transfer.rerank_rows_triton(*host, *fetch, idx.repeat(1, 1, 2), torch.ones(1, 2, 128, dtype=torch.bool),
                                             torch.zeros(1, 2 * G, R, D, dtype=dtype), torch.zeros(1, 2 * G, R),
                                             0.125, new_or_none, new_or_none, pos if new_or_none is not None else None,
                                             ring_off=4)
@@ -403,11 +403,11 @@ def cases(quick=False):
             record = (torch.zeros(1, 2, 4 + K, dtype=torch.long), torch.zeros(1, 2, 4 + K, dtype=torch.bool), 4,
                       torch.zeros(1, 2, K, dtype=torch.long))
             topk.select_triton(torch.zeros(1, 2, 4, 4096), torch.zeros(1, 8, 1), torch.tensor(2048), K, 4, record=record)
-            C = topk.RERANK_MAX_CANDIDATES
+            C = transfer.RERANK_MAX_CANDIDATES
             host = [torch.zeros(1, 2, 4096, D, dtype=dtype) for _ in range(2)]
             ring = [torch.zeros(1, 2, C // 2, D, dtype=dtype) for _ in range(2)] + \
                 [torch.zeros(1, 2, C // 2, dtype=torch.long), torch.zeros(1, 2, C // 2, dtype=torch.bool)]
-            topk.rerank_rows_triton(*host, *ring, torch.zeros(1, 2, C, dtype=torch.long), torch.ones(1, 2, C, dtype=torch.bool),
+            transfer.rerank_rows_triton(*host, *ring, torch.zeros(1, 2, C, dtype=torch.long), torch.ones(1, 2, C, dtype=torch.bool),
                                     torch.zeros(1, 8, 1, D, dtype=dtype), torch.zeros(1, 8, 1), 0.125)
         return run
 
