@@ -2,7 +2,7 @@
 layouts) so that no operand goes through shared memory and each warp owns whole key groups.
 
 Its torch reference is kernels.attention_lowbit_ref (key_logits / value_sum); it computes the same
-partials as kernels._attn_split_kernel's programs split < n_splits, and kernels.py's launcher runs it
+partials as kernels._attn_words_kernel's programs split < n_splits, and kernels.py's launcher runs it
 in their place where `fits` holds (docs/kernels.md: its static cost, and what is not yet verified).
 Gluon does not run under TRITON_INTERPRET=1: there the Triton plane path stands in, and
 tests/test_kernels.py checks this kernel's arithmetic with a torch model of it (`plane_constants`).

@@ -103,42 +103,75 @@ def selection_logits(quantized, res_scores, n_quant, res_len):
 # sum_n p_n z_n, so the dots run on exact integer codes; fetched positions are dropped by comparing
 # with the <= k fetched indices in registers; the sequence is split over programs, the last of each
 # kv head takes the fetched and residual fp rows, and a small kernel combines the partials
-# (flash-decoding). Rows that are not whole 32-bit words take a byte-wise path (WORDS=False). The
-# bit-plane path (PLANES, plain KIVI codes) orders a tile's channels plane-major, so each code
-# shifts out of its own byte with no reshape (no shared-memory round trip), makes 16-bit codes under
-# a magic exponent, and serves every value group with one dot (docs/kernels.md has the costs).
+# (flash-decoding). Rows that are not whole 32-bit words take a byte-wise read (WORDS=False). One
+# kernel per path (config.ATTN_PATHS): _attn_words_kernel; _attn_planes_kernel orders a tile's
+# channels plane-major, so each code shifts out of its own byte with no reshape (no shared-memory
+# round trip), makes 16-bit codes under a magic exponent, and serves every value group with one dot
+# (docs/kernels.md); attn_gluon.py's kernel, with _attn_fp_rows_kernel beside it. fp_rows is the
+# fp rows' part every path shares.
 
 
 @triton.jit
-def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, f_idx, f_valid, f_k, f_v,
-                       r_k, r_v, res_len_ptr, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, SPLIT_LEN, SPLIT0,
-                       NPARTS,
+def fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, logits, bh, offs_m, sel_ok,
+            offs_d, d_ok, S, R, K, D, T, M, dt: tl.constexpr, HAS_FETCH: tl.constexpr, DOT: tl.constexpr,
+            BLOCK_F: tl.constexpr, SEL: tl.constexpr):
+    """The fp rows of a kv head into the online softmax of its query tile qt (channels offs_d in their own
+    order): the fetched rows (eq. 1) and the residual window, causal among the step's T tokens. SEL > 0:
+    their scores go to `logits` too (rows sel_ok): a fetched row's exact score at its position (Algorithm
+    3's A), residual row r's at position n_quant + r (where a flush after this step quantizes it)."""
+    if SEL > 0:
+        lrows, lrows_ok = logits_rows(logits, bh, offs_m, sel_ok, T, M, S, SEL)
+    offs_f = tl.arange(0, BLOCK_F)
+    qd = qt.to(dt)
+    if HAS_FETCH:
+        for f0 in range(0, K, BLOCK_F):
+            f = f0 + offs_f
+            f_ok = (f < K) & (tl.load(f_valid + bh * K + f, mask=f < K, other=0) != 0)
+            ptr = (bh * K + f[:, None]) * D + offs_d[None, :]
+            kt = tl.load(f_k + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+            vt = tl.load(f_v + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+            s = tl.where(f_ok[None, :], tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
+            if SEL > 0:
+                fpos = tl.load(f_idx + bh * K + f, mask=f_ok, other=0)
+                store_logits(lrows, lrows_ok, fpos, f_ok, s)
+            m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
+            acc += tl.dot(p.to(dt), vt, input_precision=DOT)
+    # residual rows [0, res_len); query row m (token t = m % T) sees rows < res_len - T + t + 1
+    res_len = tl.minimum(tl.load(res_len_ptr), R)
+    limit = res_len - T + 1 + offs_m % T
+    for r0 in range(0, res_len, BLOCK_F):
+        r = r0 + offs_f
+        r_ok = r < res_len
+        ptr = (bh * R + r[:, None]) * D + offs_d[None, :]
+        kt = tl.load(r_k + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+        vt = tl.load(r_v + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+        causal = r_ok[None, :] & (r[None, :] < limit[:, None])
+        s = tl.where(causal, tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
+        if SEL > 0:
+            pos = tl.load(n_quant_ptr) + r
+            store_logits(lrows, lrows_ok, pos, r_ok & (pos < S), s)
+        m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
+        acc += tl.dot(p.to(dt), vt, input_precision=DOT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attn_words_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, f_idx, f_valid, f_k, f_v,
+                       r_k, r_v, res_len_ptr, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, SPLIT_LEN, NPARTS,
                        BITS: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr, NGV: tl.constexpr,
                        HAS_FETCH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr,
-                       PLANES: tl.constexpr = False, RG: tl.constexpr = 1, CODES: tl.constexpr = 0,
-                       CODE_OFF: tl.constexpr = 0.0, QUANT: tl.constexpr = True, SEL: tl.constexpr = 0):
-    """Grid (B*Hkv, n_splits + 1). Program `split` < n_splits attends to quantized slots
-    [split*SPLIT_LEN, +SPLIT_LEN) below n_quant; the last one to the fetched and residual fp rows.
-    Each writes (out, lse) partial `split` of NPARTS for the kv head's G*T query rows m = g*T + t.
-    SPLIT0 offsets the program index (grid (B*Hkv, 1) with SPLIT0 = n_splits: the fp-row program
-    alone, beside another kernel's quantized programs); QUANT=False compiles it only.
-    PLANES (the bit-plane path, for the quantized slots): the tile's columns are channels in
-    plane-major order (tiles.plane_codes), and its rows hold RG copies of the query rows, copy g taking
-    the values' channel group g: one value dot serves every channel group (each with its own
-    per-token scale), and the copies fill the MMA's 16 rows that M = 8 query rows would leave empty.
-    SEL > 0: the last SEL tokens select the next step's rows (Algorithm 3's ArgTopK over the attention they
-    just computed): their scores go to `logits` (tiles.store_logits), for every position the step attended
-    that can be fetched: a quantized slot's low-bit score, a fetched row's exact one at its position (eq. 1's
-    replacement), and residual row r's at position n_quant + r (the block a flush quantizes next)."""
+                       BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr, SEL: tl.constexpr = 0):
+    """The word path. Grid (B*Hkv, n_splits + 1). Program `split` < n_splits attends to quantized slots
+    [split*SPLIT_LEN, +SPLIT_LEN) below n_quant, the codes unpacked from 32-bit words (WORDS) or bytes;
+    the last one to the fetched and residual fp rows (fp_rows). Each writes (out, lse) partial `split` of
+    NPARTS for the kv head's G*T query rows m = g*T + t. SEL > 0: the last SEL tokens select the next
+    step's rows (Algorithm 3's ArgTopK over the attention they just computed): their scores go to `logits`
+    (tiles.store_logits) for every position the step attended that can be fetched; a quantized slot's is
+    its low-bit score."""
     bh = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1) + SPLIT0
-    n_splits = NPARTS - 1
-    MR: tl.constexpr = BLOCK_M // RG
-    offs_r = tl.arange(0, BLOCK_M)
-    offs_m = offs_r % MR  # the query row of each tile row
-    offs_c = tl.arange(0, BLOCK_D)
-    offs_d = tile_channels(offs_c, BLOCK_D, BITS, PLANES)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < M
     d_ok = offs_d < D
     qt = query_rows(q, bh, offs_m, m_ok, offs_d, d_ok, M, D, qk_scale)  # scores in log2 units: exp2 below
@@ -146,102 +179,129 @@ def _attn_split_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
     if UPCAST:
         dt = tl.float32
     m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
-    if HAS_FETCH:
-        fidx = fetched_positions(f_idx, f_valid, bh, K, BLOCK_K)
-    if SEL > 0:  # (row copy 0 of each query row: the plane path's copies hold the same scores)
-        lrows, lrows_ok = logits_rows(logits, bh, offs_m, m_ok & (offs_r < MR), T, M, S, SEL)
-    if QUANT and split < n_splits:
+    if split < NPARTS - 1:
+        if HAS_FETCH:
+            fidx = fetched_positions(f_idx, f_valid, bh, K, BLOCK_K)
+        if SEL > 0:
+            lrows, lrows_ok = logits_rows(logits, bh, offs_m, m_ok, T, M, S, SEL)
         lo = split * SPLIT_LEN
         hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
-        if PLANES:
-            grp_r = offs_r // MR
-            for n0 in range(lo, hi, GROUP_K):
-                offs_n = n0 + tl.arange(0, GROUP_K)
-                n_ok = offs_n < hi
-                rows = bh * S + offs_n
-                grp = bh * (S // GROUP_K) + n0 // GROUP_K
-                s = plane_key_scores(qt, k_codes, k_scale, k_zero, rows, grp, offs_c, offs_d, D, dt, BITS, BLOCK_D, CODES,
-                                     CODE_OFF, DOT)
-                keep = n_ok
-                if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
-                    keep = keep & ~fetched_mask(n0, fidx, GROUP_K)
-                if SEL > 0:
-                    store_logits(lrows, lrows_ok, offs_n, keep, s)
-                s = tl.where(keep[None, :], s, -float("inf"))
-                m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
-                # values: row copy g folds channel group g's per-token scale/zero into p
-                cv = plane_codes(v_codes, rows[:, None], offs_c[None, :], dt, BITS, BLOCK_D, CODES)
-                sv = tl.zeros([BLOCK_M, GROUP_K], tl.float32)
-                zv = tl.zeros([BLOCK_M, GROUP_K], tl.float32)
-                for g in tl.static_range(RG):
-                    sv = tl.where((grp_r == g)[:, None], tl.load(v_scale + rows * NGV + g, mask=n_ok, other=0.0).to(tl.float32)[None, :], sv)
-                    zv = tl.where((grp_r == g)[:, None], tl.load(v_zero + rows * NGV + g, mask=n_ok, other=0.0).to(tl.float32)[None, :], zv)
-                ps = (p * sv).to(dt)
-                acc += tl.dot(ps, cv, input_precision=DOT) + tl.sum(p * zv - CODE_OFF * ps.to(tl.float32), 1)[:, None]
-        else:
-            for n0 in range(lo, hi, GROUP_K):
-                offs_n = n0 + tl.arange(0, GROUP_K)
-                n_ok = offs_n < hi
-                rows = bh * S + offs_n
-                # keys: this block is one key group; its scale/zero fold into the query
-                grp = bh * (S // GROUP_K) + n0 // GROUP_K
-                sk = tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                ck = codes_tile(k_codes, rows, n_ok, offs_d, D, BITS, WORDS, GROUP_K, BLOCK_D)
-                s = key_scores(qt, sk, zk, ck, dt, DOT)
-                keep = n_ok
-                if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
-                    keep = keep & (fetched_hits(offs_n, fidx) == 0)
-                if SEL > 0:
-                    store_logits(lrows, lrows_ok, offs_n, keep, s)
-                cv = codes_tile(v_codes, rows, n_ok, offs_d, D, BITS, WORDS, GROUP_K, BLOCK_D).to(dt)
-                m_i, l_i, acc = word_block(s, keep, cv, m_i, l_i, acc, v_scale, v_zero, rows, n_ok, offs_d, D, dt, NGV,
-                                           DOT)
+        for n0 in range(lo, hi, GROUP_K):
+            offs_n = n0 + tl.arange(0, GROUP_K)
+            n_ok = offs_n < hi
+            rows = bh * S + offs_n
+            # keys: this block is one key group; its scale/zero fold into the query
+            grp = bh * (S // GROUP_K) + n0 // GROUP_K
+            sk = tl.load(k_scale + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            zk = tl.load(k_zero + grp * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            ck = codes_tile(k_codes, rows, n_ok, offs_d, D, BITS, WORDS, GROUP_K, BLOCK_D)
+            s = key_scores(qt, sk, zk, ck, dt, DOT)
+            keep = n_ok
+            if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
+                keep = keep & (fetched_hits(offs_n, fidx) == 0)
+            if SEL > 0:
+                store_logits(lrows, lrows_ok, offs_n, keep, s)
+            cv = codes_tile(v_codes, rows, n_ok, offs_d, D, BITS, WORDS, GROUP_K, BLOCK_D).to(dt)
+            m_i, l_i, acc = word_block(s, keep, cv, m_i, l_i, acc, v_scale, v_zero, rows, n_ok, offs_d, D, dt, NGV, DOT)
     else:
-        if PLANES:  # fp rows: channels in their own order (masks and loads of contiguous, aligned
-            offs_d = offs_c  # channels: vectorized); the store follows offs_d
-            d_ok = offs_d < D
-            qt = tl.load(q + (bh * M + offs_m[:, None]) * D + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-            qt = qt.to(tl.float32) * qk_scale
-        offs_f = tl.arange(0, BLOCK_F)
-        qd = qt.to(dt)
+        m_i, l_i, acc = fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, logits,
+                                bh, offs_m, m_ok, offs_d, d_ok, S, R, K, D, T, M, dt, HAS_FETCH, DOT, BLOCK_F, SEL)
+    store_partial(out_part, lse_part, (bh * NPARTS + split) * M + offs_m, m_ok, offs_d, d_ok, D, acc, m_i, l_i)
+
+
+@triton.jit
+def _attn_planes_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, f_idx, f_valid, f_k, f_v,
+                        r_k, r_v, res_len_ptr, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, SPLIT_LEN,
+                        NPARTS, BITS: tl.constexpr, GROUP_K: tl.constexpr, NGV: tl.constexpr, HAS_FETCH: tl.constexpr,
+                        DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr, RG: tl.constexpr, CODES: tl.constexpr,
+                        CODE_OFF: tl.constexpr, SEL: tl.constexpr = 0):
+    """The bit-plane path: _attn_words_kernel's grid and partials, the quantized slots read as bit-plane
+    tiles. A tile's columns are channels in plane-major order (tiles.plane_codes), and its rows hold RG
+    copies of the query rows, copy g taking the values' channel group g: one value dot serves every
+    channel group (each with its own per-token scale), and the copies fill the MMA's 16 rows that M = 8
+    query rows would leave empty. CODES / CODE_OFF: how 16-bit dots read the codes (plane_codes)."""
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    MR: tl.constexpr = BLOCK_M // RG
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = offs_r % MR  # the query row of each tile row
+    offs_c = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < M
+    dt = q.dtype.element_ty
+    if UPCAST:
+        dt = tl.float32
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
+    if split < NPARTS - 1:
+        offs_d = tile_channels(offs_c, BLOCK_D, BITS, True)
+        d_ok = offs_d < D
+        qt = query_rows(q, bh, offs_m, m_ok, offs_d, d_ok, M, D, qk_scale)
         if HAS_FETCH:
-            for f0 in range(0, K, BLOCK_F):
-                f = f0 + offs_f
-                f_ok = (f < K) & (tl.load(f_valid + bh * K + f, mask=f < K, other=0) != 0)
-                ptr = (bh * K + f[:, None]) * D + offs_d[None, :]
-                kt = tl.load(f_k + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
-                vt = tl.load(f_v + ptr, mask=f_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
-                s = tl.where(f_ok[None, :], tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
-                if SEL > 0:  # a fetched row scores at its position with its fp key (Algorithm 3's A)
-                    fpos = tl.load(f_idx + bh * K + f, mask=f_ok, other=0)
-                    store_logits(lrows, lrows_ok, fpos, f_ok, s)
-                m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
-                acc += tl.dot(p.to(dt), vt, input_precision=DOT)
-        # residual rows [0, res_len); query row m (token t = m % T) sees rows < res_len - T + t + 1
-        res_len = tl.minimum(tl.load(res_len_ptr), R)
-        limit = res_len - T + 1 + offs_m % T
-        for r0 in range(0, res_len, BLOCK_F):
-            r = r0 + offs_f
-            r_ok = r < res_len
-            ptr = (bh * R + r[:, None]) * D + offs_d[None, :]
-            kt = tl.load(r_k + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
-            vt = tl.load(r_v + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
-            causal = r_ok[None, :] & (r[None, :] < limit[:, None])
-            s = tl.where(causal, tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
-            if SEL > 0:  # residual row r at position n_quant + r: where a flush after this step quantizes it
-                pos = tl.load(n_quant_ptr) + r
-                store_logits(lrows, lrows_ok, pos, r_ok & (pos < S), s)
+            fidx = fetched_positions(f_idx, f_valid, bh, K, BLOCK_K)
+        if SEL > 0:  # (row copy 0 of each query row: the copies hold the same scores)
+            lrows, lrows_ok = logits_rows(logits, bh, offs_m, m_ok & (offs_r < MR), T, M, S, SEL)
+        lo = split * SPLIT_LEN
+        hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
+        grp_r = offs_r // MR
+        for n0 in range(lo, hi, GROUP_K):
+            offs_n = n0 + tl.arange(0, GROUP_K)
+            n_ok = offs_n < hi
+            rows = bh * S + offs_n
+            grp = bh * (S // GROUP_K) + n0 // GROUP_K
+            s = plane_key_scores(qt, k_codes, k_scale, k_zero, rows, grp, offs_c, offs_d, D, dt, BITS, BLOCK_D, CODES,
+                                 CODE_OFF, DOT)
+            keep = n_ok
+            if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy
+                keep = keep & ~fetched_mask(n0, fidx, GROUP_K)
+            if SEL > 0:
+                store_logits(lrows, lrows_ok, offs_n, keep, s)
+            s = tl.where(keep[None, :], s, -float("inf"))
             m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
-            acc += tl.dot(p.to(dt), vt, input_precision=DOT)
+            # values: row copy g folds channel group g's per-token scale/zero into p
+            cv = plane_codes(v_codes, rows[:, None], offs_c[None, :], dt, BITS, BLOCK_D, CODES)
+            sv = tl.zeros([BLOCK_M, GROUP_K], tl.float32)
+            zv = tl.zeros([BLOCK_M, GROUP_K], tl.float32)
+            for g in tl.static_range(RG):
+                sv = tl.where((grp_r == g)[:, None], tl.load(v_scale + rows * NGV + g, mask=n_ok, other=0.0).to(tl.float32)[None, :], sv)
+                zv = tl.where((grp_r == g)[:, None], tl.load(v_zero + rows * NGV + g, mask=n_ok, other=0.0).to(tl.float32)[None, :], zv)
+            ps = (p * sv).to(dt)
+            acc += tl.dot(ps, cv, input_precision=DOT) + tl.sum(p * zv - CODE_OFF * ps.to(tl.float32), 1)[:, None]
+    else:  # fp rows: channels in their own order (masks and loads of contiguous, aligned channels: vectorized)
+        offs_d = offs_c
+        d_ok = offs_d < D
+        qt = query_rows(q, bh, offs_m, m_ok, offs_d, d_ok, M, D, qk_scale)
+        m_i, l_i, acc = fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, logits,
+                                bh, offs_m, m_ok & (offs_r < MR), offs_d, d_ok, S, R, K, D, T, M, dt, HAS_FETCH, DOT,
+                                BLOCK_F, SEL)
     if RG > 1:  # each row copy keeps its own channel group (their softmax statistics are the same)
         acc = tl.sum(tl.reshape(tl.where(offs_r[:, None] // MR == offs_d[None, :] // (D // NGV), acc, 0.0),
                                 (RG, MR, BLOCK_D)), 0)
         m_i = tl.max(tl.reshape(m_i, (RG, MR)), 0)
         l_i = tl.max(tl.reshape(l_i, (RG, MR)), 0)
-        offs_m = tl.arange(0, MR)
-        m_ok = offs_m < M
-    store_partial(out_part, lse_part, (bh * NPARTS + split) * M + offs_m, m_ok, offs_d, d_ok, D, acc, m_i, l_i)
+    offs_m = tl.arange(0, MR)
+    store_partial(out_part, lse_part, (bh * NPARTS + split) * M + offs_m, offs_m < M, offs_d, d_ok, D, acc, m_i, l_i)
+
+
+@triton.jit
+def _attn_fp_rows_kernel(q, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part, logits,
+                         qk_scale, S, R, K, D, T, M, NPARTS, HAS_FETCH: tl.constexpr, DOT: tl.constexpr,
+                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+                         SEL: tl.constexpr = 0):
+    """Grid (B*Hkv,): the fp rows' program alone (fp_rows), writing the last of NPARTS partials, beside
+    another kernel's quantized programs (attn_gluon's, or a store read through its own kernel)."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < M
+    d_ok = offs_d < D
+    qt = query_rows(q, bh, offs_m, m_ok, offs_d, d_ok, M, D, qk_scale)
+    dt = q.dtype.element_ty
+    if UPCAST:
+        dt = tl.float32
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
+    m_i, l_i, acc = fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, logits, bh,
+                            offs_m, m_ok, offs_d, d_ok, S, R, K, D, T, M, dt, HAS_FETCH, DOT, BLOCK_F, SEL)
+    store_partial(out_part, lse_part, (bh * NPARTS + NPARTS - 1) * M + offs_m, m_ok, offs_d, d_ok, D, acc, m_i, l_i)
 
 
 @triton.jit
@@ -332,23 +392,29 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     qk_scale = float(sm_scale) * LOG2E.value
     BLOCK_K = max(16, triton.next_power_of_2(max(K, 1)))
     decode = DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}
-    if gluon:
-        attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS,
-                          select)
-    elif quantized is not None:
-        quantized(q, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS, BLOCK_M, BLOCK_K, select,
-                  **{**decode, **launch})
-    fp_rows_only = gluon or quantized is not None  # (the program after the quantized ones: grid (BH, 1), SPLIT0 = n_splits)
-    _attn_split_kernel[(BH, 1 if fp_rows_only else NS)](
-        q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero), c(store.n_quant),
-        c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q, c(f.k) if f else q,
-        c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length), out_part, lse_part, logits, qk_scale, S,
-        R, K, D, T, M, split_len,
-        n_splits if fp_rows_only else 0, NS, BITS=store.bits, WORDS=words, GROUP_K=store.group_k,
-        NGV=D // min(store.group_v, D), HAS_FETCH=f is not None, DOT=dot_precision(q.dtype),
-        UPCAST=interpreter_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_F=64,
-        PLANES=plane is not None, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF, QUANT=not fp_rows_only, SEL=select,
-        **{**decode, **(FP_ROWS_LAUNCH if gluon else {}), **launch})
+    fp = (c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q, c(f.k) if f else q,
+          c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length))
+    dims = dict(HAS_FETCH=f is not None, DOT=dot_precision(q.dtype), UPCAST=interpreter_upcast(q.dtype), BLOCK_D=BLOCK_D,
+                BLOCK_F=64, SEL=select)
+    if gluon or quantized is not None:  # another kernel's quantized programs, then the fp rows' program alone
+        if gluon:
+            attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, logits, qk_scale, n_splits, split_len,
+                              NS, select)
+        else:
+            quantized(q, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS, BLOCK_M, BLOCK_K, select,
+                      **{**decode, **launch})
+        _attn_fp_rows_kernel[(BH,)](q, *fp, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, NS,
+                                    BLOCK_M=max(16, triton.next_power_of_2(M)), **dims,
+                                    **{**decode, **(FP_ROWS_LAUNCH if gluon else {}), **launch})
+    else:
+        quant = (q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero))
+        args = (*quant, *fp, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, split_len, NS)
+        shape = dict(BITS=store.bits, GROUP_K=store.group_k, NGV=D // min(store.group_v, D), BLOCK_M=BLOCK_M,
+                     BLOCK_K=BLOCK_K, **dims, **decode, **launch)
+        if plane is not None:
+            _attn_planes_kernel[(BH, NS)](*args, RG=RG, CODES=CODES, CODE_OFF=CODE_OFF, **shape)
+        else:
+            _attn_words_kernel[(BH, NS)](*args, WORDS=words, **shape)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _attn_combine_kernel[(BH, M)](out_part, lse_part, out, lse, NS, M, D,

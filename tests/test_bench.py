@@ -159,16 +159,16 @@ def test_cuda_profile_attributes_kernels_by_name_not_stream():
     def ev(name, start, end, stream=7):
         return SimpleNamespace(device_type=lambda: cuda, duration_ns=lambda: end - start, start_ns=lambda: start,
                                end_ns=lambda: end, name=lambda: name, device_resource_id=lambda: stream)
-    events = [ev("_attn_split_kernel", 0, 40), ev("_select_kernel", 40, 50), ev("_transfer_rows_kernel", 45, 65),
+    events = [ev("_attn_words_kernel", 0, 40), ev("_select_kernel", 40, 50), ev("_transfer_rows_kernel", 45, 65),
               ev("sm90_xmma_gemm_bf16", 50, 60), ev("triton_poi_fused_bitwise_or_round_3", 70, 80),
-              ev("_attn_split_kernel", 100, 140), ev("_select_kernel", 140, 150), ev("_transfer_rows_kernel", 150, 160)]
+              ev("_attn_words_kernel", 100, 140), ev("_select_kernel", 140, 150), ev("_transfer_rows_kernel", 150, 160)]
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
     p = measure.profile_of(prof, n_steps=2)
     assert p["class_us_per_step"] == pytest.approx({"attention": 0.04, "selection": 0.01, "transfer": 0.015,
                                                     "gemm": 0.005, "quantizer": 0.005})
     assert p["transfer_overlapped_frac"] == pytest.approx(15 / 30)  # 45-50 beside the selection, 50-60 the GEMM
     assert p["launches_per_step"] == 4 and p["busy_ms_per_step"] == pytest.approx((65 + 10 + 60) / 1e6 / 2)
-    assert [(k["name"], k["calls_per_step"]) for k in p["kernels"][:2]] == [("_attn_split_kernel", 1), ("_transfer_rows_kernel", 1)]
+    assert [(k["name"], k["calls_per_step"]) for k in p["kernels"][:2]] == [("_attn_words_kernel", 1), ("_transfer_rows_kernel", 1)]
 
 
 def test_ratio_rows():

@@ -42,7 +42,7 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90(gate_rows):
     assert r.returncode == 0 and rows and not failed, (r.stdout[-3000:] + r.stderr[-3000:])
     assert {row["arch"] for row in rows} == archs
     kernels = {row["kernel"] for row in rows}
-    assert {"_attn_split_kernel", "_attn_combine_kernel", "_select_kernel", "_transfer_rows_kernel",
+    assert {"_attn_words_kernel", "_attn_combine_kernel", "_select_kernel", "_transfer_rows_kernel",
             "_rerank_score_kernel", "_rerank_layout_kernel", "_rerank_pick_kernel"} <= kernels, kernels
     # a kernel ptxas takes minutes on is a hang on the GPU (a k 512 x 512 tile on one warp: over 6 min)
     slow = [(row["kernel"], row["variant"], row["compile_s"]) for row in rows if row["compile_s"] > 60]
@@ -142,7 +142,7 @@ def test_hot_loop_cost_of_a_synthetic_sass(aot):
     hot = aot.hot_loop(text)  # A: 6 instructions, B: 5 (the NOP does not count)
     assert hot == dict(loop_instr=6, inner_loop_instr=[6, 5], sts=1, lds=1, local=1, bar=1, smem_roundtrip=True), hot
     assert aot.loop_loads(text) == {"128": 1, "cp128": 1}
-    row = dict(kernel="_attn_split_kernel", constexprs={"GROUP_K": "64"}, num_warps=4, **hot)
+    row = dict(kernel="_attn_words_kernel", constexprs={"GROUP_K": "64"}, num_warps=4, **hot)
     assert aot.per_token(row) == 6 * 4 / 64
     assert aot.per_token(dict(row, kernel="_attn_combine_kernel")) is None
 
@@ -169,7 +169,7 @@ def test_every_loop_named_and_counted_per_step(aot):
     every = aot.inner_loops(text)
     assert every == [dict(instr=3, sts=1, lds=0, local=0), dict(instr=2, sts=0, lds=1, local=0),
                      dict(instr=3, sts=0, lds=0, local=1)]
-    row = dict(kernel="_attn_split_kernel", num_warps=2,
+    row = dict(kernel="_attn_words_kernel", num_warps=2,
                constexprs={"GROUP_K": "64", "BLOCK_F": "32", "HAS_FETCH": "True"})
     loops = kc.loops_of(row, [x["instr"] for x in every])
     assert [(lp["name"], lp["per_item"]) for lp in loops] == [("quantized", 3 * 2 / 64), ("fetched", 2 * 2 / 32),

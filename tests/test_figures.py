@@ -21,7 +21,7 @@ def jsonl(path, recs):
 
 def step_json(path, date, rows):
     grid = [dict(label=lb, context=32768, batch=1, step_ms_median=ms, floor_ms_h100=4.7,
-                 profile=dict(kernels_us_per_step={"_attn_split_kernel": 3000.0})) for lb, ms in rows]
+                 profile=dict(kernels_us_per_step={"_attn_words_kernel": 3000.0})) for lb, ms in rows]
     write(path, json.dumps(dict(environment=dict(date=f"{date}T00:00:00+00:00", gpu="Fake GPU"), grid=grid)))
 
 

@@ -30,7 +30,7 @@ from lowbit import Fetched, LowBitKV, Residual  # noqa: E402
 from tests.helpers import planes_where_they_fit  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INTERPRETED = type(kernels._attn_split_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = type(kernels._attn_words_kernel).__name__ == "InterpretedFunction"
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="kernels imported before TRITON_INTERPRET=1 "
                                        "(covered by test_kernels_interpreted_in_fresh_process)")
 

@@ -153,7 +153,7 @@ def test_launches_per_decode_layer():
     counts = {name: kernel_cost.count_launches(name, layers=2, context=200, head_dim=64)
               for name in ("kivi-1bit", "specache-1bit", "specache-1bit-best")}
     kivi, spec, best = (counts[n] for n in ("kivi-1bit", "specache-1bit", "specache-1bit-best"))
-    assert kivi["triton"] == {"_attn_combine_kernel": 1.0, "_attn_split_kernel": 1.0}
+    assert kivi["triton"] == {"_attn_combine_kernel": 1.0, "_attn_words_kernel": 1.0}
     assert spec["triton"] == {**kivi["triton"], "_select_kernel": 1.0, "_transfer_rows_kernel": 1.0}
     assert set(best["triton"]) == set(kivi["triton"]) | {"_select_kernel", "_keep_sinks_kernel", "_rerank_score_kernel",
                                                          "_rerank_layout_kernel", "_rerank_pick_kernel"}

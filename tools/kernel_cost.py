@@ -29,8 +29,11 @@ STEP = dict(n_quant=32768, Hkv=8, G=4, T=2, k=64, res_len=64, candidates=128, sm
 
 # Source loops in address order: (name, items per iteration: a constexpr name or a number, item, present when).
 LOOPS = {
-    "_attn_split_kernel": [("quantized", "GROUP_K", "token", "QUANT"), ("fetched", "BLOCK_F", "row", "HAS_FETCH"),
+    "_attn_words_kernel": [("quantized", "GROUP_K", "token", None), ("fetched", "BLOCK_F", "row", "HAS_FETCH"),
                            ("residual", "BLOCK_F", "row", None)],
+    "_attn_planes_kernel": [("quantized", "GROUP_K", "token", None), ("fetched", "BLOCK_F", "row", "HAS_FETCH"),
+                            ("residual", "BLOCK_F", "row", None)],
+    "_attn_fp_rows_kernel": [("fetched", "BLOCK_F", "row", "HAS_FETCH"), ("residual", "BLOCK_F", "row", None)],
     "_attn_planes_gluon": [("quantized", ("GROUP_K", "NW"), "token", None)],
     "_attn_views_kernel": [("quantized", "GROUP_K", "token", None)],
     "_select_kernel": [("keys", "CHUNK", "position", None), ("round 1", "CHUNK", "position", None),
@@ -40,11 +43,16 @@ LOOPS = {
                               ("token slot", ("BLOCK_R", 4), "slot", ("HAS_NEW", "HAS_ROWS"))],
 }
 
+ATTENTION_KERNELS = ("_attn_words_kernel", "_attn_planes_kernel", "_attn_fp_rows_kernel", "_attn_planes_gluon",
+                     "_attn_views_kernel")
+
 # kernel -> (budget per item, item, the minimum it is 4x of: what it counts)
 BUDGETS = {
-    "_attn_split_kernel": (24.0, "KV token", "5.9: codes 0.1 loads + 4 unpack + 1 MMA + 0.75 softmax (every loop: 24)"),
-    "_attn_planes_gluon": (24.0, "KV token", "the attention's quantized slots (as _attn_split_kernel's)"),
-    "_attn_views_kernel": (24.0, "KV token", "the siblings' quantized slots (as _attn_split_kernel's)"),
+    "_attn_words_kernel": (24.0, "KV token", "5.9: codes 0.1 loads + 4 unpack + 1 MMA + 0.75 softmax (every loop: 24)"),
+    "_attn_planes_kernel": (24.0, "KV token", "as _attn_words_kernel's"),
+    "_attn_fp_rows_kernel": (24.0, "KV token", "the fp rows' loops (as _attn_words_kernel's)"),
+    "_attn_planes_gluon": (24.0, "KV token", "the attention's quantized slots (as _attn_words_kernel's)"),
+    "_attn_views_kernel": (24.0, "KV token", "the siblings' quantized slots (as _attn_words_kernel's)"),
     "_select_kernel": (4.0, "position", "1.0: keys 0.3 (G = 4 logits, exp2, sum, key, store, count) + 3 rounds x 0.15 "
                                         "(load, digit, count) + collect 0.25 (compare, two scans, store)"),
     "_transfer_rows_kernel": (8.3, "row", "2.06: 512 B of K+V loaded and stored (2 x 1 LDG/STG.128 a warp) + index"),
@@ -98,8 +106,8 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
     s, kern = STEP, row["kernel"]
     H, nq = s["Hkv"], s["n_quant"]
     splits = min(nq // (_cx(row, "GROUP_K") or 1), 4 * s["sms"] // H)
-    if kern == "_attn_split_kernel":
-        quant = _cx(row, "QUANT", True)  # (False: the fp-row program alone, beside _attn_planes_gluon or _attn_views_kernel)
+    if kern in ("_attn_words_kernel", "_attn_planes_kernel", "_attn_fp_rows_kernel"):
+        quant = kern != "_attn_fp_rows_kernel"  # (the fp rows' program alone: beside _attn_planes_gluon or _attn_views_kernel)
         loops = dict(quantized=nq * H if quant else 0, fetched=s["k"] * H if _cx(row, "HAS_FETCH") else 0,
                      residual=s["res_len"] * H)
         return H * (splits * quant + 1), loops, sum(loops.values()), "KV token"
@@ -148,7 +156,7 @@ def budget_check(row) -> Optional[dict]:
     if row["kernel"] not in BUDGETS or "loops" not in row:
         return None
     b, item, _ = BUDGETS[row["kernel"]]
-    if row["kernel"] in ("_attn_split_kernel", "_attn_planes_gluon", "_attn_views_kernel"):
+    if row["kernel"] in ATTENTION_KERNELS:
         worst = max((lp["per_item"] or float("inf")) for lp in row["loops"]) if row["loops"] else None
     else:
         worst = (row.get("step") or {}).get("per_item")

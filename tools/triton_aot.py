@@ -2,8 +2,8 @@
 the numbers a kernel author needs without a GPU (registers, spills, load widths in the hot loops).
 
     python tools/triton_aot.py                 # compile all variants for sm_80 and sm_90, print the report
-    python tools/triton_aot.py --kernel _attn_split_kernel   # one kernel's variants only (minutes, not ~15)
-    python tools/triton_aot.py --arch 90 --sass _attn_split_kernel   # also print that kernel's SASS loops
+    python tools/triton_aot.py --kernel _attn_words_kernel   # one kernel's variants only (minutes, not ~15)
+    python tools/triton_aot.py --arch 90 --sass _attn_words_kernel   # also print that kernel's SASS loops
 
 The report's static cost columns, per variant and target (docs/kernels.md): registers, local memory
 and stack bytes (spills), shared memory; the hot loop (the longest innermost loop of `cuobjdump
@@ -219,12 +219,12 @@ def loop_loads(sass_text: str) -> dict:
 
 
 # What one iteration of a kernel's hot loop processes, in KV tokens: the constexpr that sets it.
-TOKENS_PER_ITERATION = {"_attn_split_kernel": "GROUP_K", "_select_kernel": "CHUNK", "_attn_planes_gluon": ("GROUP_K", "NW"),
-                        "_attn_views_kernel": "GROUP_K"}
+TOKENS_PER_ITERATION = {"_attn_words_kernel": "GROUP_K", "_attn_planes_kernel": "GROUP_K", "_select_kernel": "CHUNK",
+                        "_attn_planes_gluon": ("GROUP_K", "NW"), "_attn_views_kernel": "GROUP_K"}
 # Which innermost loop is the hot one (default: the longest). The attention kernel's loop over the
 # quantized slots is its first (the then-branch of `split < n_splits`; the fetched and residual fp-row
 # loops follow it), and need not be its longest.
-HOT_LOOP = {"_attn_split_kernel": "first"}
+HOT_LOOP = {"_attn_words_kernel": "first", "_attn_planes_kernel": "first"}
 
 
 def hot_loop(sass_text: str, pick: str = "longest") -> dict:
