@@ -549,6 +549,24 @@ def test_triton_custom_ops_opcheck():
 
 
 @needs_interpreter
+def test_views_custom_op_opcheck():
+    """The siblings' op (attn_views): schema, fake kernel and the real launch agree with the reference, for
+    ZipCache's mixed codes with fetched rows and QuantSpec's INT8 view, with and without the logits."""
+    import attn_views
+    for kw in (dict(bits=2, mixed=(4, 13), zip=True, fetch=8), dict(hier=True, fetch=4)):
+        c = make_case(G=3, T=2, S=128, n_quant=64, **kw)
+        tensors, ints, optional = lowbit.op_inputs(c.store.kv, c.residual, c.fetched)
+        s = c.store
+        args = (c.q, list(tensors), list(ints), list(optional), [s.k_codes_lo, s.v_codes_lo, s.v_chan, s.k_ref, s.v_ref,
+                s.ref_map], [s.ref_bits, s.n_ref], c.sm_scale)
+        got = attn_views._attention_views_op(*args)
+        torch.testing.assert_close(got[:2], kernels.attention_lowbit_ref(*c.args()), atol=1e-4, rtol=1e-4)
+        for select in (0, 2):
+            torch.library.opcheck(attn_views._attention_views_op, (*args, select),
+                                  test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_interpreter
 def test_triton_attention_op_fake_has_the_real_strides():
     """torch.compile trusts the fake (meta) kernel's strides: with q a transposed view (as the model
     passes it) the fake must return the contiguous tensor the real op returns (H100 finding:
