@@ -8,7 +8,8 @@ import torch
 
 from config import CacheConfig
 from quant import probe_positions
-from generate import decode_step, setup_caches
+from generate import decode_step
+from methods import setup_caches
 from zipcache import ZipCache
 from tests.helpers import run_generate, tiny_model
 

@@ -311,7 +311,7 @@ def cases(quick=False):
     import topk
     import transfer
     from config import CacheConfig
-    from generate import STORES
+    from methods import STORES
 
     def both_paths(q, store, *args, select=0):  # the word path, and the bit-plane paths where they fit the layout
         M = q.shape[1] // store.k_codes.shape[1] * q.shape[2]
