@@ -144,9 +144,7 @@ def generate(model, prompt: torch.Tensor, decoding: Decoding, steps: Steps = Ste
 
 
 # ---- transformers models: model.generate(ids, custom_generate=generate.hf_generate, ...) -------------------
-WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
-
-
+# (Here, not in hf.py: the command line loads --hf models through hf.py, which therefore cannot import the loop.)
 def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                 synced_gpus=False, streamer=None, cache_config="specache", prefill_chunk=2048, stream=None,
                 compile=False, **model_kwargs):
@@ -161,31 +159,21 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     import hf
 
     config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
-    if config.kind == "quantspec":
-        raise hf.HFError("QuantSpec is a draft-and-verify loop: run it with generate.py --hf DIR --method quantspec")
-    other = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in WARPERS]
-    other += [type(s).__name__ for s in (stopping_criteria or [])
-              if type(s).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria")]
-    if other or generation_config.num_beams > 1 or generation_config.return_dict_in_generate:
-        raise hf.HFError(f"custom_generate=generate.hf_generate does greedy decoding or plain sampling; not "
-                         f"supported here: {', '.join(other) or 'beams / return_dict_in_generate'}")
+    hf.check_generation(config, logits_processor, stopping_criteria, generation_config)
     B, P = input_ids.shape
     pad = hf.left_padding(model_kwargs.get("attention_mask"), B, P)  # None: no padding
     prev = model.config._attn_implementation
     view = hf.HFModel(model)
-    new = generation_config.max_length - P
-    eos = generation_config.eos_token_id
-    eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+    decoding = hf.generation_decoding(generation_config, P, streaming=streamer is not None or stream is not None)
+    max_seq_len = P + decoding.max_new_tokens + 1
     if pad is None:
-        setup_caches(view, config, B, P + new + 1)
+        setup_caches(view, config, B, max_seq_len)
     else:  # a left-padded batch: each row caches of its own, at its own positions
-        view.setup_rows(lambda: setup_caches(view, config, 1, P + new + 1), pad)
+        view.setup_rows(lambda: setup_caches(view, config, 1, max_seq_len), pad)
     if streamer is None and stream is not None:
         streamer = stream
         streamer.put(input_ids.cpu())  # what generate() does before the loop for its own `streamer`
     on_step = (lambda step, logits, token, fed: streamer.put(token.cpu())) if streamer is not None else None
-    decoding = Decoding(new, temperature=1.0 if generation_config.do_sample else 0.0, eos_ids=eos,
-                        eos_check_every=1 if streamer is not None else Decoding.eos_check_every)
     try:
         warped = generation_config.do_sample and len(logits_processor or [])
         steps = Steps().compiled(input_ids.device, config.policy.resync) if compile else Steps()
@@ -195,12 +183,7 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
         model.set_attn_implementation(prev)
     if streamer is not None:
         streamer.end()
-    if eos:  # rows that ended: pad after their first eos, as transformers does
-        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else min(eos)
-        ended = torch.zeros(B, dtype=torch.bool, device=out.device)
-        for i in range(out.shape[1]):
-            out[:, i] = torch.where(ended, pad, out[:, i])
-            ended |= torch.isin(out[:, i], torch.tensor(sorted(eos), device=out.device))
+    out = hf.pad_after_eos(out, decoding.eos_ids, generation_config.pad_token_id)
     return torch.cat([input_ids, out], 1)
 
 
