@@ -1,9 +1,9 @@
 """The one way to name a KV cache configuration, and what each fetch policy does.
 
-`CacheConfig` is what a cache is: kind (full, kivi, specache, quantspec), bits, quantization group,
-fp residual window, fetched rows k, fetch policy, quantization scheme and the SpeCache options
-(attention sinks, re-ranking). It is built from a name such as "specache-1bit-oracle" or
-"specache-2bit-best" (a preset), or from CLI flags, and checked in one place (`validated`). Every
+`CacheConfig` is what a cache is: kind (full, kivi, specache; the siblings quantspec, quest, infllm),
+bits, quantization group, fp residual window, fetched rows k, fetch policy, quantization scheme and the
+SpeCache options (attention sinks, re-ranking). It is built from a name such as "specache-1bit-oracle" or
+"specache-2bit-best" (a preset), or from CLI flags, and checked in one place (`validated`, by kind). Every
 entry point (generate.py, tools/eval.py, tools/bench.py, hf.py) names caches this way, and result
 tables print the canonical name (`CacheConfig.name`).
 
