@@ -337,7 +337,7 @@ class HFModel(nn.Module):
 
     def setup_rows(self, setup_row, pad) -> "RowKVCaches":
         """A left-padded batch: every row caches of its own. setup_row() sets up batch-1 caches on this
-        model (generate.setup_caches(view, config, 1, max_seq_len)) and returns them; pad [B]: each
+        model (methods.setup_caches(view, config, 1, max_seq_len)) and returns them; pad [B]: each
         row's left padding (left_padding). The loop's positions then count columns of the padded
         batch; a row's own positions are the column minus its padding."""
         rows = [setup_row() for _ in range(len(pad))]
