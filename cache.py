@@ -156,7 +156,7 @@ class LowBitCache(nn.Module):
       v_codes [B,Hkv,S+R,D*bits/8] u8, v_scale/v_zero [B,Hkv,S+R,D/group]     values per token
       k_res/v_res [B,Hkv,R+max_step_tokens,D]: the residual window; decode writes the step's tokens here first.
     Another quantizer (config.scheme) is a subclass in its own file: it adds its buffers and overrides
-    `quantize` (and `stored`, what the kernels read of them); generate.setup_caches picks it.
+    `quantize` (and `stored`, what the kernels read of them); methods.setup_caches picks it.
     """
     scheme = "kivi"  # the config.scheme this class quantizes by
 
@@ -166,7 +166,7 @@ class LowBitCache(nn.Module):
         config = config.validated(head_dim)
         if config.scheme != self.scheme:
             raise ValueError(f"cache {config.name}: the {config.scheme} quantizer has its own cache class "
-                             f"(generate.setup_caches builds it), not {type(self).__name__}")
+                             f"(methods.setup_caches builds it), not {type(self).__name__}")
         self.config, self.policy = config, config.policy  # (the decode loop reads the policy: generate.fetch_policy)
         self.group, self.one_bit, self.fit = config.group, config.one_bit, config.fit
         self.residual = config.residual_len
@@ -534,12 +534,12 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
     its name. A layer whose sliding window (model.args.window) is shorter keeps the window-masked
     FullCache; the others the configured cache, and SpeCache's host store holds only them.
     `store`: the LowBitCache class of the configuration's quantizer (`store_kw` to its constructor;
-    generate.setup_caches picks it), under SpeCache for the specache kind; max_step_tokens: the
+    methods.setup_caches picks it), under SpeCache for the specache kind; max_step_tokens: the
     most tokens a step feeds.
     Raises ValueError on what the model or the kernels cannot run."""
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind != "full" and config.scheme != store.scheme:
-        raise ValueError(f"cache {config.name}: the {config.scheme} quantizer's caches come from generate.setup_caches")
+        raise ValueError(f"cache {config.name}: the {config.scheme} quantizer's caches come from methods.setup_caches")
     args = model.args
     config = config.validated(args.head_dim)
     dims, windows, local, fetching = plan_layers(model, batch, max_seq_len,

@@ -1,9 +1,9 @@
 """The one way to name a KV cache configuration, and what each fetch policy does.
 
-`CacheConfig` is what a cache is: kind (full, kivi, specache, quantspec), bits, quantization group,
-fp residual window, fetched rows k, fetch policy, quantization scheme and the SpeCache options
-(attention sinks, re-ranking). It is built from a name such as "specache-1bit-oracle" or
-"specache-2bit-best" (a preset), or from CLI flags, and checked in one place (`validated`). Every
+`CacheConfig` is what a cache is: kind (full, kivi, specache; the siblings quantspec, quest, infllm),
+bits, quantization group, fp residual window, fetched rows k, fetch policy, quantization scheme and the
+SpeCache options (attention sinks, re-ranking). It is built from a name such as "specache-1bit-oracle" or
+"specache-2bit-best" (a preset), or from CLI flags, and checked in one place (`validated`, by kind). Every
 entry point (generate.py, tools/eval.py, tools/bench.py, hf.py) names caches this way, and result
 tables print the canonical name (`CacheConfig.name`).
 
@@ -19,6 +19,7 @@ import quant
 
 KINDS = ("full", "kivi", "specache", "quantspec", "quest", "infllm")
 SCHEMES = ("kivi", "zipcache", "quantspec")
+SCHEME_BITS = {"kivi": quant.BITS, "zipcache": quant.BITS, "quantspec": (4, 8)}  # QuantSpec: INT4 upper planes, INT8 both
 FETCH_IMPLS = ("uva", "staged")
 ATTN_PATHS = ("words", "planes", "gluon")  # the low-bit kernels' reads of the codes (lowbit.DEFAULT_ATTN_PATH)
 
@@ -204,106 +205,135 @@ class CacheConfig:
         return cls(**kw).validated()
 
     def validated(self, head_dim: Optional[int] = None) -> "CacheConfig":
-        """Raise ValueError on anything the caches or kernels cannot do; returns self."""
-        def bad(msg):
-            raise ValueError(f"cache {self.name if self.kind in KINDS else self.kind!r}: {msg}")
+        """Raise ValueError on anything the caches or kernels cannot do; returns self. Each kind has its
+        rules below; the low-bit kinds share the quantizer's (`check_quantizer`)."""
         if self.kind not in KINDS:
             raise ValueError(f"unknown cache kind {self.kind!r} ({', '.join(KINDS)})")
-        if self.kind == "full":
-            return self
-        if self.kind == "infllm":  # infllm.py: blocks of fp16 rows, none quantized
-            if self.page < 1 or self.reprs < 1 or self.reprs > self.page:
-                bad(f"a block (pN, {self.page}) and its representative keys (reprN, {self.reprs}) must be 1 <= reprN <= pN")
-            if self.budget is not None:
-                self.check_budget(bad)
-            elif self.k < self.page or self.k % self.page or self.residual_len < 1 or self.sinks < 0:
-                bad(f"the rows fetched (kN, {self.k}) must be a positive multiple of the block (pN, {self.page}), the "
-                    f"window (rN) >= 1 and the initial tokens (sinkN) >= 0")
-            return self
-        if self.kind == "quest":  # quest.py's block retrieval: pages of fp16 rows, none quantized
-            if self.page < 1:
-                bad(f"the page size (pN) must be >= 1, got {self.page}")
-            if self.k < self.page or self.k % self.page:
-                bad(f"the rows fetched (kN, {self.k}) must be a positive multiple of the page size (pN, {self.page})")
-            if self.residual is not None and self.residual < 1:
-                bad(f"the residual window (rN) must be >= 1, got {self.residual}")
-            if self.sinks < 0:
-                bad(f"--sinks must be >= 0, got {self.sinks}")
-            return self
-        if self.scheme not in SCHEMES:
-            bad(f"unknown quantization scheme {self.scheme!r} ({', '.join(SCHEMES)})")
-        allowed = (4, 8) if self.scheme == "quantspec" else quant.BITS
-        if self.bits not in allowed:
-            bad(f"--bits {self.bits} is not available for scheme {self.scheme} ({', '.join(map(str, allowed))})")
-        if self.group < 1 or self.group & (self.group - 1):
-            bad(f"--group must be a positive power of two, got {self.group}")
-        if self.residual is not None and (self.residual <= 0 or self.residual % self.group):
-            bad(f"--residual ({self.residual}) must be a positive multiple of --group ({self.group})")
-        if self.one_bit not in quant.ONE_BIT_MODES:
-            bad(f"--one-bit must be one of {', '.join(quant.ONE_BIT_MODES)}")
-        if self.one_bit == "kivi" and self.bits != 1:
-            bad("'orig' (original KIVI 1-bit zero/scale, eq. 2) exists only for 1 bit")
-        if self.fit not in quant.FITS:
-            bad(f"--fit must be one of {', '.join(quant.FITS)}")
-        if self.fit != "range" and (self.scheme == "quantspec" or self.salient):
-            bad("the least-squares fit (lsq) is for the single-width KIVI/ZipCache quantizer, not for "
-                "QuantSpec's planes or ZipCache mixed precision (their codes split one min/max grid)")
-        if head_dim is not None and head_dim % min(self.group, head_dim):
-            bad(f"head_dim {head_dim} is not a multiple of the value group {min(self.group, head_dim)}")
-        if head_dim is not None and (head_dim * self.bits) % 8:
-            bad(f"head_dim {head_dim} does not pack into whole bytes at {self.bits} bits")
-        if self.kind == "quantspec" and (self.scheme != "quantspec" or self.bits != 8):
-            bad("the quantspec cache is the hierarchical INT4/INT8 store (scheme quantspec, 8 bits)")
-        if self.kind == "quantspec" and self.residual_len != 2 * self.group:
-            bad(f"the quantspec cache's full-precision buffer is two groups ({2 * self.group}), not {self.residual_len}")
-        if self.attn_path is not None and self.attn_path not in ATTN_PATHS:
-            bad(f"unknown attention path {self.attn_path!r} ({', '.join(ATTN_PATHS)})")
-        if self.kind == "specache":
-            if self.k < 1:
-                bad(f"--k must be >= 1, got {self.k}")
-            if self.fetch not in POLICIES:
-                bad(f"unknown fetch policy {self.fetch!r} ({', '.join(POLICIES)})")
-            if self.fetch_impl not in FETCH_IMPLS:
-                bad(f"unknown fetch implementation {self.fetch_impl!r} ({', '.join(FETCH_IMPLS)})")
-            if self.sinks < 0:
-                bad(f"--sinks must be >= 0, got {self.sinks}")
-            if self.sinks > self.group:
-                bad(f"--sinks ({self.sinks}) must fit in the first quantized group ({self.group} tokens)")
-            if self.rerank < 1:
-                bad(f"rrN (re-ranking candidates per fetched row) must be >= 1, got {self.rerank}")
-            if self.rerank > 1 and self.fetch == "oracle":
-                bad("re-ranking (rrN) refines a low-bit selection; the oracle already selects with fp keys")
-        elif self.sinks or self.rerank != 1:
-            bad("attention sinks (sinkN) and re-ranking (rrN) are SpeCache options")
-        if self.salient or self.bits_salient:
-            if self.scheme != "zipcache":
-                bad("salient tokens at more bits (--salient-ratio, sN) are ZipCache's mixed precision: --quant zipcache")
-            if not 0 < self.salient <= 1 or abs(100 * self.salient - round(100 * self.salient)) > 1e-9:
-                bad(f"--salient-ratio must be in (0, 1] in whole percent, got {self.salient}")
-            r = self.bits_salient - self.bits
-            if r not in quant.BITS or self.bits_salient > 6:
-                bad(f"--bits-salient ({self.bits_salient}) must exceed --bits ({self.bits}) by 1, 2 or 4 and be at "
-                    f"most 6 (the kernels' 16-bit dots hold the mixed codes exactly)")
-            if not 1 <= self.n_ref <= 254:
-                bad(f"--salient-ratio {self.salient} keeps {self.n_ref} tokens of a key group of {self.group}: "
-                    f"needs 1 to 254")
-            if head_dim is not None and (head_dim * r) % 8:
-                bad(f"head_dim {head_dim} does not pack into whole bytes at {r} refinement bits")
+        checks = {"full": lambda head_dim: None, "kivi": self.check_kivi, "specache": self.check_specache,
+                  "quantspec": self.check_quantspec, "quest": self.check_quest, "infllm": self.check_infllm}
+        checks[self.kind](head_dim)
         return self
 
-    def check_budget(self, bad):
+    def invalid(self, msg: str):
+        raise ValueError(f"cache {self.name!r}: {msg}")
+
+    # ---- KIVI and SpeCache ----
+    def check_quantizer(self, head_dim: Optional[int]):
+        """The low-bit copy: bits, groups, residual window, zero/scale, and whether head_dim packs."""
+        if self.scheme not in SCHEMES:
+            self.invalid(f"unknown quantization scheme {self.scheme!r} ({', '.join(SCHEMES)})")
+        if self.bits not in SCHEME_BITS[self.scheme]:
+            self.invalid(f"--bits {self.bits} is not available for scheme {self.scheme} "
+                         f"({', '.join(map(str, SCHEME_BITS[self.scheme]))})")
+        if self.group < 1 or self.group & (self.group - 1):
+            self.invalid(f"--group must be a positive power of two, got {self.group}")
+        if self.residual is not None and (self.residual <= 0 or self.residual % self.group):
+            self.invalid(f"--residual ({self.residual}) must be a positive multiple of --group ({self.group})")
+        if self.one_bit not in quant.ONE_BIT_MODES:
+            self.invalid(f"--one-bit must be one of {', '.join(quant.ONE_BIT_MODES)}")
+        if self.one_bit == "kivi" and self.bits != 1:
+            self.invalid("'orig' (original KIVI 1-bit zero/scale, eq. 2) exists only for 1 bit")
+        if self.fit not in quant.FITS:
+            self.invalid(f"--fit must be one of {', '.join(quant.FITS)}")
+        if head_dim is not None and head_dim % min(self.group, head_dim):
+            self.invalid(f"head_dim {head_dim} is not a multiple of the value group {min(self.group, head_dim)}")
+        if head_dim is not None and (head_dim * self.bits) % 8:
+            self.invalid(f"head_dim {head_dim} does not pack into whole bytes at {self.bits} bits")
+        if self.attn_path is not None and self.attn_path not in ATTN_PATHS:
+            self.invalid(f"unknown attention path {self.attn_path!r} ({', '.join(ATTN_PATHS)})")
+        self.check_sibling_scheme(head_dim)
+
+    def check_kivi(self, head_dim: Optional[int]):
+        self.check_quantizer(head_dim)
+        self.check_fetches_nothing()
+
+    def check_fetches_nothing(self):
+        if self.sinks or self.rerank != 1:
+            self.invalid("attention sinks (sinkN) and re-ranking (rrN) are SpeCache options")
+
+    def check_specache(self, head_dim: Optional[int]):
+        """The quantizer's rules, then the fetch: rows, policy, transfer, sinks, re-ranking."""
+        self.check_quantizer(head_dim)
+        if self.k < 1:
+            self.invalid(f"--k must be >= 1, got {self.k}")
+        if self.fetch not in POLICIES:
+            self.invalid(f"unknown fetch policy {self.fetch!r} ({', '.join(POLICIES)})")
+        if self.fetch_impl not in FETCH_IMPLS:
+            self.invalid(f"unknown fetch implementation {self.fetch_impl!r} ({', '.join(FETCH_IMPLS)})")
+        if self.sinks < 0:
+            self.invalid(f"--sinks must be >= 0, got {self.sinks}")
+        if self.sinks > self.group:
+            self.invalid(f"--sinks ({self.sinks}) must fit in the first quantized group ({self.group} tokens)")
+        if self.rerank < 1:
+            self.invalid(f"rrN (re-ranking candidates per fetched row) must be >= 1, got {self.rerank}")
+        if self.rerank > 1 and self.fetch == "oracle":
+            self.invalid("re-ranking (rrN) refines a low-bit selection; the oracle already selects with fp keys")
+
+    # ---- the siblings: ZipCache's and QuantSpec's quantizers, the block-retrieval baselines ----
+    def check_sibling_scheme(self, head_dim: Optional[int]):
+        """What ZipCache's mixed precision and QuantSpec's planes add to the quantizer, or rule out."""
+        if self.fit != "range" and (self.scheme == "quantspec" or self.salient):
+            self.invalid("the least-squares fit (lsq) is for the single-width KIVI/ZipCache quantizer, not for "
+                         "QuantSpec's planes or ZipCache mixed precision (their codes split one min/max grid)")
+        if not (self.salient or self.bits_salient):
+            return
+        if self.scheme != "zipcache":
+            self.invalid("salient tokens at more bits (--salient-ratio, sN) are ZipCache's mixed precision: --quant zipcache")
+        if not 0 < self.salient <= 1 or abs(100 * self.salient - round(100 * self.salient)) > 1e-9:
+            self.invalid(f"--salient-ratio must be in (0, 1] in whole percent, got {self.salient}")
+        r = self.bits_salient - self.bits
+        if r not in quant.BITS or self.bits_salient > 6:
+            self.invalid(f"--bits-salient ({self.bits_salient}) must exceed --bits ({self.bits}) by 1, 2 or 4 and be "
+                         f"at most 6 (the kernels' 16-bit dots hold the mixed codes exactly)")
+        if not 1 <= self.n_ref <= 254:
+            self.invalid(f"--salient-ratio {self.salient} keeps {self.n_ref} tokens of a key group of {self.group}: "
+                         f"needs 1 to 254")
+        if head_dim is not None and (head_dim * r) % 8:
+            self.invalid(f"head_dim {head_dim} does not pack into whole bytes at {r} refinement bits")
+
+    def check_quantspec(self, head_dim: Optional[int]):
+        """QuantSpec's cache: the hierarchical INT4/INT8 store with a double full-precision buffer (§4.3)."""
+        self.check_quantizer(head_dim)
+        if self.scheme != "quantspec" or self.bits != 8:
+            self.invalid("the quantspec cache is the hierarchical INT4/INT8 store (scheme quantspec, 8 bits)")
+        if self.residual_len != 2 * self.group:
+            self.invalid(f"the quantspec cache's full-precision buffer is two groups ({2 * self.group}), not {self.residual_len}")
+        self.check_fetches_nothing()
+
+    def check_quest(self, head_dim: Optional[int]):
+        """quest.py's block retrieval: pages of fp16 rows, none quantized."""
+        if self.page < 1:
+            self.invalid(f"the page size (pN) must be >= 1, got {self.page}")
+        if self.k < self.page or self.k % self.page:
+            self.invalid(f"the rows fetched (kN, {self.k}) must be a positive multiple of the page size (pN, {self.page})")
+        if self.residual is not None and self.residual < 1:
+            self.invalid(f"the residual window (rN) must be >= 1, got {self.residual}")
+        if self.sinks < 0:
+            self.invalid(f"--sinks must be >= 0, got {self.sinks}")
+
+    def check_infllm(self, head_dim: Optional[int]):
+        """infllm.py: blocks of fp16 rows, none quantized, sized by their fields or by a budget."""
+        if self.page < 1 or self.reprs < 1 or self.reprs > self.page:
+            self.invalid(f"a block (pN, {self.page}) and its representative keys (reprN, {self.reprs}) must be 1 <= reprN <= pN")
+        if self.budget is not None:
+            self.check_budget()
+        elif self.k < self.page or self.k % self.page or self.residual_len < 1 or self.sinks < 0:
+            self.invalid(f"the rows fetched (kN, {self.k}) must be a positive multiple of the block (pN, {self.page}), the "
+                         f"window (rN) >= 1 and the initial tokens (sinkN) >= 0")
+
+    def check_budget(self):
         """An InfLLM budget: a share a/b in (0, 1], or the name of a cache that is not itself budgeted."""
         if "/" in self.budget:
             num, _, den = self.budget.partition("/")
             if not (num.isdigit() and den.isdigit() and 0 < int(num) <= int(den)):
-                bad(f"the budget {self.budget!r} is a share a/b in (0, 1] (@1/4) or a cache name (@specache-1bit-best)")
+                self.invalid(f"the budget {self.budget!r} is a share a/b in (0, 1] (@1/4) or a cache name (@specache-1bit-best)")
             return
         try:
             other = CacheConfig.from_name(self.budget)
         except ValueError as e:
-            bad(f"the budget {self.budget!r} names no cache ({e})")
+            self.invalid(f"the budget {self.budget!r} names no cache ({e})")
         if other.kind in ("infllm", "quest", "quantspec") or other.scheme != "kivi":
-            bad(f"the budget's cache {other.name} must be full, kivi or specache with KIVI's quantizer")
+            self.invalid(f"the budget's cache {other.name} must be full, kivi or specache with KIVI's quantizer")
 
     def bits_per_value(self, head_dim: int, q_per_kv: int = 1) -> float:
         """Device bits per stored key or value element of a quantized token: codes, scales and zeros

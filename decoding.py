@@ -136,8 +136,8 @@ def inner_code(fn):
 @contextlib.contextmanager
 def cpp_kernel_args_capped(n: int):
     """Inductor's CPU backend writes consecutive loops into one C++ function until it takes 500
-    arguments: the preset's 8k step filled one with 15 layers' cache writes (1.2 MB of C++) and gcc 12
-    crashed compiling it (results/bench/ice-8k). While our steps compile, functions take at most n;
+    arguments; a long context's step fills one with many layers' cache writes, which gcc can fail to
+    compile (docs/results.md: the preset's 8k step). While our steps compile, functions take at most n;
     whatever else the process compiles keeps inductor's default."""
     from torch._inductor.codegen.cpp import CppScheduling
     before = CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM

@@ -14,47 +14,27 @@ Read it next to the paper's appendix A:
   generate()    the loop around them; the caches' fetch policy (config.FetchPolicy) says how many tokens a
                 step feeds (KIVI, the full cache and SpeCache's sequential/oracle fetch: one) and whether
                 pre-decoding runs (again, after a wrong guess: `resync`).
-hf_generate() runs generate() inside a transformers model (hf.py); --method quantspec: quantspec.py's loop.
+The caches come from methods.setup_caches. After the loop: hf_generate() runs it inside a transformers
+model (hf.py), and the command line (main; its flags and checks in cli.py) runs it or another method's loop.
 """
-import argparse
 import functools
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-import cache
-import config as cache_config
-import infllm
+import cli
 import quantspec
-import quest
 import tp
-import zipcache
 from cache import fetch_policy, kv_fp16_bytes
 from config import CacheConfig
 from decoding import Decoding, compiled_step, prefill, sample  # noqa: F401 (generate.Decoding, generate.prefill)
 from lowbit import DEFAULT_ATTN_PATH
-
-ROOT = Path(__file__).resolve().parent
-DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
-
-# config.scheme -> the cache class of its quantizer: KIVI's, ZipCache's, QuantSpec's hierarchical store
-STORES = {"kivi": cache.LowBitCache, "zipcache": zipcache.ZipCache, "quantspec": quantspec.HierCache}
-
-
-def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len=None) -> cache.KVCaches:
-    """cache.setup_caches with the configuration's quantizer's store (QuantSpec's cache: quantspec.setup_caches)."""
-    config = CacheConfig.from_name(config) if isinstance(config, str) else config
-    if config.kind == "quantspec":
-        raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with quantspec.setup_caches")
-    if config.kind in ("quest", "infllm"):  # the block-retrieval baselines (quest.py, infllm.py)
-        return (quest if config.kind == "quest" else infllm).setup_caches(model, config, batch, max_seq_len)
-    return cache.setup_caches(model, config, batch, max_seq_len, store=STORES[config.scheme])
+from methods import setup_caches
 
 
 def pre_decode(model, t1: torch.Tensor, pos) -> torch.Tensor:
@@ -164,9 +144,7 @@ def generate(model, prompt: torch.Tensor, decoding: Decoding, steps: Steps = Ste
 
 
 # ---- transformers models: model.generate(ids, custom_generate=generate.hf_generate, ...) -------------------
-WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
-
-
+# (Here, not in hf.py: the command line loads --hf models through hf.py, which therefore cannot import the loop.)
 def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                 synced_gpus=False, streamer=None, cache_config="specache", prefill_chunk=2048, stream=None,
                 compile=False, **model_kwargs):
@@ -181,31 +159,21 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     import hf
 
     config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
-    if config.kind == "quantspec":
-        raise hf.HFError("QuantSpec is a draft-and-verify loop: run it with generate.py --hf DIR --method quantspec")
-    other = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in WARPERS]
-    other += [type(s).__name__ for s in (stopping_criteria or [])
-              if type(s).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria")]
-    if other or generation_config.num_beams > 1 or generation_config.return_dict_in_generate:
-        raise hf.HFError(f"custom_generate=generate.hf_generate does greedy decoding or plain sampling; not "
-                         f"supported here: {', '.join(other) or 'beams / return_dict_in_generate'}")
+    hf.check_generation(config, logits_processor, stopping_criteria, generation_config)
     B, P = input_ids.shape
     pad = hf.left_padding(model_kwargs.get("attention_mask"), B, P)  # None: no padding
     prev = model.config._attn_implementation
     view = hf.HFModel(model)
-    new = generation_config.max_length - P
-    eos = generation_config.eos_token_id
-    eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+    decoding = hf.generation_decoding(generation_config, P, streaming=streamer is not None or stream is not None)
+    max_seq_len = P + decoding.max_new_tokens + 1
     if pad is None:
-        setup_caches(view, config, B, P + new + 1)
+        setup_caches(view, config, B, max_seq_len)
     else:  # a left-padded batch: each row caches of its own, at its own positions
-        view.setup_rows(lambda: setup_caches(view, config, 1, P + new + 1), pad)
+        view.setup_rows(lambda: setup_caches(view, config, 1, max_seq_len), pad)
     if streamer is None and stream is not None:
         streamer = stream
         streamer.put(input_ids.cpu())  # what generate() does before the loop for its own `streamer`
     on_step = (lambda step, logits, token, fed: streamer.put(token.cpu())) if streamer is not None else None
-    decoding = Decoding(new, temperature=1.0 if generation_config.do_sample else 0.0, eos_ids=eos,
-                        eos_check_every=1 if streamer is not None else Decoding.eos_check_every)
     try:
         warped = generation_config.do_sample and len(logits_processor or [])
         steps = Steps().compiled(input_ids.device, config.policy.resync) if compile else Steps()
@@ -215,131 +183,39 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
         model.set_attn_implementation(prev)
     if streamer is not None:
         streamer.end()
-    if eos:  # rows that ended: pad after their first eos, as transformers does
-        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else min(eos)
-        ended = torch.zeros(B, dtype=torch.bool, device=out.device)
-        for i in range(out.shape[1]):
-            out[:, i] = torch.where(ended, pad, out[:, i])
-            ended |= torch.isin(out[:, i], torch.tensor(sorted(eos), device=out.device))
+    out = hf.pad_after_eos(out, decoding.eos_ids, generation_config.pad_token_id)
     return torch.cat([input_ids, out], 1)
 
 
-# ---- CLI ----------------------------------------------------------------------------------------------
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=None, help=f"a converted checkpoint (default {DEFAULT_CHECKPOINT.relative_to(ROOT)})")
-    p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py: Llama, Mistral, Qwen2/3, ...)")
-    p.add_argument("--prompt", default="What is the capital of France?")
-    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=1, help="the prompt is replicated per row")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples")
-    p.add_argument("--sample-top-k", type=int, default=None, help="sample from the k most likely tokens (not SpeCache's --k)")
-    p.add_argument("--seed", type=int, default=0)
-    cache_config.add_cache_flags(p)
-    p.add_argument("--method", default="autoregressive", choices=["autoregressive", "quantspec"],
-                   help="quantspec: self-speculative decoding over the hierarchical cache (quantspec.py)")
-    p.add_argument("--gamma", type=int, default=4, help="QuantSpec: draft tokens per round")
-    p.add_argument("--draft-group", type=int, default=32, help="QuantSpec: INT4 weight group of the draft (32-256)")
-    p.add_argument("--prefill-chunk", type=int, default=2048)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks: run under torchrun --nproc-per-node N "
-                   "(the default is torchrun's world size; the flag checks it). docs/tp.md")
-    p.add_argument("--compile", action="store_true", help="compile the decode step (fullgraph; CUDA graph on CUDA)")
-    p.add_argument("--compile-prefill", action="store_true", help="also compile prefill (dynamic shapes; caches stay eager)")
-    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
-    p.add_argument("--quiet", action="store_true", help="no streaming text")
-    return p.parse_args(argv)
-
-
-def check_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError
-        torch.empty(0, device=device)
-    except RuntimeError:
-        raise ValueError(f"device {name!r} is not available here")
-    return device
-
-
-def read_prompt(a) -> str:
-    if not a.prompt_file:
-        return a.prompt
-    try:
-        return sys.stdin.read() if str(a.prompt_file) == "-" else a.prompt_file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"prompt file {a.prompt_file} is not valid UTF-8 ({e.reason} at byte {e.start})")
-    except OSError as e:
-        raise ValueError(f"cannot read prompt file {a.prompt_file}: {e.strerror}")
-
-
-def check_args(a):
-    for flag, value, low in (("--max-new-tokens", a.max_new_tokens, 1), ("--batch-size", a.batch_size, 1),
-                             ("--prefill-chunk", a.prefill_chunk, 1), ("--threads", a.threads, 1),
-                             ("--sample-top-k", a.sample_top_k, 1)):
-        if value is not None and value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if a.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
-    if a.method == "quantspec":
-        quantspec.check_args(a.gamma, a.batch_size, a.draft_group)
-    if a.sample_top_k is not None and a.temperature == 0:
-        raise ValueError("--sample-top-k needs --temperature > 0 (greedy decoding ignores it)")
-    if a.hf and a.checkpoint:
-        raise ValueError("--hf DIR and --checkpoint DIR both name the model: give one")
-    if a.hf and a.compile_prefill:
-        raise ValueError("--compile-prefill is not available with --hf (--compile compiles its decode step)")
-
-
-def load(a, device, dtype):
-    """(model, tokenizer) of --checkpoint (this rank's slices under torchrun) or --hf."""
-    from tokenizer import load_tokenizer
-    if a.hf:
-        if tp.world() > 1:
-            raise ValueError("--hf runs on one process: tensor parallelism under torchrun takes converted checkpoints (--checkpoint)")
-        import hf
-        return hf.load(a.hf, device, dtype)
-    ckpt = a.checkpoint or DEFAULT_CHECKPOINT
-    if not (ckpt / "config.json").exists():
-        raise ValueError(f"no checkpoint at {ckpt} (run `make demo`, or `python convert_hf.py SOURCE --out {ckpt}`)")
-    return tp.load_model(ckpt, device=device, dtype=dtype), load_tokenizer(ckpt)
-
-
+# ---- the command line: flags and checks in cli.py; --method picks the loop --------------------------------
 def main(argv=None):
     """The CLI: bad input (a ValueError) ends with one `error:` line and exit code 1."""
-    a = parse_args(argv)
+    a = cli.parse_args(argv, __doc__)
     try:
         return run(a)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
 
+def run_autoregressive(model, config, prompt, max_seq_len: int, decoding: Decoding, prefill_fn, compile=False,
+                       on_token=None):
+    """generate.py's default method: caches of `config`, then generate() -> (caches, ids, stats)."""
+    caches = setup_caches(model, config, prompt.shape[0], max_seq_len)
+    steps = Steps(prefill=prefill_fn)
+    steps = steps.compiled(prompt.device, pre_decode=config.policy.resync) if compile else steps
+    on_step = None if on_token is None else (lambda step, logits, token, fed: on_token(token))
+    return (caches, *generate(model, prompt, decoding, steps, on_step))
+
+
 def run(a):
-    check_args(a)
-    if a.method == "quantspec" and a.cache in ("specache", "kivi", "full"):
-        a.cache = "quantspec"  # the method's own cache unless a quantspec name was given
-    config = cache_config.from_flags(a)
-    if a.method == "quantspec" and config.kind != "quantspec":
-        raise ValueError("--method quantspec runs on the quantspec cache (--cache quantspec[-gN])")
-    device = tp.init(a.tp, check_device(a.device))
+    cli.check_args(a)
+    config = cli.cache_of(a)
+    device = tp.init(a.tp, cli.check_device(a.device))
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
-    model, tok = load(a, device, dtype)
-    text = read_prompt(a)
-    if not text.strip():
-        raise ValueError("the prompt is empty")
-    ids = tok.encode_prompt(text, chat=a.chat)
-    seq_len = len(ids) + a.max_new_tokens + 1 + (a.gamma if a.method == "quantspec" else 0)  # + lookahead slots
-    if seq_len > model.args.max_seq_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's max_seq_len "
-             f"{model.args.max_seq_len}")
-    caches = None if a.method == "quantspec" else setup_caches(model, config, a.batch_size, seq_len)
+    model, tok = cli.load(a, device, cli.dtype_of(a, device))
+    ids, seq_len = cli.prompt_ids(a, tok, model.args.max_seq_len)
     prompt = torch.tensor([ids] * a.batch_size, device=device)
     quiet = a.quiet or tp.rank() > 0  # one rank prints
     streamed, ended = [], []
@@ -361,16 +237,12 @@ def run(a):
     fill = lambda m, p: prefill(prefill_model, p, a.prefill_chunk, progress)  # noqa: E731
     decoding = Decoding(a.max_new_tokens, a.temperature, a.sample_top_k, frozenset(tok.eos_ids),
                         eos_check_every=Decoding.eos_check_every if quiet else 1)
-    if a.method == "quantspec":  # QuantSpec's own caches, draft and loop (quantspec.py)
+    on_token = None if quiet else stream
+    if a.method == "quantspec":  # its own caches, draft and loop (quantspec.py)
         caches, out, stats = quantspec.run(model, config, prompt, seq_len, a.gamma, a.draft_group, decoding, fill,
-                                           a.compile, on_token=None if quiet else stream)
-        stats.update(spec_exact_hit_rate=None, resyncs=0)
+                                           a.compile, on_token)
     else:
-        steps = Steps(prefill=fill)
-        steps = steps.compiled(device, pre_decode=config.policy.resync) if a.compile else steps
-        on_step = None if quiet else (lambda step, logits, token, fed: stream(token))
-        out, stats = generate(model, prompt, decoding, steps, on_step)
-        stats.update(acceptance_rate=None)
+        caches, out, stats = run_autoregressive(model, config, prompt, seq_len, decoding, fill, a.compile, on_token)
     rows = [[int(x) for x in row] for row in out]
     for row in rows:  # cut at the first eos
         for i, t in enumerate(row):
@@ -387,8 +259,9 @@ def run(a):
         "kv_peak_prefill_device_bytes": caches.meter.peak, "cache": config.name, "config": config.as_dict(),
         "attn_path": None if config.kind == "full" else "torch" if device.type != "cuda" else  # (Triton on CUDA)
         config.attn_path or DEFAULT_ATTN_PATH,
-        "spec_exact_hit_rate": stats["spec_exact_hit_rate"], "resyncs": stats["resyncs"], "method": a.method,
-        "acceptance_rate": stats["acceptance_rate"], "gamma": a.gamma if a.method == "quantspec" else None,
+        # each method's own figures: SpeCache's speculative tokens, QuantSpec's drafts (None for the other)
+        "spec_exact_hit_rate": stats.get("spec_exact_hit_rate"), "resyncs": stats.get("resyncs", 0),
+        "method": a.method, "acceptance_rate": stats.get("acceptance_rate"), "gamma": stats.get("gamma"),
         "bytes_fetched_per_step": caches.fetch_bytes_per_step()}
     if tp.rank() > 0:
         return result
@@ -405,5 +278,5 @@ def run(a):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cli.ROOT / ".cache" / "inductor"))
     tp.main(main)

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from config import CacheConfig
+from decoding import Decoding
 from model import ModelArgs
 
 NAME = "specache"  # the attn_implementation
@@ -336,7 +337,7 @@ class HFModel(nn.Module):
 
     def setup_rows(self, setup_row, pad) -> "RowKVCaches":
         """A left-padded batch: every row caches of its own. setup_row() sets up batch-1 caches on this
-        model (generate.setup_caches(view, config, 1, max_seq_len)) and returns them; pad [B]: each
+        model (methods.setup_caches(view, config, 1, max_seq_len)) and returns them; pad [B]: each
         row's left padding (left_padding). The loop's positions then count columns of the padded
         batch; a row's own positions are the column minus its padding."""
         rows = [setup_row() for _ in range(len(pad))]
@@ -499,6 +500,46 @@ def load(path, device="cpu", dtype=torch.float32):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=NAME)
     model = model.to(device).eval()
     return HFModel(model), load_tokenizer(path, ids_list(model.generation_config.eos_token_id))
+
+
+# ---- model.generate(ids, custom_generate=generate.hf_generate, ...): what transformers hands the loop --------
+WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
+STOPPERS = ("MaxLengthCriteria", "EosTokenCriteria")
+
+
+def check_generation(config: CacheConfig, logits_processor, stopping_criteria, generation_config):
+    """HFError for what generate.hf_generate does not run: QuantSpec's draft-and-verify loop, beams, a
+    result dict, logits processors other than sampling's warpers, stopping criteria other than length and eos."""
+    if config.kind == "quantspec":
+        raise HFError("QuantSpec is a draft-and-verify loop: run it with generate.py --hf DIR --method quantspec")
+    other = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in WARPERS]
+    other += [type(s).__name__ for s in (stopping_criteria or []) if type(s).__name__ not in STOPPERS]
+    if other or generation_config.num_beams > 1 or generation_config.return_dict_in_generate:
+        raise HFError(f"custom_generate=generate.hf_generate does greedy decoding or plain sampling; not "
+                      f"supported here: {', '.join(other) or 'beams / return_dict_in_generate'}")
+
+
+def generation_decoding(generation_config, prompt_len: int, streaming: bool) -> Decoding:
+    """generation_config as the loop's Decoding: tokens up to max_length, greedy or sampled at temperature 1
+    (the warpers, `Warped`, do the rest), its eos ids; a streamer reads each token, so eos is read each step."""
+    eos = generation_config.eos_token_id
+    eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+    return Decoding(generation_config.max_length - prompt_len, temperature=1.0 if generation_config.do_sample else 0.0,
+                    eos_ids=eos, eos_check_every=1 if streaming else Decoding.eos_check_every)
+
+
+def pad_after_eos(out: torch.Tensor, eos_ids: frozenset, pad_token_id) -> torch.Tensor:
+    """out [B, N] with each row's tokens after its first eos replaced by pad_token_id (else the smallest
+    eos id), as transformers pads the rows that ended."""
+    if not eos_ids:
+        return out
+    pad = pad_token_id if pad_token_id is not None else min(eos_ids)
+    eos = torch.tensor(sorted(eos_ids), device=out.device)
+    ended = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    for i in range(out.shape[1]):
+        out[:, i] = torch.where(ended, pad, out[:, i])
+        ended |= torch.isin(out[:, i], eos)
+    return out
 
 
 class Warped:

@@ -38,8 +38,8 @@ def planes_where_they_fit(store, D, M):
 
 
 def setup(model, kind, batch=1, max_seq_len=None, **fields):
-    """generate.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
-    from generate import setup_caches
+    """methods.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
+    from methods import setup_caches
     from config import CacheConfig
     return setup_caches(model, CacheConfig(kind=kind, **fields).validated(), batch, max_seq_len)
 

@@ -484,9 +484,9 @@ def gpu_doc_commands() -> list[tuple[str, list]]:
 def test_every_gpu_doc_command_parses_as_written():
     """The commands docs/gpu.md gives parse with their tools' parsers, and a bench run names a model shape
     (the GPU machine has no checkpoint) unless it needs none (--sweep, --floors)."""
-    import generate
+    import cli
     from tools import eval as eval_tool, gpu_check
-    parsers = {"tools/bench.py": bench.parse_args, "tools/gpu_check.py": gpu_check.parse_args, "generate.py": generate.parse_args,
+    parsers = {"tools/bench.py": bench.parse_args, "tools/gpu_check.py": gpu_check.parse_args, "generate.py": cli.parse_args,
                "tools/eval.py": eval_tool.parse_args}
     cmds = gpu_doc_commands()
     assert sum(script == "tools/bench.py" for script, _ in cmds) >= 8 and any(s == "tools/gpu_check.py" for s, _ in cmds)

@@ -27,7 +27,8 @@ import lowbit  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
 from config import CacheConfig  # noqa: E402
-from generate import Decoding, Steps, compile_step, decode_step, setup_caches  # noqa: E402
+from generate import Decoding, Steps, compile_step, decode_step  # noqa: E402
+from methods import setup_caches  # noqa: E402
 from tests.helpers import DEFAULT_CKPT, run_generate, tiny_model  # noqa: E402
 from tests.test_attn_gluon import model_rounding_error  # noqa: E402
 from tests.test_kernels import CASES, assert_same_selection, assert_same_topk, logits_written, make_case, tol  # noqa: E402

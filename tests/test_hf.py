@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers", reason="hf.py's tests need tr
 
 import generate  # noqa: E402
 import hf  # noqa: E402
-from generate import setup_caches  # noqa: E402
+from methods import setup_caches  # noqa: E402
 from config import POLICIES, CacheConfig  # noqa: E402
 from tests.helpers import run_generate  # noqa: E402
 

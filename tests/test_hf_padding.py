@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 import generate  # noqa: E402
 import hf  # noqa: E402
+import methods  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from decoding import Decoding  # noqa: E402
 from tests.test_hf import NEW, adapter, prompt, tiny, tiny_gemma3  # noqa: E402
@@ -94,11 +95,11 @@ def test_rows_hold_their_own_caches_and_bytes():
     """setup_rows gives each row batch-1 caches: the bytes of three sets, none shared; a forward of
     another batch size is refused."""
     view = hf.HFModel(tiny("llama"))
-    rows = view.setup_rows(lambda: generate.setup_caches(view, "specache-1bit-g32-r32", 1, 128), torch.tensor([0, 3, 9]))
-    one = generate.setup_caches(view, "specache-1bit-g32-r32", 1, 128)
+    rows = view.setup_rows(lambda: methods.setup_caches(view, "specache-1bit-g32-r32", 1, 128), torch.tensor([0, 3, 9]))
+    one = methods.setup_caches(view, "specache-1bit-g32-r32", 1, 128)
     assert rows.device_bytes() == 3 * one.device_bytes() and rows.host_bytes() == 3 * one.host_bytes()
     assert rows.fetch_bytes_per_step() == 3 * one.fetch_bytes_per_step() > 0
-    view.setup_rows(lambda: generate.setup_caches(view, "full", 1, 128), torch.tensor([0, 3, 9]))
+    view.setup_rows(lambda: methods.setup_caches(view, "full", 1, 128), torch.tensor([0, 3, 9]))
     with pytest.raises(hf.HFError, match="padded batch of 3 rows, not 2"):
         view(torch.zeros(2, 4, dtype=torch.long), torch.arange(4), "prefill")
 
@@ -112,7 +113,7 @@ def test_padded_step_is_one_graph(family, cache):
 
     def run(prompts, steps):
         ids, mask = padded(prompts)
-        view.setup_rows(lambda: generate.setup_caches(view, cache, 1, ids.shape[1] + NEW + 1),
+        view.setup_rows(lambda: methods.setup_caches(view, cache, 1, ids.shape[1] + NEW + 1),
                         hf.left_padding(mask, *ids.shape))
         return generate.generate(view, ids, Decoding(NEW), steps)[0].tolist()
 
@@ -139,10 +140,10 @@ def test_errors():
     view = hf.HFModel(model)
     with torch.no_grad():
         for cache in ["full", "kivi-1bit-g32-r32", "specache-1bit-g32-r32", "quest-p16-k64"]:
-            generate.setup_caches(view, cache, 1, 24)
+            methods.setup_caches(view, cache, 1, 24)
             with pytest.raises(ValueError, match="a sequence of 30 tokens does not fit caches set up for 24 positions"):
                 model(ids[:1], past_key_values=view.cache)
-        generate.setup_caches(view, "full", 2, 64)
+        methods.setup_caches(view, "full", 2, 64)
         with pytest.raises(hf.HFError, match="a padded batch runs with caches per row"):
             model(ids, attention_mask=mask, past_key_values=view.cache)  # a forward HFModel did not announce
 
@@ -166,7 +167,7 @@ def test_bench_replays_each_row_as_its_own_prefill():
     prompts = [prompt(1, 100), prompt(2, 20), prompt(3, 57)]
     recs = []
     for p in prompts:
-        generate.setup_caches(view, "full", 1, p.shape[1] + 1)
+        methods.setup_caches(view, "full", 1, p.shape[1] + 1)
         replay = PrefillReplay(2048)
         with torch.no_grad():
             replay(view, p)
@@ -174,7 +175,7 @@ def test_bench_replays_each_row_as_its_own_prefill():
     ids, pad = padded_batch(prompts, pad_id=0)
     assert pad.tolist() == [0, 80, 43] and ids[1, :80].eq(0).all() and ids[1, 80:].equal(prompts[1][0])
     cache = "specache-1bit-g32-r32"
-    view.setup_rows(lambda: generate.setup_caches(view, cache, 1, ids.shape[1] + NEW + 1), pad)
+    view.setup_rows(lambda: methods.setup_caches(view, cache, 1, ids.shape[1] + NEW + 1), pad)
     fill = replayed([r[0] for r in recs], torch.cat([r[1] for r in recs]))
     out, _ = generate.generate(view, ids, Decoding(NEW), generate.Steps(prefill=fill))
     mask = (torch.arange(ids.shape[1])[None] >= pad[:, None]).long()

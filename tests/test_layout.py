@@ -11,8 +11,9 @@ import pytest
 
 from tests.helpers import ROOT
 
-METHOD = {"attn_gluon", "attn_views", "cache", "config", "convert_hf", "decoding", "generate", "hf", "infllm", "kernels",
-          "lowbit", "model", "prefetch", "quant", "quantspec", "quest", "tiles", "tokenizer", "topk", "tp", "transfer", "zipcache"}
+METHOD = {"attn_gluon", "attn_views", "cache", "cli", "config", "convert_hf", "decoding", "generate", "hf", "infllm",
+          "kernels", "lowbit", "methods", "model", "prefetch", "quant", "quantspec", "quest", "tiles", "tokenizer", "topk",
+          "tp", "transfer", "zipcache"}
 
 
 def project_modules() -> dict:

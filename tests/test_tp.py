@@ -68,7 +68,7 @@ def greedy(model, name, prompt):
     import generate as gen
     import quantspec as qs
     from config import CacheConfig
-    from generate import setup_caches
+    from methods import setup_caches
     from tests.helpers import run_generate
     cfg = CacheConfig.from_name(name.split("+")[0], salient=0.5 if name.endswith("+salient") else None)
     if cfg.kind == "quantspec":

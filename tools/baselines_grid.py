@@ -9,7 +9,7 @@ scored by tools/tasks.py's scorers; then one report and one figure beside the pr
     python tools/baselines_grid.py report --out D --project D/project-niah     # D/results.md, D/score-vs-bytes.png
 
 Budgets: each press at the device KV bytes of each `--match` cache in a 16-bit deployment
-(generate.setup_caches(...).deployed_bytes() for this prompt, sized as tools/eval.py sizes it) and at each
+(methods.setup_caches(...).deployed_bytes() for this prompt, sized as tools/eval.py sizes it) and at each
 `--fixed` share of the compressed entries kept (the paper's Table 2: 1/4 and 1/8). Rows are appended to
 OUT/results.jsonl once a cell has finished (a rerun skips the cells already there); a cell that fails
 prints its error line; a PyramidKV cell where kvpress would run SnapKV is a row that says so (`equals`).
@@ -36,7 +36,7 @@ DEFAULT_MATCH = "specache-1bit,specache-1bit-best,specache-2bit-best"
 def project_bytes(model, name: str, n_prompt: int, max_new: int) -> int:
     """A project cache's device KV bytes in a 16-bit deployment on this prompt, sized as tools/eval.py's
     Runner sizes it."""
-    from generate import setup_caches
+    from methods import setup_caches
     return setup_caches(model, name, 1, n_prompt + max_new + 2).deployed_bytes()
 
 

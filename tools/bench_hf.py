@@ -86,6 +86,7 @@ def adapter_rows(a, model, ids, device, configs: dict) -> list[dict]:
     step hook, as tools/bench.py's own rows. The model's attention implementation is put back after."""
     import generate
     import hf
+    import methods
     prev, rows = model.config._attn_implementation, []
     prompt, n_new = torch.tensor([ids], device=device), a.warmup + a.steps + 1
     try:
@@ -97,7 +98,7 @@ def adapter_rows(a, model, ids, device, configs: dict) -> list[dict]:
                     torch._dynamo.reset()  # one graph per configuration, as tools/bench.py's rows
                     steps = steps.compiled(device, pre_decode=cfg.policy.resync)
                 marks = measure.StepMarks(device)
-                generate.setup_caches(view, cfg, 1, len(ids) + n_new + 2)
+                methods.setup_caches(view, cfg, 1, len(ids) + n_new + 2)
                 with torch.no_grad():
                     out, stats = generate.generate(view, prompt, generate.Decoding(n_new), steps,
                                                    lambda *_: marks.mark())
@@ -117,11 +118,11 @@ def recorded_prompts(view, tok, n: int, batch: int, chunk: int):
     each prefilled alone once: [(ids [1, n_b], per-layer recordings, last logits [1, V])]."""
     from tools.eval import PrefillReplay
     from tools.tasks import essay_window
-    import generate
+    import methods
     out = []
     for b in range(batch):
         ids = torch.tensor([essay_window(tok, 3000 * b, n - b * n // 8)], device=view.tok_embeddings.weight.device)
-        generate.setup_caches(view, "full", 1, ids.shape[1] + 1)  # (PrefillReplay puts these back after recording)
+        methods.setup_caches(view, "full", 1, ids.shape[1] + 1)  # (PrefillReplay puts these back after recording)
         replay = PrefillReplay(chunk)
         with torch.no_grad():
             replay(view, ids)
@@ -156,6 +157,7 @@ def side_by_side(a, view, tok, n: int) -> list[dict]:
     adapter's eager and compiled steps at batch 1 and (for --batch-caches) the padded batch."""
     import generate
     import hf
+    import methods
     from config import CacheConfig
     device = view.tok_embeddings.weight.device
     recs = recorded_prompts(view, tok, n, a.batch, a.prefill_chunk)
@@ -178,9 +180,9 @@ def side_by_side(a, view, tok, n: int) -> list[dict]:
                 if compiled:
                     steps = steps.compiled(device, pre_decode=CacheConfig.from_name(name).policy.resync)
                 if batch == 1:
-                    generate.setup_caches(view, name, 1, ids.shape[1] + n_new + 2)
+                    methods.setup_caches(view, name, 1, ids.shape[1] + n_new + 2)
                 else:
-                    view.setup_rows(lambda: generate.setup_caches(view, name, 1, ids.shape[1] + n_new + 2), pad)
+                    view.setup_rows(lambda: methods.setup_caches(view, name, 1, ids.shape[1] + n_new + 2), pad)
                 marks, t0 = measure.StepMarks(device), time.perf_counter()
                 with torch.no_grad():
                     out, _ = generate.generate(view, ids, generate.Decoding(n_new), steps, lambda *_: marks.mark())

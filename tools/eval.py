@@ -175,7 +175,7 @@ class Runner:
 
     def setup(self, m: CacheConfig, seq_len: int):
         """Fresh caches for one prompt (kept in self.caches)."""
-        from generate import setup_caches
+        from methods import setup_caches
         self.caches = setup_caches(self.model, m, 1, self.fixed_len or seq_len)
 
     def prefill_step(self):

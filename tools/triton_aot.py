@@ -312,7 +312,7 @@ def cases(quick=False):
     import topk
     import transfer
     from config import CacheConfig
-    from generate import STORES
+    from methods import STORES
 
     def both_paths(q, store, *args, select=0):  # the word path, and the bit-plane paths where they fit the layout
         if isinstance(store, attn_views.ViewKV):  # a sibling's codes: its one kernel

@@ -1,0 +1,26 @@
+"""The caches of every configuration, in one place: cache.py builds the full, KIVI and SpeCache caches
+over a quantizer's store class, which a sibling quantizer subclasses in its own file (`STORES`, by
+config.scheme); the block-retrieval baselines build their own (quest.py, infllm.py). cache.py names no
+sibling, and generate.py's loop runs over whichever caches a model holds."""
+import cache
+import infllm
+import quantspec
+import quest
+import zipcache
+from config import CacheConfig
+
+# config.scheme -> the cache class of its quantizer: KIVI's, ZipCache's, QuantSpec's hierarchical store
+STORES = {"kivi": cache.LowBitCache, "zipcache": zipcache.ZipCache, "quantspec": quantspec.HierCache}
+BLOCK_RETRIEVAL = {"quest": quest.setup_caches, "infllm": infllm.setup_caches}  # config.kind -> its setup
+
+
+def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len=None) -> cache.KVCaches:
+    """Give every layer of `model` the cache of `config` (a CacheConfig or its name): cache.setup_caches
+    with the configuration's quantizer's store, or a baseline's own caches. QuantSpec's cache is shared
+    with its draft: quantspec.setup_caches builds it."""
+    config = CacheConfig.from_name(config) if isinstance(config, str) else config
+    if config.kind == "quantspec":
+        raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with quantspec.setup_caches")
+    if config.kind in BLOCK_RETRIEVAL:
+        return BLOCK_RETRIEVAL[config.kind](model, config, batch, max_seq_len)
+    return cache.setup_caches(model, config, batch, max_seq_len, store=STORES[config.scheme])
