@@ -462,7 +462,7 @@ def test_saliency_subcommand(tmp_path, monkeypatch):
     (100% overlap); with the default 10% probes they are a subset-based estimate in [0, 100]."""
     import random
     from types import SimpleNamespace
-    import quant
+    import zipcache
 
     r = tiny_runner()
     monkeypatch.setattr(ev, "essay_window", lambda tok, start, L: [random.Random(start).randrange(256) for _ in range(L)])
@@ -471,7 +471,7 @@ def test_saliency_subcommand(tmp_path, monkeypatch):
     ev.cmd_saliency(a, r, [], results)
     rec = results.of("saliency")[0]
     assert rec["probes"] == 12 and len(rec["layer_group"]) == 2 and 0 <= rec["group"] <= 1
-    monkeypatch.setattr(quant, "PROBE_RECENT", 1.0)
+    monkeypatch.setattr(zipcache, "PROBE_RECENT", 1.0)
     results = ev.Results(tmp_path / "all")
     ev.cmd_saliency(a, r, [], results)
     rec = results.of("saliency")[0]
