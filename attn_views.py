@@ -155,7 +155,7 @@ def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                        BLOCK_K: tl.constexpr, SEL: tl.constexpr = 0):
     """Grid (B*Hkv, n_splits): program `split` attends to quantized slots [split*SPLIT_LEN, +SPLIT_LEN)
     below n_quant and writes (out, lse) partial `split` of NPARTS, as kernels._attn_words_kernel's
-    quantized programs do, reading the codes with tiles.load_codes (HIER: the INT8 view; RB > 0: the
+    quantized programs do, reading the codes with load_codes (HIER: the INT8 view; RB > 0: the
     refinement rows of ref_map); SEL > 0: the selecting rows' scores to `logits`, as that kernel does."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
