@@ -48,6 +48,22 @@ def exact_attention(q, k, v, input_pos, key_pos, window=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def prefill_chunk(cache, q, k, v, input_pos, held: int, earlier_kv):
+    """Algorithm 1 for one layer and one chunk of the prompt: exact attention of the chunk over positions
+    [0, p0) (`earlier_kv(p0)`: what the cache keeps of them) and itself, then the chunk into the cache
+    (`cache.append_prefill`). The fp K/V built here are transient: the meter counts them while this layer runs."""
+    p0 = int(input_pos[0])
+    check_fits(input_pos, cache.max_seq_len)
+    if p0 != held:
+        raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {held} tokens")
+    earlier_k, earlier_v = earlier_kv(p0)
+    k_all, v_all = torch.cat([earlier_k, k], 2), torch.cat([earlier_v, v], 2)
+    with cache.meter.holding(k_all, v_all):
+        out = exact_attention(q, k_all, v_all, input_pos, torch.arange(k_all.shape[2], device=q.device))
+        cache.append_prefill(k, v, input_pos, q=q)
+    return out
+
+
 @dataclass
 class MemoryMeter:
     """Device-side KV bytes over time, by the caches' own accounting (CPU has no allocator stats).
@@ -247,18 +263,7 @@ class LowBitCache(nn.Module):
 
     # ---- Algorithm 1: prefill, one layer and one chunk of the prompt ----------------------------
     def prefill(self, q, k, v, input_pos):
-        """Exact attention of the chunk over every earlier position and itself, then the chunk into
-        the cache. The fp K/V built here are transient: the meter counts them while this layer runs."""
-        p0, held = int(input_pos[0]), int(self.n_quant) + int(self.res_len)
-        check_fits(input_pos, self.max_seq_len)
-        if p0 != held:
-            raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {held} tokens")
-        earlier_k, earlier_v = self.earlier_kv(p0)
-        k_all, v_all = torch.cat([earlier_k, k], 2), torch.cat([earlier_v, v], 2)
-        with self.meter.holding(k_all, v_all):
-            out = exact_attention(q, k_all, v_all, input_pos, torch.arange(k_all.shape[2], device=q.device))
-            self.append_prefill(k, v, input_pos, q=q)
-        return out
+        return prefill_chunk(self, q, k, v, input_pos, int(self.n_quant) + int(self.res_len), self.earlier_kv)
 
     def earlier_kv(self, p0: int):
         """Keys/values of positions [0, p0), for a later chunk's exact attention: KIVI holds only its

@@ -37,6 +37,7 @@ Budgets (config.CacheConfig: `infllm-pP-kK-rW-sinkI-reprR`, or a budget after `@
 import math
 from dataclasses import replace
 from fractions import Fraction
+from functools import partial
 from typing import Optional
 
 import torch
@@ -44,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cache as kv
-from cache import FullCache, KVCaches, MemoryMeter, check_fits, deployed_nbytes, exact_attention, plan_layers
+from cache import FullCache, KVCaches, MemoryMeter, deployed_nbytes, plan_layers, prefill_chunk
 from config import NO_FETCH, CacheConfig
 from prefetch import Prefetcher
 from topk import Picked
@@ -128,17 +129,9 @@ class InfLLMCache(nn.Module):
 
     # ---- the prefill -------------------------------------------------------------------------------------
     def prefill(self, q, k, v, input_pos):
-        """Exact attention of the chunk over the host store's earlier positions and itself, then stored."""
-        p0 = int(input_pos[0])
-        if p0 != int(self.length):
-            raise RuntimeError(f"prefill chunk starts at {p0} but the cache holds {int(self.length)} tokens")
-        check_fits(input_pos, self.max_seq_len)
-        earlier_k, earlier_v = self.prefetcher.host_prefix(self.layer_idx, p0)
-        k_all, v_all = torch.cat([earlier_k, k], 2), torch.cat([earlier_v, v], 2)
-        with self.meter.holding(k_all, v_all):
-            out = exact_attention(q, k_all, v_all, input_pos, torch.arange(k_all.shape[2], device=q.device))
-            self.append_prefill(k, v, input_pos, q)
-        return out
+        """Exact attention over the host store's earlier positions and the chunk, then the chunk stored."""
+        return prefill_chunk(self, q, k, v, input_pos, int(self.length),
+                             partial(self.prefetcher.host_prefix, self.layer_idx))
 
     def append_prefill(self, k, v, input_pos, q=None):
         """A prefill chunk (eager; tools/eval.py replays a recorded prefill this way, queries included):
