@@ -488,9 +488,10 @@ class KVCaches(list):
         """KV bytes one decode step of `step_tokens` tokens reads (each cache's own byte floor)."""
         return sum(c.read_bytes(step_tokens) for c in self)
 
-    def fetch_bytes_per_step(self) -> int:
-        """Host-to-device bytes a decode step may move (an upper bound: Prefetcher.bytes_per_step)."""
-        return self.prefetcher.bytes_per_step() if self.prefetcher is not None else 0
+    def fetch_bytes_per_step(self, deployed: bool = False) -> int:
+        """Host-to-device bytes a decode step may move (an upper bound: Prefetcher.bytes_per_step);
+        deployed: in a 16-bit deployment."""
+        return self.prefetcher.bytes_per_step(deployed) if self.prefetcher is not None else 0
 
 
 def fetch_policy(model) -> FetchPolicy:

@@ -262,7 +262,9 @@ def run(a):
         # each method's own figures: SpeCache's speculative tokens, QuantSpec's drafts (None for the other)
         "spec_exact_hit_rate": stats.get("spec_exact_hit_rate"), "resyncs": stats.get("resyncs", 0),
         "method": a.method, "acceptance_rate": stats.get("acceptance_rate"), "gamma": stats.get("gamma"),
-        "bytes_fetched_per_step": caches.fetch_bytes_per_step()}
+        # bus bytes a step, the same two ways
+        "bytes_fetched_per_step": caches.fetch_bytes_per_step(deployed=True),
+        "bytes_fetched_per_step_as_run": caches.fetch_bytes_per_step()}
     if tp.rank() > 0:
         return result
     if not a.quiet:

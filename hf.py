@@ -401,8 +401,8 @@ class RowKVCaches(list):
     def read_bytes(self, step_tokens: int) -> int:
         return sum(r.read_bytes(step_tokens) for r in self.rows)
 
-    def fetch_bytes_per_step(self) -> int:
-        return sum(r.fetch_bytes_per_step() for r in self.rows)
+    def fetch_bytes_per_step(self, deployed: bool = False) -> int:
+        return sum(r.fetch_bytes_per_step(deployed) for r in self.rows)
 
 
 class _Biased(nn.Module):

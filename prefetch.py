@@ -206,11 +206,13 @@ class Prefetcher:
     def host_bytes_per_layer(self) -> int:
         return (self.host_k.nbytes + self.host_v.nbytes) // self.host_k.shape[0]
 
-    def bytes_per_step(self) -> int:
+    def bytes_per_step(self, deployed: bool = False) -> int:
         """Bytes one decode step may move host -> device, every layer and kv head: k rows of K and V
         (re-ranking: key_rows candidate keys and k values). An upper bound: rows the ring already
-        holds are not moved again (transfer.record_rows; how many: tools/probe.py's `reuse`)."""
-        return sum(bufs[0][:, :, :1].nbytes * (self.key_rows + self.k) for bufs in self.rings if bufs is not None)
+        holds are not moved again (transfer.record_rows; how many: tools/probe.py's `reuse`).
+        deployed: in a 16-bit deployment (2 bytes an element) rather than as this run holds them."""
+        row = lambda ring: ring[:, :, :1].numel() * 2 if deployed else ring[:, :, :1].nbytes
+        return sum(row(bufs[0]) * (self.key_rows + self.k) for bufs in self.rings if bufs is not None)
 
     # ---- prefill: Algorithm 1's offload (eager) --------------------------------------------------
     def offload(self, layer, k, v, input_pos):

@@ -147,6 +147,7 @@ def test_transfer_writes_the_token_and_gathers_rows():
     assert torch.equal(ring_k[0, 0], p.host_k[1, 0, 0, idx[0, 0]])
     assert torch.equal(ring_k[0, 1, 0], new_k[0, 1, 0]) and torch.equal(ring_v[0, 1, 1], new_v[0, 1, 0])
     assert p.bytes_per_step() == 2 * 2 * (1 * 2 * 3 * 4 * 4)
+    assert p.bytes_per_step(deployed=True) == 2 * 2 * (1 * 2 * 3 * 4 * 2)  # 16-bit elements
 
 
 @needs_interpreter

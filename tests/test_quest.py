@@ -191,7 +191,8 @@ def test_the_command_line_runs_it_and_counts_its_bytes(capsys):
     assert out["kv_device_bytes"] == quest_bytes(*shape, 2)  # a 16-bit deployment
     assert out["kv_device_bytes_as_run"] == quest_bytes(*shape, 4)  # fp32 as run here
     rows = min(64, -(-L // 16) * 16)
-    assert out["bytes_fetched_per_step"] == a["n_layers"] * 2 * a["n_kv_heads"] * rows * a["head_dim"] * 4
+    assert out["bytes_fetched_per_step"] == a["n_layers"] * 2 * a["n_kv_heads"] * rows * a["head_dim"] * 2
+    assert out["bytes_fetched_per_step_as_run"] == 2 * out["bytes_fetched_per_step"]
     with pytest.raises(SystemExit) as e:
         main(["--checkpoint", ckpt, "--cache", "quest-p16-k40"])
     assert str(e.value).startswith("error: ") and "multiple of the page size" in str(e.value)
