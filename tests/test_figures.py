@@ -1,6 +1,8 @@
 """tools/figures.py on small synthetic results written to tmp_path: every figure is written as a non-empty
 PNG, and a missing input is one clear error naming what is missing."""
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -68,6 +70,15 @@ def test_every_figure_is_a_non_empty_png(tmp_path):
     for name in figures.FIGURES:
         data = (tmp_path / "docs" / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 10_000, name
+
+
+def test_the_script_runs_as_make_figures_runs_it(tmp_path):
+    """`python tools/figures.py` (tools/ first on sys.path, not the repository root) draws every figure."""
+    synthetic_results(tmp_path / "results")
+    p = subprocess.run([sys.executable, str(figures.ROOT / "tools" / "figures.py"), "--results", str(tmp_path / "results"),
+                        "--out", str(tmp_path / "docs")], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(f.name for f in (tmp_path / "docs").iterdir()) == sorted(figures.FIGURES)
 
 
 def test_run_names_and_the_markdown_kernel_table(tmp_path):

@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `python tools/figures.py` puts tools/ first; the baselines figure imports tools.baselines_grid
 CPU = "CPU (2-core AMD EPYC), fp32, SmolLM2-135M-Instruct"
 PRESET = "lsq-resync-rr2-g32-sink4"  # `--preset best` spelled out (config.py)
 NAMES = {  # canonical cache names -> what the figures call them, in plotting order
