@@ -281,16 +281,17 @@ def resolve(model, config: CacheConfig, batch: int, max_seq_len: int) -> CacheCo
     if "/" in config.budget:
         return sized(config, int(max_seq_len * Fraction(config.budget)))
     target = kv.setup_caches(model, config.budget, batch, max_seq_len).deployed_bytes()
-    fits = lambda rows: build(model, sized(config, rows), batch, max_seq_len).deployed_bytes() <= target  # noqa: E731
+
+    def nbytes(rows):
+        return build(model, sized(config, rows), batch, max_seq_len).deployed_bytes()
     lo = smallest_rows(config.page)  # fewer rows hold no layout at all: the search starts above them
-    if not fits(lo):
-        need = build(model, sized(config, lo), batch, max_seq_len).deployed_bytes()
+    if nbytes(lo) > target:
         raise ValueError(f"cache {config.name}: {config.budget}'s {target} bytes do not hold InfLLM's smallest layout "
-                         f"({lo} token rows: {need} bytes)")
+                         f"({lo} token rows: {nbytes(lo)} bytes)")
     hi = max(lo, max_seq_len * 2)  # bytes grow with the rows: the largest that fits, by bisection
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        lo, hi = (mid, hi) if nbytes(mid) <= target else (lo, mid - 1)
     return sized(config, lo)
 
 
