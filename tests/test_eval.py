@@ -359,13 +359,16 @@ def test_prefill_replay_equals_prefilling_each_cache():
 
     r = tiny_runner()
     ids = [random.Random(2).randrange(256) for _ in range(100)]
-    for name in ("full", "kivi-2bit-g16-r32", "specache-1bit-k8-g16-r16", "specache-1bit-k8-g16-r16-lag"):
+    for name in ("full", "kivi-2bit-g16-r32", "specache-1bit-k8-g16-r16", "specache-1bit-k8-g16-r16-lag",
+                 "infllm-p8-k32-r16-sink4-repr2"):
         m = CacheConfig.from_name(name)
         r.replay = None
         own, _ = r.generate(m, ids, 20)
-        r.replay = ev.PrefillReplay()
+        r.replay = ev.PrefillReplay(2048, [m])  # (the queries recorded where the method reads them: InfLLM)
         assert r.generate(m, ids, 20)[0] == own, name
         assert r.generate(m, ids, 20)[0] == own, name  # the second prompt use replays the recording
+    assert [ev.PrefillReplay(2048, [CacheConfig.from_name(n)]).keep_queries for n in ("kivi-1bit", "specache-1bit",
+            "infllm-p8-k32-r16-sink4-repr2", "kivi-2bit-zipcache-s40-hi4")] == [False, False, True, True]
 
 
 # ---- method names ---------------------------------------------------------------------------------------

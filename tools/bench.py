@@ -561,7 +561,7 @@ def main(argv=None):
     runner = Runner(model, ids, a, res["bandwidth"])
     if a.shared_prefill:
         from tools.eval import PrefillReplay
-        a.replay = PrefillReplay(a.prefill_chunk, keep_queries=any(bench_config(c, a)[0].scheme == "zipcache" for c in a.caches))
+        a.replay = PrefillReplay(a.prefill_chunk, [bench_config(c, a)[0] for c in a.caches])
     if a.kernels:
         res["kernels"] = [row for ctx in a.contexts for row in bench_kernels.kernel_rows(model, ctx, a, res["bandwidth"])]
     if a.quantspec:

@@ -93,16 +93,16 @@ def label(m: CacheConfig, methods=None) -> str:
 # ==== the model side ============================================================================================
 class PrefillReplay:
     """Algorithm 1 once per prompt, replayed into every cache configuration. The prompt is prefilled
-    in chunks through fp caches that record it (_Recorder): a layer that attends to every position
-    keeps all of them (and the queries: ZipCache's saliency probes), a layer with a shorter sliding
-    window its ring, as its own FullCache would. Every new set of caches then stores the recording
-    as its own one-chunk prefill would (quantize, offload; a ring copies the window): the exact
-    attention of Algorithm 1 over the whole prompt. Evaluations run many caches on the same prompt:
-    this turns N prefills into one. keep_queries=False records no queries (only ZipCache reads them: on a
-    1.5B model at 32k they would take 5.6 GB)."""
+    in chunks through fp caches that record it (_Recorder): a layer that attends to every position keeps
+    all of them (and the queries, only for `methods` that read them, None: all: ZipCache's saliency probes,
+    InfLLM's representative scores; 5.6 GB on a 1.5B model at 32k), a layer with a shorter sliding window its
+    ring, as its own FullCache would. Every new set of caches then stores the recording as its own one-chunk
+    prefill would (quantize, offload; a ring copies the window): the exact attention of Algorithm 1 over the
+    whole prompt. Evaluations run many caches on the same prompt: this turns N prefills into one."""
 
-    def __init__(self, chunk: int = 2048, keep_queries: bool = True):
-        self.chunk, self.key, self.recorded, self.logits, self.keep_queries = chunk, None, None, None, keep_queries
+    def __init__(self, chunk: int = 2048, methods=None):
+        self.chunk, self.key, self.recorded, self.logits = chunk, None, None, None
+        self.keep_queries = methods is None or any(m.scheme == "zipcache" or m.kind == "infllm" for m in methods)
 
     def __call__(self, model, prompt):
         from generate import prefill
@@ -168,7 +168,7 @@ class Runner:
             self.model = load_model(a.checkpoint, device=self.device, dtype=dtype)
             self.tok = load_tokenizer(a.checkpoint)
         self.chunk = a.prefill_chunk
-        self.replay = PrefillReplay(a.prefill_chunk, keep_queries=any(m.scheme == "zipcache" for m in a.method_list))
+        self.replay = PrefillReplay(a.prefill_chunk, a.method_list)
         # Compiled steps need one cache shape for the whole run, or every prompt recompiles.
         self.fixed_len = a.cache_len if a.compile else None
         self.steps = generate.Steps().compiled(self.device) if a.compile else generate.Steps()
