@@ -288,18 +288,28 @@ def resolve(model, config: CacheConfig, batch: int, max_seq_len: int) -> CacheCo
     if "/" in config.budget:
         return sized(config, int(max_seq_len * Fraction(config.budget)))
     target = kv.setup_caches(model, config.budget, batch, max_seq_len).deployed_bytes()
-    lo, hi = 1, max_seq_len * 2  # bytes grow with the rows: the largest that fits, by bisection
+    fits = lambda rows: build(model, sized(config, rows), batch, max_seq_len).deployed_bytes() <= target  # noqa: E731
+    lo = smallest_rows(config.page)  # fewer rows hold no layout at all: the search starts above them
+    if not fits(lo):
+        need = build(model, sized(config, lo), batch, max_seq_len).deployed_bytes()
+        raise ValueError(f"cache {config.name}: {config.budget}'s {target} bytes do not hold InfLLM's smallest layout "
+                         f"({lo} token rows: {need} bytes)")
+    hi = max(lo, max_seq_len * 2)  # bytes grow with the rows: the largest that fits, by bisection
     while lo < hi:
         mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return sized(config, lo)
+
+
+def smallest_rows(page: int) -> int:
+    """The fewest token rows split_rows can lay out (above it every count can: the window only grows)."""
+    rows = 1
+    while True:
         try:
-            fits = build(model, sized(config, mid), batch, max_seq_len).deployed_bytes() <= target
+            split_rows(rows, page)
+            return rows
         except ValueError:
-            fits = False
-        lo, hi = (mid, hi) if fits else (lo, mid - 1)
-    try:
-        return sized(config, lo)
-    except ValueError:
-        raise ValueError(f"cache {config.name}: {config.budget}'s {target} bytes do not hold InfLLM's smallest layout") from None
+            rows += 1
 
 
 def build(model, config: CacheConfig, batch: int, max_seq_len: int) -> KVCaches:

@@ -174,6 +174,19 @@ def test_bytes_by_hand_and_budgets(model):
     assert CacheConfig.from_name("infllm-p128").bits_per_value(64, 3) == 8 * 3 / 128
 
 
+def test_a_byte_budget_just_above_the_smallest_layout_is_found(model):
+    """The search over token rows starts at the smallest layout (fewer rows hold none): a budget a little
+    above it gives the most rows that fit, and one below it is a clear error."""
+    L = 200
+    target = setup_caches(model, "specache-2bit", 1, L).deployed_bytes()
+    got = setup_caches(model, "infllm-p48-repr2@specache-2bit", 1, L)
+    rows = got.config.sinks + got.config.k + got.config.residual + 2 * 48 - 1
+    assert infllm.smallest_rows(48) == 164 < rows == 180
+    assert got.deployed_bytes() <= target < infllm.build(model, infllm.sized(got.config, rows + 1), 1, L).deployed_bytes()
+    with pytest.raises(ValueError, match=r"do not hold InfLLM's smallest layout \(164 token rows: \d+ bytes\)"):
+        setup_caches(model, "infllm-p48-repr2@specache-1bit", 1, L)
+
+
 @pytest.mark.parametrize("name,message", [
     ("infllm-p8-k12", "must be a positive multiple of the block"),
     ("infllm-p4-repr5", "must be 1 <= reprN <= pN"),
