@@ -145,13 +145,13 @@ def test_grid_report_and_figure(tmp_path):
             for m, L, t, sc, b in [("no_press", 8000, "a", 1.0, 2 ** 22), ("no_press", 8000, "b", 0.0, 2 ** 23),
                                    ("snapkv@specache-1bit", 8000, "a", 0.5, 2 ** 20),
                                    ("snapkv@specache-1bit", 8000, "b", 0.0, 2 ** 20),
-                                   ("snapkv@specache-1bit", 16000, "a", 1.0, 2 ** 21)]]
+                                   ("snapkv@specache-1bit", 3800, "a", 1.0, 2 ** 21)]]
     rows.append(dict(cmd="ruler", model="m", method="pyramidkv@specache-1bit", length=8000, task="a", score=None,
                      equals="snapkv"))
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     G.main(["report", "--out", str(tmp_path), "--figure"])
     table = (tmp_path / "results.md").read_text()
-    assert "## ruler 8k (m)" in table and "## ruler 16k (m)" in table
+    assert "## ruler 8k (m)" in table and "## ruler 3.8k (m)" in table  # a length of 3,800 is not "3k"
     assert "The fp cache (no_press) scores 0 on b: those separate nothing" in table
     lo, hi = G.wilson(0.5, 2)
     assert abs(lo - 0.0945) < 1e-3 and abs(hi - 0.9055) < 1e-3  # Wilson: 0.5 +- 0.41 at n = 2

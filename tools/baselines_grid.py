@@ -271,7 +271,7 @@ def cmd_report(a):
     lines, points = [], []
     for bench, length in sorted({(r["cmd"], r["length"]) for r in rows}):
         sel = [r for r in rows if (r["cmd"], r["length"]) == (bench, length)]
-        panel = f"{bench} {length // 1000}k"
+        panel = f"{bench} {length / 1000:g}k"
         s = summarize(sel)
         cols, quiet = s["cols"], [c for c in s["cols"] if c not in s["separating"]]
         lines += [f"## {panel} ({sel[0]['model']})", ""]
