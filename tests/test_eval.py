@@ -236,6 +236,9 @@ def test_reports_and_heatmap(tmp_path):
     ev.write_niah_report(r)
     md = (tmp_path / "results.md").read_text()
     assert "| full | - | 100.0 | 100.0 | 100.0 |" in md and "kivi-1bit | - | 33.3" in md
+    # per length, Wilson's 95% interval over the prompts: 2 of 2 found is 1.0 [0.34, 1.0]
+    assert "| full | 100.0 [34, 100] (2) | 100.0 [34, 100] (2) |" in md
+    assert "| kivi-1bit | 33.3 [5, 84] (2) | 33.3 [5, 84] (2) |" in md
     assert (tmp_path / "niah.png").stat().st_size > 1000
     for task, score in (("niah_single_1", 1.0), ("vt", 0.5)):
         f = dict(cmd="ruler", method="full", task=task, length=1000, sample=0)

@@ -17,7 +17,6 @@ The report gives every score with its 95% interval (Wilson's, over the prompts).
 """
 import argparse
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tools.baselines import KVPRESS_PYTHON, PRESSES, QUANTIZED, fail, split_at  # noqa: E402
+from tools.eval_report import wilson  # noqa: E402
 
 DEFAULT_PRESSES = "no_press,streaming_llm,h2o,h2o+qa,snapkv,snapkv+qa,pyramidkv,knorm,quantized-2bit,quantized-4bit"
 DEFAULT_MATCH = "specache-1bit,specache-1bit-best,specache-2bit-best"
@@ -219,16 +219,6 @@ def load_rows(a):
 
 def column(r) -> str:
     return r["task"] if r["cmd"] == "ruler" else f"{r['depth']:g}"
-
-
-def wilson(p: float, n: int, z: float = 1.96) -> tuple:
-    """Wilson's 95% interval for a mean score p in [0, 1] over n prompts. For a fractional score (NIAH's
-    three phrases, RULER's four values) it is wider than needed: such a score's variance is at most p(1 - p)."""
-    if n == 0:
-        return 0.0, 1.0
-    d = 1 + z * z / n
-    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, c - h), min(1.0, c + h)
 
 
 FP_METHODS = ("full", "no_press")  # the fp cache: the project's, else the kvpress venv's

@@ -124,6 +124,25 @@ def pct(x):
     return None if x is None else 100 * x
 
 
+def wilson(p: float, n: int, z: float = 1.96) -> tuple:
+    """Wilson's 95% interval for a mean score p in [0, 1] over n prompts. For a fractional score (NIAH's
+    three phrases, RULER's four values) it is wider than needed: such a score's variance is at most p(1 - p)."""
+    if n == 0:
+        return 0.0, 1.0
+    d = 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def with_interval(scores) -> str:
+    """'mean [lo, hi] (n)' x100 over the prompts' scores, the interval Wilson's 95%; '-' for none."""
+    if not scores:
+        return "-"
+    m = sum(scores) / len(scores)
+    lo, hi = wilson(m, len(scores))
+    return f"{100 * m:.1f} [{100 * lo:.0f}, {100 * hi:.0f}] ({len(scores)})"
+
+
 def where(recs, **match) -> list[dict]:
     return [r for r in recs if all(r.get(k) == v for k, v in match.items())]
 
@@ -164,12 +183,16 @@ def write_niah_report(results: Results):
     lengths = sorted({r["length"] for r in recs})
     rows = [[lb, bits_column(recs, lb)] + [pct(mean([r["score"] for r in where(recs, label=lb, length=L)])) for L in lengths]
             + [pct(mean([r["score"] for r in where(recs, label=lb)]))] for lb in labels_of(recs)]
+    spread = [[lb] + [with_interval([r["score"] for r in where(recs, label=lb, length=L)]) for L in lengths]
+              for lb in labels_of(recs)]
     results.write_md("Needle in a haystack",
                      "Score: share of the needle's key phrases (" + ", ".join(KEY_PHRASES) + " for Kamradt's needle; "
                      "tools/tasks.py NEEDLES) in the greedy answer, x100, mean over depths and needles. Deterministic string match: no GPT-4 judge offline (the paper rates 1-10 "
                      "with GPT-4). bits: device bits per stored K/V element (codes, scales, refinement; "
                      "config.CacheConfig.bits_per_value). " + forms,
                      md_table(["method", "bits"] + [f"{L} tok" for L in lengths] + ["avg"], rows),
+                     "Per length: the mean x100 with Wilson's 95% interval over the prompts (how many in brackets).",
+                     md_table(["method"] + [f"{L} tok" for L in lengths], spread),
                      "![niah](niah.png)")
     plot_niah(recs, labels_of(recs), results.dir / "niah.png")
 
