@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tools.baselines import KVPRESS_PYTHON, PRESSES, QUANTIZED, fail, split_at  # noqa: E402
-from tools.eval_report import wilson  # noqa: E402
+from tools.tasks import fmt_interval as fmt, wilson  # noqa: E402
 
 DEFAULT_PRESSES = "no_press,streaming_llm,h2o,h2o+qa,snapkv,snapkv+qa,pyramidkv,knorm,quantized-2bit,quantized-4bit"
 DEFAULT_MATCH = "specache-1bit,specache-1bit-best,specache-2bit-best"
@@ -246,10 +246,6 @@ def summarize(sel) -> dict:
         entry["mib"] = sum(r["kv_device_bytes"] for r in scored) / len(scored) / 2 ** 20 if scored else None
         out[m] = entry
     return dict(cols=cols, separating=separating, fp=fp, methods=out)
-
-
-def fmt(x) -> str:
-    return "" if x is None else f"{100 * x[0]:.1f} [{100 * x[1]:.0f}, {100 * x[2]:.0f}]"
 
 
 def cmd_report(a):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 import tp
-from tools.tasks import KEY_PHRASES, RULER_TASKS
+from tools.tasks import KEY_PHRASES, RULER_TASKS, fmt_interval, wilson
 
 
 class Results:
@@ -124,23 +124,12 @@ def pct(x):
     return None if x is None else 100 * x
 
 
-def wilson(p: float, n: int, z: float = 1.96) -> tuple:
-    """Wilson's 95% interval for a mean score p in [0, 1] over n prompts. For a fractional score (NIAH's
-    three phrases, RULER's four values) it is wider than needed: such a score's variance is at most p(1 - p)."""
-    if n == 0:
-        return 0.0, 1.0
-    d = 1 + z * z / n
-    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, c - h), min(1.0, c + h)
-
-
 def with_interval(scores) -> str:
     """'mean [lo, hi] (n)' x100 over the prompts' scores, the interval Wilson's 95%; '-' for none."""
     if not scores:
         return "-"
     m = sum(scores) / len(scores)
-    lo, hi = wilson(m, len(scores))
-    return f"{100 * m:.1f} [{100 * lo:.0f}, {100 * hi:.0f}] ({len(scores)})"
+    return f"{fmt_interval((m, *wilson(m, len(scores))))} ({len(scores)})"
 
 
 def where(recs, **match) -> list[dict]:

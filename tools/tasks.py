@@ -14,6 +14,7 @@ and RULER's tasks use RULER's `base` template (the task text, a space, the answe
 """
 import importlib.util
 import json
+import math
 import random
 import re
 import string
@@ -493,6 +494,21 @@ def niah_score(pred: str, phrases=KEY_PHRASES) -> float:
 
 def ruler_score(task: str, pred: str, refs) -> float:
     return recall_any(pred, refs) if RULER_TASKS[task][0] == "qa" else recall_all(pred, refs)
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple:
+    """Wilson's 95% interval for a mean score p in [0, 1] over n prompts. For a fractional score (NIAH's
+    three phrases, RULER's four values) it is wider than needed: such a score's variance is at most p(1 - p)."""
+    if n == 0:
+        return 0.0, 1.0
+    d = 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def fmt_interval(x) -> str:
+    """(mean, lo, hi) in [0, 1] as 'mean [lo, hi]' x100; '' for None."""
+    return "" if x is None else f"{100 * x[0]:.1f} [{100 * x[1]:.0f}, {100 * x[2]:.0f}]"
 
 
 # ==== long generation: the hit-rate task ===================================================================
