@@ -153,6 +153,9 @@ def test_grid_report_and_figure(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "## ruler 8k (m)" in table and "## ruler 3.8k (m)" in table  # a length of 3,800 is not "3k"
     assert "The fp cache (no_press) scores 0 on b: those separate nothing" in table
+    with pytest.raises(SystemExit) as e:  # a folder without rows: one error line, not a traceback
+        G.main(["report", "--out", str(tmp_path / "none")])
+    assert e.value.code == 2
     lo, hi = G.wilson(0.5, 2)
     assert abs(lo - 0.0945) < 1e-3 and abs(hi - 0.9055) < 1e-3  # Wilson: 0.5 +- 0.41 at n = 2
     assert f"| no_press | 2 | 100.0 | 0.0 | {G.fmt((0.5, lo, hi))} | {G.fmt((1.0, *G.wilson(1.0, 1)))} | 6.00 |" in table

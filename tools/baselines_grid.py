@@ -202,6 +202,9 @@ def cmd_hf_checkpoint(a):
 def load_rows(a):
     """The presses' rows (OUT/results.jsonl) and the project's (each --project folder's results.jsonl,
     tools/eval.py's rows on the same prompts, given their device bytes here)."""
+    for d in [a.out, *a.project]:
+        if not (d / "results.jsonl").is_file():
+            fail(f"{d / 'results.jsonl'}: no rows to report (the grid's `niah`/`ruler` or tools/eval.py write them)")
     rows = [json.loads(line) for line in (a.out / "results.jsonl").read_text().splitlines()]
     project = [json.loads(line) for d in a.project for line in (d / "results.jsonl").read_text().splitlines()]
     if project:
