@@ -3,6 +3,7 @@ torchrun the cells spread over the ranks, one file each, folded into one), the m
 each subcommand and its plots (NIAH heatmap, per-layer hit rates)."""
 import json
 import math
+import textwrap
 from pathlib import Path
 
 import torch
@@ -206,7 +207,8 @@ def plot_niah(recs, labels, path):
             if not np.isnan(v):
                 ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [f"{L / 1000:g}k" for L in lengths])
-        ax.set_title(lb, fontsize=9)
+        # a long label (a preset's name) wrapped at its hyphens to the panel's width, so titles do not overlap
+        ax.set_title("\n".join(textwrap.wrap(lb, max(12, 11 * len(lengths)))), fontsize=9)
         ax.set_xlabel("context length", fontsize=8)
     axes[0][0].set_yticks(range(len(depths)), [f"{round(100 * d)}%" for d in depths])
     axes[0][0].set_ylabel("needle depth")
