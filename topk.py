@@ -125,13 +125,17 @@ def select_ref(logits, lse_rows, n_quant, k: int, first: int = 0):
     return idx, score.gather(-1, idx) >= 0
 
 
-# ---- radix selection, 8 bits a round (FlashInfer's top_k, Quest's RAFT select), one program a kv head ----
+# ---- radix selection, 8 bits a round (FlashInfer's top_k, Quest's RAFT select), in one launch ----
 # A score p >= 0 has the key bits(p) + 1 (the fp32 bits of a non-negative float order as integers); a position
 # that is no candidate has key 0. Keys fit 31 bits, so int32 shifts never sign-extend. Round r histograms digit
 # r of the keys whose higher digits are the k-th largest key's; rounds stop as soon as the k-th key's bucket is
 # taken whole. Then one pass in position order takes every key above the prefix and the first ties on it.
+# Keys rank by (key, then the lower position): a total order, so a kv head's top k lies within the union of its
+# position slices' own top k. The launch is a grid of slices: each program picks its slice's k (a few KB, from
+# L2), and the last of a head's programs to finish (a ticket counter) picks the k of their n_slices * k.
 RADIX = tl.constexpr(256)
-SELECT_WARPS = 8  # one program streams a kv head's 32k scores: warps keep loads in flight (not timed on a GPU)
+SELECT_WARPS = 8
+MAX_SLICES = 128  # a head's slices: its candidates for the last program are n_slices * k
 
 
 @triton.jit
@@ -152,22 +156,82 @@ def _bucket(h, need):
 
 
 @triton.jit
-def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, work, sel_idx, sel_ok, S, S_PAD, K, FIRST, G,
-                   Hkv, fetch_idx, fetch_valid, slot_rows, RING, OFF,
+def _kth_prefix(keys, n, hist, K, CHUNK: tl.constexpr, CACHE: tl.constexpr):
+    """Radix rounds 1-3 over keys[0:n], round 0's histogram of their top digits given -> (prefix, shift, need):
+    the K largest keys are those whose bits above `shift` exceed prefix, and the first `need` equal to it."""
+    offs = tl.arange(0, CHUNK)
+    prefix, need, count = _bucket(hist, K)
+    shift = prefix * 0 + 24
+    for r in tl.static_range(1, 4):
+        if count > need:  # the k-th key's bucket is not taken whole: its next 8 bits decide
+            hist = tl.zeros([RADIX], tl.int32)
+            for c0 in range(0, n, CHUNK):
+                inn = c0 + offs < n
+                key = tl.load(keys + c0 + offs, mask=inn, other=0, cache_modifier=CACHE)
+                hist += tl.histogram((key >> (24 - 8 * r)) & 255, RADIX, mask=inn & ((key >> (32 - 8 * r)) == prefix))
+            digit, need, count = _bucket(hist, need)
+            prefix = (prefix << 8) | digit
+            shift = shift * 0 + (24 - 8 * r)
+    return prefix, shift, need
+
+
+@triton.jit
+def _take_in_order(keys, pos_at, n, base, prefix, shift, need, K, out_pos, out_key, CHUNK: tl.constexpr,
+                   CACHE: tl.constexpr, GATHER: tl.constexpr, FINAL: tl.constexpr):
+    """Every key of keys[0:n] above the prefix and the first `need` on it, in their order, to out_pos/out_key
+    [0:K]: positions base + i, or pos_at[i] (GATHER); FINAL writes int64 positions and key > 0 as int8. One scan
+    counts both (above in the low 16 bits, ties in the high: CHUNK < 2^16); the ties taken before an entry are
+    min(ties, left)."""
+    offs = tl.arange(0, CHUNK)
+    n_take = prefix * 0
+    n_tie = prefix * 0
+    for c0 in range(0, n, CHUNK):
+        i = c0 + offs
+        inn = i < n
+        key = tl.load(keys + i, mask=inn, other=0, cache_modifier=CACHE)
+        above = (((key >> shift) > prefix) & inn).to(tl.int32)
+        tie = (((key >> shift) == prefix) & inn).to(tl.int32)
+        both = above + (tie << 16)
+        before = tl.cumsum(both, 0) - both
+        ties_left = tl.maximum(need - n_tie, 0)
+        take = above | (tie & ((before >> 16) < ties_left).to(tl.int32))
+        slot = n_take + (before & 0xFFFF) + tl.minimum(before >> 16, ties_left)
+        put = (take != 0) & (slot < K)  # (exactly K are taken: a guard)
+        if GATHER:
+            pos = tl.load(pos_at + i, mask=inn, other=0, cache_modifier=CACHE)
+        else:
+            pos = base + i
+        if FINAL:
+            tl.store(out_pos + slot, pos.to(tl.int64), mask=put)
+            tl.store(out_key + slot, (key > 0).to(tl.int8), mask=put)
+        else:
+            tl.store(out_pos + slot, pos, mask=put)
+            tl.store(out_key + slot, key, mask=put)
+        total = tl.sum(both, 0)
+        n_take += (total & 0xFFFF) + tl.minimum(total >> 16, ties_left)
+        n_tie += total >> 16
+
+
+@triton.jit
+def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, cand_key, cand_pos, tickets, work, sel_idx,
+                   sel_ok, S, S_PAD, SLICE, N_SLICES, K, FIRST, G, Hkv, fetch_idx, fetch_valid, slot_rows, RING, OFF,
                    q, q_sb, q_sh, q_sr, q_sd, s_q, s_lse, new_k, new_v, n_sb, n_sh, n_sd, new_pos, s_k, s_v, s_pos, D,
                    R: tl.constexpr, RS: tl.constexpr, RECORD: tl.constexpr, STAGE_Q: tl.constexpr,
                    HAS_NEW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv,): the k rows of kv head bh that the next step fetches, and what the transfer needs, in one
-    program. Keys from the logits the attention wrote (score = max_r sum_g 2^(logit - lse), select_ref),
-    radix rounds over them, then the K selected positions in position order to sel_idx/sel_ok. RECORD (the
-    plain transfer): lay them out in the ring as transfer.record_rows does (a row the ring holds keeps its slot;
-    the others take the freed slots in order) into fetch_idx/fetch_valid [.., RING] from slot OFF, and give the
-    transfer its host row per ring slot, slot_rows (-1: keep). STAGE_Q (re-ranking, whose candidates are
-    sel_idx/sel_ok): the query rows and their lse, RS rows a head from the R tokens, into s_q/s_lse. HAS_NEW:
-    the step's token new_k/new_v and new_pos into s_k/s_v/s_pos. The staged inputs are what the side stream
-    reads: the step's own tensors are graph temporaries."""
+    """Grid (B*Hkv, N_SLICES): the k rows of kv head bh that the next step fetches, and what the transfer needs,
+    in one launch. Program (bh, s): the keys of positions [s*SLICE, (s+1)*SLICE) from the logits the attention
+    wrote (score = max_r sum_g 2^(logit - lse), select_ref), its slice's K largest in position order to
+    cand_key/cand_pos; the head's last program to take a ticket: the K largest of the N_SLICES * K candidates, in
+    position order, to sel_idx/sel_ok, and then RECORD (the plain transfer): lay them out in the ring as
+    transfer.record_rows does (a row the ring holds keeps its slot; the others take the freed slots in order)
+    into fetch_idx/fetch_valid [.., RING] from slot OFF, and give the transfer its host row per ring slot,
+    slot_rows (-1: keep). STAGE_Q (re-ranking, whose candidates are sel_idx/sel_ok): the query rows and their
+    lse, RS rows a head from the R tokens, into s_q/s_lse. HAS_NEW: the step's token new_k/new_v and new_pos into
+    s_k/s_v/s_pos. The staged inputs are what the side stream reads: the step's own tensors are graph temporaries.
+    tickets [B*Hkv] are zero between launches (the last program resets its head's)."""
     bh = tl.program_id(0).to(tl.int64)
+    sl = tl.program_id(1)
     b, h = bh // Hkv, bh % Hkv
     offs = tl.arange(0, CHUNK)
     offs_g = tl.arange(0, BLOCK_G)
@@ -176,67 +240,57 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, work, sel_i
                     other=float("inf")) * LOG2E
     hi = tl.minimum(tl.load(n_quant_ptr), S)
     row = logits + (bh * G * R + offs_g)[:, None] * S
-    # round 0: every position's key, and the histogram of its top digit
+    first = sl * SLICE
+    my_keys = keys + bh * S_PAD + first
+    # the slice's keys, and the histogram of their top digits
     hist = tl.zeros([RADIX], tl.int32)
-    for c0 in range(0, S_PAD, CHUNK):
-        pos = c0 + offs
+    for c0 in range(0, SLICE, CHUNK):
+        pos = first + c0 + offs
         ok = (pos >= FIRST) & (pos < hi)
         lg = tl.load(row + pos[None, :], mask=g_ok[:, None] & ok[None, :], other=-float("inf"))
         key = _radix_key(best_row(tl.exp2(lg - lse_g[:, None]), offs_g, g_ok, R), ok)
-        tl.store(keys + bh * S_PAD + pos, key)
+        tl.store(my_keys + c0 + offs, key)
         hist += tl.histogram(key >> 24, RADIX)
-    prefix, need, count = _bucket(hist, K)
-    shift = prefix * 0 + 24
-    for r in tl.static_range(1, 4):
-        if count > need:  # the k-th key's bucket is not taken whole: its next 8 bits decide
-            hist = tl.zeros([RADIX], tl.int32)
-            for c0 in range(0, S_PAD, CHUNK):
-                key = tl.load(keys + bh * S_PAD + c0 + offs)
-                hist += tl.histogram((key >> (24 - 8 * r)) & 255, RADIX, mask=(key >> (32 - 8 * r)) == prefix)
-            digit, need, count = _bucket(hist, need)
-            prefix = (prefix << 8) | digit
-            shift = shift * 0 + (24 - 8 * r)
-    # every key above the prefix, and the first `need` on it, in position order: one scan counts both (above
-    # in the low 16 bits, ties in the high: CHUNK < 2^16), the ties taken before a position are min(ties, left)
-    n_take = prefix * 0
-    n_tie = prefix * 0
-    for c0 in range(0, S_PAD, CHUNK):
-        pos = c0 + offs
-        key = tl.load(keys + bh * S_PAD + pos)
-        above = ((key >> shift) > prefix).to(tl.int32)
-        tie = ((key >> shift) == prefix).to(tl.int32)
-        both = above + (tie << 16)
-        before = tl.cumsum(both, 0) - both
-        ties_left = tl.maximum(need - n_tie, 0)
-        ties_before = tl.minimum(before >> 16, ties_left)
-        take = above | (tie & ((before >> 16) < ties_left).to(tl.int32))
-        slot = n_take + (before & 0xFFFF) + ties_before
-        put = (take != 0) & (slot < K)  # (exactly K are taken: a guard)
-        tl.store(sel_idx + bh * K + slot, pos.to(tl.int64), mask=put)
-        tl.store(sel_ok + bh * K + slot, (key > 0).to(tl.int8), mask=put)
-        total = tl.sum(both, 0)
-        n_take += (total & 0xFFFF) + tl.minimum(total >> 16, ties_left)
-        n_tie += total >> 16
-    offs_k = tl.arange(0, BLOCK_K)
-    if RECORD:
-        _record(keys + bh * S_PAD, work + bh * 2 * BLOCK_K, sel_idx + bh * K, sel_ok + bh * K,
-                fetch_idx + bh * RING + OFF, fetch_valid + bh * RING + OFF, slot_rows + bh * K, offs_k, K, S_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    if STAGE_Q:  # query row m = g*RS + r of the kv head, from selecting token r % R
-        offs_m = tl.arange(0, BLOCK_M)
-        m_ok = offs_m < G * RS
-        head, tok = h * G + offs_m // RS, offs_m % RS % R
-        src = (b * q_sb + head * q_sh + tok * q_sr)[:, None] + offs_d[None, :] * q_sd
-        md = m_ok[:, None] & d_ok[None, :]
-        tl.store(s_q + (bh * G * RS + offs_m)[:, None] * D + offs_d[None, :], tl.load(q + src, mask=md), mask=md)
-        tl.store(s_lse + bh * G * RS + offs_m, tl.load(lse + b * l_sb + head * l_sh + tok * l_sr, mask=m_ok), mask=m_ok)
-    if HAS_NEW:
-        src = b * n_sb + h * n_sh + offs_d * n_sd
-        tl.store(s_k + bh * D + offs_d, tl.load(new_k + src, mask=d_ok), mask=d_ok)
-        tl.store(s_v + bh * D + offs_d, tl.load(new_v + src, mask=d_ok), mask=d_ok)
-        if bh == 0:
-            tl.store(s_pos, tl.load(new_pos))
+    tl.debug_barrier()  # (the keys are read back below in another layout: other threads' stores)
+    prefix, shift, need = _kth_prefix(my_keys, SLICE, hist, K, CHUNK, "")
+    my_cand = bh * N_SLICES * K + sl * K
+    _take_in_order(my_keys, my_keys, SLICE, first, prefix, shift, need, K, cand_pos + my_cand, cand_key + my_cand,
+                   CHUNK, "", False, False)
+    tl.debug_barrier()  # (every thread's candidates stored before the ticket releases them)
+    if tl.atomic_add(tickets + bh, 1, sem="acq_rel") == N_SLICES - 1:  # the head's last slice: pick from all
+        tl.debug_barrier()
+        n_cand = N_SLICES * K
+        heads_cand = bh * n_cand
+        hist = tl.zeros([RADIX], tl.int32)
+        for c0 in range(0, n_cand, CHUNK):
+            inn = c0 + offs < n_cand
+            key = tl.load(cand_key + heads_cand + c0 + offs, mask=inn, other=0, cache_modifier=".cg")
+            hist += tl.histogram(key >> 24, RADIX, mask=inn)
+        prefix, shift, need = _kth_prefix(cand_key + heads_cand, n_cand, hist, K, CHUNK, ".cg")
+        _take_in_order(cand_key + heads_cand, cand_pos + heads_cand, n_cand, 0, prefix, shift, need, K,
+                       sel_idx + bh * K, sel_ok + bh * K, CHUNK, ".cg", True, True)
+        tl.atomic_xchg(tickets + bh, 0)
+        offs_k = tl.arange(0, BLOCK_K)
+        if RECORD:
+            _record(keys + bh * S_PAD, work + bh * 2 * BLOCK_K, sel_idx + bh * K, sel_ok + bh * K,
+                    fetch_idx + bh * RING + OFF, fetch_valid + bh * RING + OFF, slot_rows + bh * K, offs_k, K, S_PAD)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        if STAGE_Q:  # query row m = g*RS + r of the kv head, from selecting token r % R
+            offs_m = tl.arange(0, BLOCK_M)
+            m_ok = offs_m < G * RS
+            head, tok = h * G + offs_m // RS, offs_m % RS % R
+            src = (b * q_sb + head * q_sh + tok * q_sr)[:, None] + offs_d[None, :] * q_sd
+            md = m_ok[:, None] & d_ok[None, :]
+            tl.store(s_q + (bh * G * RS + offs_m)[:, None] * D + offs_d[None, :], tl.load(q + src, mask=md), mask=md)
+            tl.store(s_lse + bh * G * RS + offs_m, tl.load(lse + b * l_sb + head * l_sh + tok * l_sr, mask=m_ok),
+                     mask=m_ok)
+        if HAS_NEW:
+            src = b * n_sb + h * n_sh + offs_d * n_sd
+            tl.store(s_k + bh * D + offs_d, tl.load(new_k + src, mask=d_ok), mask=d_ok)
+            tl.store(s_v + bh * D + offs_d, tl.load(new_v + src, mask=d_ok), mask=d_ok)
+            if bh == 0:
+                tl.store(s_pos, tl.load(new_pos))
 
 
 @triton.jit
@@ -275,22 +329,48 @@ def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, slot_rows, off
     tl.store(slot_rows + to, pos, mask=miss)
 
 
+_TICKETS: dict = {}
+
+
+def _tickets(device, n: int) -> Tensor:
+    """The selection's ticket counters, zero between launches (each launch's last programs reset theirs): one
+    buffer a device, grown as needed, so a launch needs no memset. Selections on one device run one at a time
+    (the step's stream), which these shared counters assume."""
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < n:
+        t = _TICKETS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return t
+
+
+def slices(S: int, k: int, chunk: int) -> tuple[int, int, int]:
+    """-> (chunk, slice length, slices) of the one-launch selection over S positions: slices of whole chunks, at
+    least 4x the (padded) k so the last program's n_slices * k candidates are at most a quarter of the
+    positions, at most MAX_SLICES of them."""
+    chunk = min(chunk, triton.next_power_of_2(S))
+    need = max(chunk, 4 * triton.next_power_of_2(k), triton.cdiv(S, MAX_SLICES))
+    length = triton.cdiv(need, chunk) * chunk
+    return chunk, length, triton.cdiv(S, length)
+
+
 def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, record=None, stage_q=None, token=None,
                   chunk: int = 1024):
     """select_ref in one launch (_select_kernel), -> (idx, valid) [B,Hkv,k]; `out`: where to write them
     (re-ranking: its staged candidates). record = (fetch_idx, fetch_valid, off, slot_rows): lay the rows out in
     the ring and give the transfer its host rows (record_rows); stage_q = (q_rows [B,H,R',D], s_q [B,H,RS,D],
-    s_lse [B,H,RS]); token = (new_k, new_v, new_pos, s_k, s_v, s_pos). Strided inputs are read in place."""
+    s_lse [B,H,RS]); token = (new_k, new_v, new_pos, s_k, s_v, s_pos). Strided inputs are read in place.
+    `chunk`: positions a loop iteration reads (slices are whole chunks: a small chunk gives several slices)."""
     B, Hkv, GR, S = logits.shape
     H, R = lse_rows.shape[1:]
     G, BH, dev = H // Hkv, B * Hkv, logits.device
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
     assert logits.is_contiguous() and GR == G * R
-    chunk = min(chunk, triton.next_power_of_2(S))
-    S_PAD = triton.cdiv(S, chunk) * chunk
+    chunk, length, n_slices = slices(S, k, chunk)
+    S_PAD = n_slices * length
     BLOCK_K = triton.next_power_of_2(k)
     keys = torch.empty(BH, S_PAD, dtype=torch.int32, device=dev)
+    cand_key = torch.empty(BH, n_slices * k, dtype=torch.int32, device=dev)
+    cand_pos = torch.empty(BH, n_slices * k, dtype=torch.int32, device=dev)
     work = torch.empty(BH, 2, BLOCK_K, dtype=torch.int32, device=dev)
     idx, ok = out if out is not None else (torch.empty(B, Hkv, k, dtype=torch.long, device=dev),
                                            torch.empty(B, Hkv, k, dtype=torch.bool, device=dev))
@@ -306,9 +386,10 @@ def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, r
     new_strides = (new_k.stride(0), new_k.stride(1), new_k.stride(3)) if token is not None else (0,) * 3
     assert token is None or new_v.stride() == new_k.stride()
     D = s_k.shape[-1] if token is not None else s_q.shape[-1] if stage_q is not None else 1
-    _select_kernel[(BH,)](
-        logits, lse_rows, *lse_rows.stride(), n_quant, keys, work, idx, ok.view(torch.int8), S, S_PAD, k, first, G,
-        Hkv, fetch_idx, fetch_valid, slot_rows, fetch_idx.shape[-1] if record is not None else 0, off,
+    _select_kernel[(BH, n_slices)](
+        logits, lse_rows, *lse_rows.stride(), n_quant, keys, cand_key, cand_pos, _tickets(dev, BH), work, idx,
+        ok.view(torch.int8), S, S_PAD, length, n_slices, k, first, G, Hkv, fetch_idx, fetch_valid, slot_rows,
+        fetch_idx.shape[-1] if record is not None else 0, off,
         q, *q_strides, s_q, s_lse, new_k, new_v, *new_strides, new_pos, s_k, s_v, s_pos, D,
         R=R, RS=RS, RECORD=record is not None, STAGE_Q=stage_q is not None, HAS_NEW=token is not None, CHUNK=chunk,
         BLOCK_G=max(2, triton.next_power_of_2(G * R)), BLOCK_K=BLOCK_K, BLOCK_M=max(2, triton.next_power_of_2(G * RS)),

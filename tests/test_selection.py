@@ -31,7 +31,7 @@ def logits_for(kind, n, seed):
 @pytest.mark.parametrize("kind", ["spread", "ties", "low_bits"])
 @pytest.mark.parametrize("k", [1, 16, 100])
 def test_radix_selection_equals_the_reference_and_torch_topk(kind, k):
-    """Three kv heads of 512 positions in 8 chunks: the kernel picks select_ref's rows exactly (ties: the lowest
+    """Three kv heads of 512 positions in 8 chunks (8 slices for k 1 and 16): the kernel picks select_ref's rows exactly (ties: the lowest
     positions), in position order; their scores are torch.topk's k values."""
     n = 512
     logits = torch.stack([logits_for(kind, n, seed) for seed in range(3)]).view(1, 3, 1, n)
@@ -43,6 +43,25 @@ def test_radix_selection_equals_the_reference_and_torch_topk(kind, k):
     torch.testing.assert_close(score.gather(-1, got[0]).sort(-1, descending=True).values, score.topk(k, -1).values,
                                atol=0, rtol=0)
     assert all(len(set(row.tolist())) == k for row in got[0].flatten(0, 1))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", ["ties", "crowded", "spread"])
+def test_the_slices_candidates_hold_the_heads_top_k(kind):
+    """The launch's slices (8 of 512 positions here) each keep their own top k, and the head's last program
+    picks from their union: the same rows as select_ref when the k best crowd into one slice, when the k-th
+    score ties across every slice, and in general; the ticket counters are zero again after the launch."""
+    n, k = 4096, 100
+    assert topk.slices(n, k, 64) == (64, 512, 8)
+    if kind == "crowded":  # scores fall with the position: all of the top 100 sit in the first slice
+        logits = -torch.arange(n, dtype=torch.float32).view(1, 1, 1, n).repeat(1, 2, 1, 1) / 64
+    else:
+        logits = torch.stack([logits_for(kind, n, seed) for seed in range(2)]).view(1, 2, 1, n)
+    lse = torch.zeros(1, 2, 1)
+    got = topk.select_triton(logits, lse, torch.tensor(n - 5), k, first=3, chunk=64)
+    want = topk.select_ref(logits, lse, torch.tensor(n - 5), k, first=3)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not topk._tickets(logits.device, 2).any()
 
 
 @needs_interpreter

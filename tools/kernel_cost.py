@@ -38,7 +38,9 @@ LOOPS = {
     "_attn_views_kernel": [("quantized", "GROUP_K", "token", None)],
     "_select_kernel": [("keys", "CHUNK", "position", None), ("round 1", "CHUNK", "position", None),
                        ("round 2", "CHUNK", "position", None), ("round 3", "CHUNK", "position", None),
-                       ("collect", "CHUNK", "position", None)],
+                       ("collect", "CHUNK", "position", None), ("candidates", "CHUNK", "candidate", None),
+                       ("merge round 1", "CHUNK", "candidate", None), ("merge round 2", "CHUNK", "candidate", None),
+                       ("merge round 3", "CHUNK", "candidate", None), ("merge collect", "CHUNK", "candidate", None)],
     "_transfer_rows_kernel": [("rows", "BLOCK_R", "row", "HAS_ROWS"), ("new token", 1, "kv head", ("HAS_NEW", "!HAS_ROWS")),
                               ("token slot", ("BLOCK_R", 4), "slot", ("HAS_NEW", "HAS_ROWS"))],
 }
@@ -119,7 +121,9 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
     if kern == "_attn_combine_kernel":
         return H * s["G"] * s["T"], {}, H * s["G"] * s["T"], "output row"
     if kern == "_select_kernel":  # (every refining round counted: an upper bound, they stop once the k-th's bucket is whole)
-        return H, {name: nq * H for name, *_ in LOOPS[kern]}, nq * H, "position"
+        n_slices = -(-nq // max(1024, 4 * s["k"]))  # (topk.slices at chunk 1024)
+        loops = {name: (nq if item == "position" else n_slices * s["k"]) * H for name, _, item, _ in LOOPS[kern]}
+        return H * n_slices, loops, nq * H, "position"
     if kern == "_transfer_rows_kernel":
         rows = s["k"] * H if _cx(row, "HAS_ROWS") else 0
         progs = min(16, max(-(-rows // _cx(row, "BLOCK_R")), H))
