@@ -385,7 +385,7 @@ def add_cache_flags(p):
     p.add_argument("--fetch-impl", default=None, choices=list(FETCH_IMPLS), help="CUDA host-to-device transfer")
     p.add_argument("--attn-path", default=None, choices=list(ATTN_PATHS),
                    help="low-bit attention kernel on a GPU: words, bit planes, or planes in the Gluon kernel "
-                        "(default: lowbit.DEFAULT_ATTN_PATH)")
+                        "(default: Gluon where a launch fits it, else words; lowbit.DEFAULT_ATTN_PATH)")
     p.add_argument("--salient-ratio", type=float, default=None,
                    help="ZipCache mixed precision (--quant zipcache): share of tokens kept at --bits-salient (e.g. 0.4)")
     p.add_argument("--bits-salient", type=int, default=None, help="ZipCache: bits of the salient tokens (default --bits + 2)")

@@ -351,6 +351,20 @@ def _planes_layout(store: LowBitKV, D: int, M: int, dtype):
     return (NGV, max(16, triton.next_power_of_2(M) * NGV)) + plane_codes_mode(store, D, dtype)
 
 
+def launch_path(path: str, q, store: LowBitKV, M: int) -> str:
+    """A named path as is; "auto" (the default): Gluon where this launch fits it (a compiled 16-bit launch on a
+    GPU that attn_gluon.fits), else words."""
+    if path != "auto":
+        return path
+    if not q.is_cuda or interpreted() or q.dtype not in (torch.float16, torch.bfloat16):
+        return "words"
+    try:
+        import attn_gluon
+    except ImportError:  # (a Triton without Gluon)
+        return "words"
+    return "gluon" if attn_gluon.fits(store, q.shape[-1], M, q.dtype) else "words"
+
+
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
                             attn_path="words", n_splits=None, select=0, quantized=None, **launch):
     """The Triton attention on one path (config.ATTN_PATHS; the planes and Gluon paths need a layout
@@ -360,7 +374,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
-    path = check_attn_path(attn_path)
+    path = launch_path(check_attn_path(attn_path), q, store, M)
     if path != "words" and not planes_fit(store, D, M):
         raise ValueError(f"the {path} attention path does not take this cache layout (lowbit.planes_fit)")
     gluon = path == "gluon"

@@ -169,9 +169,10 @@ def code_layout(store: LowBitKV, D: int):
 
 
 # Attention paths over the quantized slots: "words" (32-bit words unpacked by shifts), "planes" (bit-plane tiles),
-# "gluon" (plane tiles in attn_gluon's kernel, compiled 16-bit launches). One default for the interpreter and a GPU
-# (tests check what ships): words, until planes/Gluon pass tests/test_cuda.py and win a GPU run (`make gpu-check`).
-DEFAULT_ATTN_PATH = "words"  # (config.ATTN_PATHS names them)
+# "gluon" (plane tiles in attn_gluon's kernel, compiled 16-bit launches). The default, "auto", is Gluon where a
+# launch fits it (on a GPU: the fastest path in every row of the H200 run, docs/gpu.md) and words elsewhere (the
+# interpreter, fp32, layouts Gluon cannot take): kernels.launch_path decides per launch, from its shapes.
+DEFAULT_ATTN_PATH = "auto"  # (config.ATTN_PATHS names the others)
 
 
 def interpreted() -> bool:
@@ -190,7 +191,7 @@ def planes_fit(store: LowBitKV, D: int, M: int) -> bool:
 def check_attn_path(attn_path: Optional[str]) -> str:
     """The attention path a cache runs (None: DEFAULT_ATTN_PATH); an unknown name is an error."""
     path = attn_path or DEFAULT_ATTN_PATH
-    if path not in ATTN_PATHS:
+    if path not in ATTN_PATHS + (DEFAULT_ATTN_PATH,):
         raise ValueError(f"unknown attention path {path!r} ({', '.join(ATTN_PATHS)})")
     return path
 

@@ -407,11 +407,18 @@ def test_bit_plane_path_takes_plain_codes_only():
         assert isinstance(make_case(**CASES[case]).store, ViewKV)
 
 
-def test_attention_path_is_one_rule_for_the_interpreter_and_a_gpu():
-    """The default (what a GPU launch takes) is the interpreter's too, so the tests check what ships;
-    the plane and Gluon paths are taken by name, unknown names and Gluon under the interpreter stop."""
+def test_the_default_attention_path_is_gluon_where_it_fits_else_words():
+    """The default, "auto", takes Gluon only for a compiled 16-bit launch on a GPU that attn_gluon.fits: under the
+    interpreter and in fp32 it is the word path (what the CPU tests check); the plane and Gluon paths are taken
+    by name, unknown names and Gluon under the interpreter stop."""
     plain = make_case(**CASES["G1-T2-gk64-gv32"])
-    assert lowbit.DEFAULT_ATTN_PATH == "words" and lowbit.check_attn_path(None) == "words"
+    assert lowbit.DEFAULT_ATTN_PATH == "auto" and lowbit.check_attn_path(None) == "auto"
+    M = rows(plain)
+    assert kernels.launch_path("auto", plain.q, plain.store, M) == "words"
+    assert kernels.launch_path("auto", plain.q.bfloat16(), plain.store, M) == "words"  # (interpreted)
+    assert kernels.launch_path("planes", plain.q, plain.store, M) == "planes"
+    words = kernels.attention_lowbit_triton(*plain.args(), attn_path="words")
+    assert all(torch.equal(a, b) for a, b in zip(kernels.attention_lowbit_triton(*plain.args()), words))
     with pytest.raises(ValueError, match="unknown attention path 'tiles'"):
         kernels.attention_lowbit_triton(*plain.args(), attn_path="tiles")
     with pytest.raises(ValueError, match="Gluon path"):
