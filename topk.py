@@ -329,17 +329,18 @@ def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, slot_rows, off
     tl.store(slot_rows + to, pos, mask=miss)
 
 
-_TICKETS: dict = {}
+_TICKETS: dict = {}  # device -> every counter buffer made there, the newest last
 
 
 def _tickets(device, n: int) -> Tensor:
     """The selection's ticket counters, zero between launches (each launch's last programs reset theirs): one
-    buffer a device, grown as needed, so a launch needs no memset. Selections on one device run one at a time
-    (the step's stream), which these shared counters assume."""
-    t = _TICKETS.get(device)
-    if t is None or t.numel() < n:
-        t = _TICKETS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-    return t
+    buffer a device, so a launch needs no memset. A larger batch gets a larger buffer; the old ones are kept,
+    since a CUDA graph captured earlier still writes to them. Selections on one device run one at a time (the
+    step's stream), which these shared counters assume."""
+    made = _TICKETS.setdefault(torch.device(device), [])
+    if not made or made[-1].numel() < n:
+        made.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return made[-1]
 
 
 def slices(S: int, k: int, chunk: int) -> tuple[int, int, int]:
