@@ -418,8 +418,8 @@ def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monke
         return 0, "progress\n", 20.0
 
     monkeypatch.setattr(gpu_check, "run", fake_run)
-    # 100 s to the tests in the background; 4-layer steps, Table 3 and the word path's steps of 20 s each
-    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "330"]) == 0
+    # 100 s to the tests in the background; 4- and 8-layer steps, Table 3 and the word path's steps of 20 s each
+    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "350"]) == 0
     rows = {r["step"]: r for r in json.loads((tmp_path / "summary.json").read_text())["steps"]}
     tests = {t["check"]: t["status"] for t in json.loads((tmp_path / "summary.json").read_text())["tests"]}
     assert tests == {"test_gluon_a": "pass", "test_fused_selection_b": "pass", "test_c": "pass"}
@@ -431,6 +431,10 @@ def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monke
     assert rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["beside"] == ""
     assert rows["preset without resync step, gluon, 32k, 4 layers"]["status"] == "pass"
     assert rows["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "pass"
+    # full depth on the line through 4 and 8 layers: fp16 2 + (8 - 2) * 7 (this fake's 4-layer JSON, the stub's
+    # 8-layer one), SpeCache 4 + (8 - 4) * 7
+    assert rows["SpeCache 1-bit paper step, gluon, 32k, 8 layers"]["note"].endswith(
+        "at 32 layers (a line through 4 and 8): 32.00 ms, 0.73x the fp16 step's 44.00")
     assert rows["fp16 step, full depth, 32k"]["status"] == "not run"  # (200 s to start)
     assert rows["SpeCache 1-bit paper step, words, 32k, 4 layers"]["status"] == "cut"
     assert packed == sorted(packed) and len(set(packed)) > 10  # packed again after every step
@@ -450,7 +454,8 @@ def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monke
 def test_gpu_check_dry_run_walks_every_step(tmp_path):
     """`--dry-run-cpu`: the imports, the CUDA tests' collection and one toy bench run are real, the GPU work
     stubbed and its time simulated: one summary row per step, at most MAX_FILES files, and a real call's budget
-    runs the 4-layer steps and Table 3, then what fits of the word path's, and leaves the full-depth steps out."""
+    runs the 4- and 8-layer steps and Table 3, then what fits of the preset's and the word path's, and leaves the
+    full-depth steps out."""
     from tools import gpu_check
     assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -458,9 +463,9 @@ def test_gpu_check_dry_run_walks_every_step(tmp_path):
     assert list(steps)[:3] == ["environment", "imports", "collect the CUDA tests"]
     assert len(summary["steps"]) == 3 + len(gpu_check.plan(sys.executable, tmp_path, tmp_path, {}))
     later = [name for name in steps if "full depth" in name]
-    words = [name for name in steps if "words" in name]
+    words = [name for name in steps if "words" in name or "preset" in name]
     assert later and all(steps[name]["status"] == "not run" for name in later)
-    assert steps[words[0]]["status"] == "pass" and {steps[name]["status"] for name in words} <= {"pass", "not run"}
+    assert {steps[name]["status"] for name in words} <= {"pass", "not run"}
     assert all(r["status"] == "pass" for name, r in steps.items() if name not in later + words)
     assert steps["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "pass"
     assert len(summary["tests"]) > 60 and {t["status"] for t in summary["tests"]} == {"pass"}

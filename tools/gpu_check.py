@@ -12,11 +12,14 @@
    its own timeout. The third runs in the background, beside step 2's compiles;
 2. whole decode steps at 32k on Llama-3.1-8B shapes with the first --layers decoder layers (random
    bf16 weights, compiled, CUDA graph, the kernels profiled by name; tools/bench.py --layers): fp16, KIVI
-   1-bit and SpeCache 1-bit (paper) on the Gluon attention path (the GPU default once its tests pass here,
-   docs/gpu.md), then the preset timed without resync (random weights guess wrong nearly every step: its
-   resync rate is measured on a real model on CPU, docs/policies.md), one process each;
-3. Table 3 (batch on a KV budget, 32k, --layers): fp16 and SpeCache 1-bit, runs capped at batch 8;
-4. if time is left: fp16 and SpeCache 1-bit at full depth, then SpeCache 1-bit and KIVI 1-bit on the word
+   1-bit and SpeCache 1-bit (paper) on the Gluon attention path (the GPU default where a launch fits it,
+   docs/gpu.md), one process each;
+3. fp16 and SpeCache 1-bit at twice the layers: with the first steps, a line through both depths estimates the
+   full-depth step without compiling 32 layers;
+4. Table 3 (batch on a KV budget, 32k, --layers): fp16 and SpeCache 1-bit, runs capped at batch 8; then the
+   preset timed without resync (random weights guess wrong nearly every step: its resync rate is measured on
+   a real model on CPU, docs/policies.md);
+5. if time is left: fp16 and SpeCache 1-bit at full depth, then SpeCache 1-bit and KIVI 1-bit on the word
    path (the same run's comparison for the default path's choice).
 Each step runs under its own timeout and is skipped ("not run") when less of the budget is left than
 it needs. After every step the summary and the raw outputs are packed into at most MAX_FILES files in
@@ -49,15 +52,17 @@ MAX_FILES = 8  # what comes back from the device machine's $OUT
 PER_TEST_TIMEOUT_S = 90
 RESERVE_S = 8  # kept back for the last packing
 MODEL, CONTEXT, LAYERS = "Llama-3.1-8B", 32768, 4
-STEP_CACHES = [("fp16", "full", None), ("KIVI 1-bit", "kivi", "gluon"), ("SpeCache 1-bit paper", "specache", "gluon"),
-               ("preset without resync", "specache-1bit-speculative-best", "gluon")]
+STEP_CACHES = [("fp16", "full", None), ("KIVI 1-bit", "kivi", "gluon"), ("SpeCache 1-bit paper", "specache", "gluon")]
+DEPTH_CACHES = ("full", "specache")  # also at twice the layers
+PRESET = ("preset without resync", "specache-1bit-speculative-best", "gluon")  # after Table 3
 WORD_PATH = [("SpeCache 1-bit paper", "specache"), ("KIVI 1-bit", "kivi")]  # last: the default path's comparison
 # Seconds each step is expected to take on an H100/H200 (docs/gpu.md: gpu-check on an H200, 2026-11-28: the three
 # test processes 103, 72 and 145 s, 4-layer steps 33-50 s, the preset's 56 s, Table 3 of fp16 and SpeCache to
 # batch 8 102 s; on an H100, 2026-11-26: the sweep 46 of 54 rows in 44 s; earlier: a full-depth 8B step at 32k
 # 210-240 s to its first step, nearly all compile). The dry run spends these.
 EXPECTED_S = {"environment": 5, "imports": 10, "collect": 10, "tests-planes": 100, "tests-kernels": 75, "tests-rest": 150,
-              "step": 35, "step-preset": 60, "sweep": 55, "table3": 105, "full-depth": 240}
+              "step": 35, "step-preset": 60, "step8": 45, "sweep": 55, "table3": 105,
+              "full-depth": 240}
 
 
 # ---- sub-runs --------------------------------------------------------------------------------------------------
@@ -131,20 +136,23 @@ def plan(py, work: Path, out: Path, tests: dict) -> list[Step]:
                   background=k == "tests-rest", tests=tests.get(k, [])) for k in TEST_STEPS]
     timed = ["--warmup", "5", "--steps", "20"]
 
-    def layer_step(label, cache, path):
-        fname = work / f"step-{cache}-{path or 'fp'}.json"
-        return Step("step-preset" if cache.endswith("best") else "step",
-                    f"{label} step, {path or 'fp16'}, {CONTEXT // 1024}k, {LAYERS} layers",
-                    bench_cmd(py, "--layers", str(LAYERS), "--compile", "--contexts", str(CONTEXT), "--caches", cache,
+    def layer_step(label, cache, path, layers=LAYERS):
+        fname = work / f"step-{cache}-{path or 'fp'}{'' if layers == LAYERS else f'-{layers}l'}.json"
+        return Step("step-preset" if cache.endswith("best") else "step" if layers == LAYERS else "step8",
+                    f"{label} step, {path or 'fp16'}, {CONTEXT // 1024}k, {layers} layers",
+                    bench_cmd(py, "--layers", str(layers), "--compile", "--contexts", str(CONTEXT), "--caches", cache,
                               *(["--attn-path", path] if path else []), *timed, "--json", str(fname)),
-                    need_s=30, timeout_s=150, json=fname)
+                    need_s=30 if layers == LAYERS else 45, timeout_s=150, json=fname)
     steps += [layer_step(label, cache, path) for label, cache, path in STEP_CACHES]
+    # the same at twice the layers: a line through the two depths estimates full depth without its compile
+    steps += [layer_step(label, cache, path, 2 * LAYERS) for label, cache, path in STEP_CACHES if cache in DEPTH_CACHES]
     steps.append(Step("table3", f"Table 3: batch on a 4 GB KV budget, {CONTEXT // 1024}k, {LAYERS} layers",
                       bench_cmd(py, "--layers", str(LAYERS), "--compile", "--contexts", str(CONTEXT), "--caches",
                                 "full,specache", "--attn-path", "gluon", "--kv-budget-gb", "4", "--max-run-batch",
                                 "8", "--no-grid", "--warmup", "3", "--steps", "10", "--profile-steps", "0", "--json",
                                 str(work / "table3.json")),
                       need_s=110, timeout_s=200, json=work / "table3.json"))
+    steps.append(layer_step(*PRESET))
     for label, cache, path in (("fp16", "full", None), ("SpeCache 1-bit paper", "specache", "gluon")):
         fname = work / f"full-depth-{cache}.json"
         steps.append(Step("full-depth", f"{label} step, full depth, {CONTEXT // 1024}k",
@@ -440,10 +448,18 @@ def main(argv=None):
         note = step_note(result) if result else ""
         grid = (result or {}).get("grid") or []
         if step.key.startswith("step") and grid:
-            if "full" in step.cmd:
-                state["fp16_ms"] = grid[0]["step_ms_median"]
-            elif state.get("fp16_ms"):
-                note += f"; {grid[0]['step_ms_median'] / state['fp16_ms']:.2f}x the fp16 step"
+            layers = int(step.cmd[step.cmd.index("--layers") + 1])
+            cache = step.cmd[step.cmd.index("--caches") + 1]
+            ms = state.setdefault("ms", {})
+            ms[cache, layers] = grid[0]["step_ms_median"]
+            if cache != "full" and ("full", layers) in ms:
+                note += f"; {ms[cache, layers] / ms['full', layers]:.2f}x the fp16 step"
+            if layers == 2 * LAYERS and (cache, LAYERS) in ms:  # full depth on the line through both depths
+                est = {c: ms[c, LAYERS] + (ms[c, layers] - ms[c, LAYERS]) * (32 - LAYERS) / LAYERS
+                       for c in (cache, "full") if (c, LAYERS) in ms and (c, layers) in ms}
+                note += f"; at 32 layers (a line through {LAYERS} and {layers}): {est[cache]:.2f} ms"
+                if cache != "full" and "full" in est:
+                    note += f", {est[cache] / est['full']:.2f}x the fp16 step's {est['full']:.2f}"
         if not ok:
             last = (text.strip().splitlines() or [""])[-1][:160]
             note = (note + "; " if note else "") + ("timed out" if code is None else last)
