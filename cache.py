@@ -175,6 +175,7 @@ class LowBitCache(nn.Module):
     `quantize` (and `stored`, what the kernels read of them); methods.setup_caches picks it.
     """
     scheme = "kivi"  # the config.scheme this class quantizes by
+    one_attn_path: Optional[str] = None  # a store read by a kernel of its own: the one path that kernel has
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
                  max_step_tokens=2, meter=None):
@@ -209,6 +210,11 @@ class LowBitCache(nn.Module):
         self.meter = meter or MemoryMeter()  # counts prefill's transient fp K/V; setup_caches counts these buffers
         self.custom_ops = None  # kernels behind their custom ops: None = on CUDA; True on CPU (tests): the CUDA graph
         self.attn_path = check_attn_path(config.attn_path)  # which Triton kernel reads the codes (kernels.py), fixed here
+        if self.one_attn_path is not None:
+            if config.attn_path not in (None, self.one_attn_path):
+                raise ValueError(f"cache {config.name}: the {self.scheme} store's codes are read on the "
+                                 f"{self.one_attn_path} attention path only, not {config.attn_path!r}")
+            self.attn_path = self.one_attn_path
 
     def zeros_buffer(self, name, shape, dtype, fill=0):
         """A non-persistent buffer of `fill`s on the cache's device."""

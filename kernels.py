@@ -356,7 +356,7 @@ def launch_path(path: str, q, store: LowBitKV, M: int) -> str:
     GPU that attn_gluon.fits), else words."""
     if path != "auto":
         return path
-    if not q.is_cuda or interpreted() or q.dtype not in (torch.float16, torch.bfloat16):
+    if not q.is_cuda or interpreted():
         return "words"
     try:
         import attn_gluon

@@ -183,14 +183,11 @@ class HierCache(LowBitCache):
     config bits 4 or 8 picks the default (`view_bits`). Cache names: quantspec[-gN] (QuantSpecCache),
     kivi-/specache-...-quantspec (this store under KIVI's or SpeCache's decoding)."""
     scheme = "quantspec"
+    one_attn_path = "words"  # (attn_views has one kernel: the word path's)
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
                  max_step_tokens=2, meter=None):
         super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens, meter)
-        if config.attn_path not in (None, "words"):  # (attn_views has one kernel: the word path's)
-            raise ValueError(f"cache {config.name}: the QuantSpec store's codes are read on the words attention path "
-                             f"only, not {self.attn_path!r}")
-        self.attn_path = "words"
         self.view_bits = config.bits
         self.zeros_buffer("k_codes_lo", self.k_codes.shape, dtype=torch.uint8)
         self.zeros_buffer("v_codes_lo", self.v_codes.shape, dtype=torch.uint8)

@@ -177,9 +177,10 @@ def _kth_prefix(keys, n, hist, K, CHUNK: tl.constexpr, CACHE: tl.constexpr):
 
 @triton.jit
 def _take_in_order(keys, pos_at, n, base, prefix, shift, need, K, out_pos, out_key, CHUNK: tl.constexpr,
-                   CACHE: tl.constexpr, GATHER: tl.constexpr, FINAL: tl.constexpr):
+                   CACHE: tl.constexpr, MERGE: tl.constexpr):
     """Every key of keys[0:n] above the prefix and the first `need` on it, in their order, to out_pos/out_key
-    [0:K]: positions base + i, or pos_at[i] (GATHER); FINAL writes int64 positions and key > 0 as int8. One scan
+    [0:K]: a slice's positions base + i and keys; MERGE (the candidates): positions pos_at[i], written as int64,
+    and key > 0 as int8. One scan
     counts both (above in the low 16 bits, ties in the high: CHUNK < 2^16); the ties taken before an entry are
     min(ties, left)."""
     offs = tl.arange(0, CHUNK)
@@ -197,15 +198,12 @@ def _take_in_order(keys, pos_at, n, base, prefix, shift, need, K, out_pos, out_k
         take = above | (tie & ((before >> 16) < ties_left).to(tl.int32))
         slot = n_take + (before & 0xFFFF) + tl.minimum(before >> 16, ties_left)
         put = (take != 0) & (slot < K)  # (exactly K are taken: a guard)
-        if GATHER:
+        if MERGE:
             pos = tl.load(pos_at + i, mask=inn, other=0, cache_modifier=CACHE)
-        else:
-            pos = base + i
-        if FINAL:
             tl.store(out_pos + slot, pos.to(tl.int64), mask=put)
             tl.store(out_key + slot, (key > 0).to(tl.int8), mask=put)
         else:
-            tl.store(out_pos + slot, pos, mask=put)
+            tl.store(out_pos + slot, base + i, mask=put)
             tl.store(out_key + slot, key, mask=put)
         total = tl.sum(both, 0)
         n_take += (total & 0xFFFF) + tl.minimum(total >> 16, ties_left)
@@ -255,7 +253,7 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, cand_key, c
     prefix, shift, need = _kth_prefix(my_keys, SLICE, hist, K, CHUNK, "")
     my_cand = bh * N_SLICES * K + sl * K
     _take_in_order(my_keys, my_keys, SLICE, first, prefix, shift, need, K, cand_pos + my_cand, cand_key + my_cand,
-                   CHUNK, "", False, False)
+                   CHUNK, "", False)
     tl.debug_barrier()  # (every thread's candidates stored before the ticket releases them)
     if tl.atomic_add(tickets + bh, 1, sem="acq_rel") == N_SLICES - 1:  # the head's last slice: pick from all
         tl.debug_barrier()
@@ -268,7 +266,7 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, cand_key, c
             hist += tl.histogram(key >> 24, RADIX, mask=inn)
         prefix, shift, need = _kth_prefix(cand_key + heads_cand, n_cand, hist, K, CHUNK, ".cg")
         _take_in_order(cand_key + heads_cand, cand_pos + heads_cand, n_cand, 0, prefix, shift, need, K,
-                       sel_idx + bh * K, sel_ok + bh * K, CHUNK, ".cg", True, True)
+                       sel_idx + bh * K, sel_ok + bh * K, CHUNK, ".cg", True)
         tl.atomic_xchg(tickets + bh, 0)
         offs_k = tl.arange(0, BLOCK_K)
         if RECORD:

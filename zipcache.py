@@ -138,14 +138,11 @@ class ZipCache(LowBitCache):
                                                   received, and from how many query rows
     """
     scheme = "zipcache"
+    one_attn_path = "words"  # (attn_views has one kernel: the word path's)
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
                  max_step_tokens=2, meter=None):
         super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens, meter)
-        if config.attn_path not in (None, "words"):  # (attn_views has one kernel: the word path's)
-            raise ValueError(f"cache {config.name}: the ZipCache store's codes are read on the words attention path "
-                             f"only, not {self.attn_path!r}")
-        self.attn_path = "words"
         B, H, D, n_slots = batch, n_kv_heads, head_dim, self.k_codes.shape[2]
         self.zeros_buffer("v_chan_scale", (B, H, D), dtype=self.k_scale.dtype)
         self.mixed = config.salient > 0

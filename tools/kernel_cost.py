@@ -121,7 +121,8 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
     if kern == "_attn_combine_kernel":
         return H * s["G"] * s["T"], {}, H * s["G"] * s["T"], "output row"
     if kern == "_select_kernel":  # (every refining round counted: an upper bound, they stop once the k-th's bucket is whole)
-        n_slices = -(-nq // max(1024, 4 * s["k"]))  # (topk.slices at chunk 1024)
+        import topk
+        n_slices = topk.slices(nq, s["k"], 1024)[2]
         loops = {name: (nq if item == "position" else n_slices * s["k"]) * H for name, _, item, _ in LOOPS[kern]}
         return H * n_slices, loops, nq * H, "position"
     if kern == "_transfer_rows_kernel":
