@@ -52,6 +52,7 @@ MAX_FILES = 8  # what comes back from the device machine's $OUT
 PER_TEST_TIMEOUT_S = 90
 RESERVE_S = 8  # kept back for the last packing
 MODEL, CONTEXT, LAYERS = "Llama-3.1-8B", 32768, 4
+MODEL_LAYERS = 32  # Llama-3.1-8B's depth (model.py's configs): what the full-depth estimate extends to
 STEP_CACHES = [("fp16", "full", None), ("KIVI 1-bit", "kivi", "gluon"), ("SpeCache 1-bit paper", "specache", "gluon")]
 DEPTH_CACHES = ("full", "specache")  # also at twice the layers
 PRESET = ("preset without resync", "specache-1bit-speculative-best", "gluon")  # after Table 3
@@ -276,7 +277,7 @@ def stub_cmd(step: Step, xml: Optional[Path]) -> list:
         from tools import bench
         b = bench.parse_args(step.cmd[2:])
         spec.update(cmd=" ".join(step.cmd[1:]), sweep=b.sweep, budget=bool(b.kv_budget_gb), caches=b.caches,
-                    layers=b.layers or 32, attn_path=b.attn_path)
+                    layers=b.layers or MODEL_LAYERS, attn_path=b.attn_path)
     return [sys.executable, str(Path(__file__).resolve()), "--stub", json.dumps(spec)]
 
 
@@ -455,9 +456,9 @@ def main(argv=None):
             if cache != "full" and ("full", layers) in ms:
                 note += f"; {ms[cache, layers] / ms['full', layers]:.2f}x the fp16 step"
             if layers == 2 * LAYERS and (cache, LAYERS) in ms:  # full depth on the line through both depths
-                est = {c: ms[c, LAYERS] + (ms[c, layers] - ms[c, LAYERS]) * (32 - LAYERS) / LAYERS
+                est = {c: ms[c, LAYERS] + (ms[c, layers] - ms[c, LAYERS]) * (MODEL_LAYERS - LAYERS) / LAYERS
                        for c in (cache, "full") if (c, LAYERS) in ms and (c, layers) in ms}
-                note += f"; at 32 layers (a line through {LAYERS} and {layers}): {est[cache]:.2f} ms"
+                note += f"; at {MODEL_LAYERS} layers (a line through {LAYERS} and {layers}): {est[cache]:.2f} ms"
                 if cache != "full" and "full" in est:
                     note += f", {est[cache] / est['full']:.2f}x the fp16 step's {est['full']:.2f}"
         if not ok:
