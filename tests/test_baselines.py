@@ -145,7 +145,8 @@ def test_grid_report_and_figure(tmp_path):
             for m, L, t, sc, b in [("no_press", 8000, "a", 1.0, 2 ** 22), ("no_press", 8000, "b", 0.0, 2 ** 23),
                                    ("snapkv@specache-1bit", 8000, "a", 0.5, 2 ** 20),
                                    ("snapkv@specache-1bit", 8000, "b", 0.0, 2 ** 20),
-                                   ("snapkv@specache-1bit", 3800, "a", 1.0, 2 ** 21)]]
+                                   ("snapkv@specache-1bit", 3800, "a", 1.0, 2 ** 21),
+                                   ("no_press", 8000, "c", 1.0, 2 ** 22)]]  # c: the fp cache alone
     rows.append(dict(cmd="ruler", model="m", method="pyramidkv@specache-1bit", length=8000, task="a", score=None,
                      equals="snapkv"))
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -153,15 +154,18 @@ def test_grid_report_and_figure(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "## ruler 8k (m)" in table and "## ruler 3.8k (m)" in table  # a length of 3,800 is not "3k"
     assert "The fp cache (no_press) scores 0 on b: those separate nothing" in table
+    assert "Only the fp cache (no_press) ran on c: left out of its 'sep.' too" in table  # c answered
     with pytest.raises(SystemExit) as e:  # a folder without rows: one error line, not a traceback
         G.main(["report", "--out", str(tmp_path / "none")])
     assert e.value.code == 2
     lo, hi = G.wilson(0.5, 2)
     assert abs(lo - 0.0945) < 1e-3 and abs(hi - 0.9055) < 1e-3  # Wilson: 0.5 +- 0.41 at n = 2
-    assert f"| no_press | 2 | 100.0 | 0.0 | {G.fmt((0.5, lo, hi))} | {G.fmt((1.0, *G.wilson(1.0, 1)))} | 6.00 |" in table
-    assert f"| snapkv@specache-1bit | 2 | 50.0 | 0.0 | {G.fmt((0.25, *G.wilson(0.25, 2)))} | " \
+    mean = 2 / 3  # no_press: a and c answered, b not; 'sep.' over a alone
+    assert f"| no_press | 3 | 100.0 | 0.0 | 100.0 | {G.fmt((mean, *G.wilson(mean, 3)))} | " \
+           f"{G.fmt((1.0, *G.wilson(1.0, 1)))} | 5.33 |" in table
+    assert f"| snapkv@specache-1bit | 2 | 50.0 | 0.0 |  | {G.fmt((0.25, *G.wilson(0.25, 2)))} | " \
            f"{G.fmt((0.5, *G.wilson(0.5, 1)))} | 1.00 |" in table
-    assert "| pyramidkv@specache-1bit | 1 | = snapkv | = snapkv | kvpress runs snapkv at this budget | | |" in table
+    assert "| pyramidkv@specache-1bit | 1 | = snapkv | = snapkv | = snapkv | kvpress runs snapkv at this budget | | |" in table
     points = json.loads((tmp_path / "summary.json").read_text())
     assert {p["method"] for p in points} == {"no_press", "snapkv@specache-1bit"}
     assert (tmp_path / "score-vs-bytes.png").stat().st_size > 10_000
