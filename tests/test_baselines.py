@@ -138,8 +138,8 @@ def test_grid_budgets_and_cells(capsys):
 def test_grid_report_and_figure(tmp_path):
     """The report's tables, one per benchmark and length: mean score x100 per method and column, the mean
     with Wilson's 95% interval over all prompts and over the columns the fp cache answers (a column it
-    fails separates nothing, and is named), mean device MiB; a PyramidKV cell that equals SnapKV is named,
-    not scored; the figure is written."""
+    fails separates nothing, and is named; so does one some method has not run), mean device MiB; a PyramidKV
+    cell that equals SnapKV is named, not scored; the figure is written."""
     from tools import baselines_grid as G
     rows = [dict(cmd="ruler", model="m", method=m, length=L, task=t, score=sc, kv_device_bytes=b)
             for m, L, t, sc, b in [("no_press", 8000, "a", 1.0, 2 ** 22), ("no_press", 8000, "b", 0.0, 2 ** 23),
@@ -147,14 +147,14 @@ def test_grid_report_and_figure(tmp_path):
                                    ("snapkv@specache-1bit", 8000, "b", 0.0, 2 ** 20),
                                    ("snapkv@specache-1bit", 3800, "a", 1.0, 2 ** 21),
                                    ("no_press", 8000, "c", 1.0, 2 ** 22)]]  # c: the fp cache alone
-    rows.append(dict(cmd="ruler", model="m", method="pyramidkv@specache-1bit", length=8000, task="a", score=None,
-                     equals="snapkv"))
+    rows += [dict(cmd="ruler", model="m", method="pyramidkv@specache-1bit", length=8000, task=t, score=None,
+                  equals="snapkv") for t in "ab"]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     G.main(["report", "--out", str(tmp_path), "--figure"])
     table = (tmp_path / "results.md").read_text()
     assert "## ruler 8k (m)" in table and "## ruler 3.8k (m)" in table  # a length of 3,800 is not "3k"
     assert "The fp cache (no_press) scores 0 on b: those separate nothing" in table
-    assert "Only the fp cache (no_press) ran on c: left out of its 'sep.' too" in table  # c answered
+    assert "Not every method ran on c: left out of 'sep.' (the fp cache (no_press) there: c 100.0)." in table
     with pytest.raises(SystemExit) as e:  # a folder without rows: one error line, not a traceback
         G.main(["report", "--out", str(tmp_path / "none")])
     assert e.value.code == 2
@@ -165,7 +165,7 @@ def test_grid_report_and_figure(tmp_path):
            f"{G.fmt((1.0, *G.wilson(1.0, 1)))} | 5.33 |" in table
     assert f"| snapkv@specache-1bit | 2 | 50.0 | 0.0 |  | {G.fmt((0.25, *G.wilson(0.25, 2)))} | " \
            f"{G.fmt((0.5, *G.wilson(0.5, 1)))} | 1.00 |" in table
-    assert "| pyramidkv@specache-1bit | 1 | = snapkv | = snapkv | = snapkv | kvpress runs snapkv at this budget | | |" in table
+    assert "| pyramidkv@specache-1bit | 2 | = snapkv | = snapkv | = snapkv | kvpress runs snapkv at this budget | | |" in table
     points = json.loads((tmp_path / "summary.json").read_text())
     assert {p["method"] for p in points} == {"no_press", "snapkv@specache-1bit"}
     assert (tmp_path / "score-vs-bytes.png").stat().st_size > 10_000

@@ -228,16 +228,17 @@ FP_METHODS = ("full", "no_press")  # the fp cache: the project's, else the kvpre
 
 
 def summarize(sel) -> dict:
-    """One benchmark and length: the columns, those the fp cache answers (mean > 0) and another method ran
-    (they can separate methods), those the fp cache ran alone, and per method its prompts' scores (None: a PyramidKV cell that equals SnapKV), mean and
+    """One benchmark and length: the columns, those every method ran and the fp cache answers (mean > 0: they
+    can separate methods), those some method has not run, and per method its prompts' scores (None: a PyramidKV cell that equals SnapKV), mean and
     interval over all prompts and over the separating columns, and mean device bytes (16-bit)."""
     cols = sorted({column(r) for r in sel}, key=lambda c: (c[0].isalpha(), c))
     fp = next((m for m in FP_METHODS if any(r["method"] == m for r in sel)), None)
     fp_rows = [r for r in sel if r["method"] == fp]
-    # a column only the fp cache ran compares nothing either (the grid runs it alone first, to find the quiet ones)
-    others = {column(r) for r in sel if r["method"] != fp}
-    fp_only = [c for c in cols if fp and others and c not in others]
-    separating = [c for c in cols if c not in fp_only and (not fp or any(r["score"] for r in fp_rows if column(r) == c))]
+    # a column some method has not run yet compares nothing either (a grid part way through; the fp cache alone
+    # on the tasks it may fail): 'sep.' covers the same prompts for every method
+    ran = [{column(r) for r in sel if r["method"] == m} for m in dict.fromkeys(r["method"] for r in sel)]
+    partial = [c for c in cols if not all(c in cs for cs in ran)]
+    separating = [c for c in cols if c not in partial and (not fp or any(r["score"] for r in fp_rows if column(r) == c))]
     out = {}
     for m in dict.fromkeys(r["method"] for r in sel):
         rows = [r for r in sel if r["method"] == m]
@@ -251,13 +252,13 @@ def summarize(sel) -> dict:
             entry[name] = (mean, *wilson(mean, len(xs))) if xs else None
         entry["mib"] = sum(r["kv_device_bytes"] for r in scored) / len(scored) / 2 ** 20 if scored else None
         out[m] = entry
-    return dict(cols=cols, separating=separating, fp_only=fp_only, fp=fp, methods=out)
+    return dict(cols=cols, separating=separating, partial=partial, fp=fp, methods=out)
 
 
 def cmd_report(a):
     """OUT/results.md: per benchmark and length, mean score x100 per method and column (RULER: task;
-    NIAH: needle depth), the mean with its 95% interval over all prompts and over the columns the fp
-    cache answers and others ran, and each method's mean device KV MiB in 16 bits; OUT/summary.json (what the figure
+    NIAH: needle depth), the mean with its 95% interval over all prompts and over the columns every
+    method ran and the fp cache answers, and each method's mean device KV MiB in 16 bits; OUT/summary.json (what the figure
     draws: tools/figures.py copies it to docs); OUT/score-vs-bytes.png with --figure."""
     rows = load_rows(a)
     lines, points = [], []
@@ -265,16 +266,17 @@ def cmd_report(a):
         sel = [r for r in rows if (r["cmd"], r["length"]) == (bench, length)]
         panel = f"{bench} {length / 1000:g}k"
         s = summarize(sel)
-        cols, fp_only = s["cols"], s["fp_only"]
-        quiet = [c for c in cols if c not in s["separating"] and c not in fp_only]
+        cols, partial = s["cols"], s["partial"]
+        quiet = [c for c in cols if c not in s["separating"] and c not in partial]
         lines += [f"## {panel} ({sel[0]['model']})", ""]
         if quiet:
             lines += [f"The fp cache ({s['fp']}) scores 0 on {', '.join(quiet)}: those separate nothing; "
                       f"'sep.' is the mean over the other columns.", ""]
-        if fp_only:
-            zero = [c for c in fp_only if not any(s["methods"][s["fp"]]["cols"][c])]
-            lines += [f"Only the fp cache ({s['fp']}) ran on {', '.join(fp_only)}"
-                      + (f" (it scores 0 on {', '.join(zero)})" if zero else "") + ": left out of its 'sep.' too.", ""]
+        if partial:
+            fp_cols = s["methods"][s["fp"]]["cols"] if s["fp"] else {}
+            fp_says = [f"{c} {100 * sum(fp_cols[c]) / len(fp_cols[c]):.1f}" for c in partial if fp_cols.get(c)]
+            lines += [f"Not every method ran on {', '.join(partial)}: left out of 'sep.'"
+                      + (f" (the fp cache ({s['fp']}) there: {', '.join(fp_says)})" if fp_says else "") + ".", ""]
         lines += ["| method | n | " + " | ".join(cols) + " | mean [95%] | sep. [95%] | device MiB (16-bit) |",
                   "|---" * (len(cols) + 5) + "|"]
         for m, e in s["methods"].items():
