@@ -229,18 +229,20 @@ FP_METHODS = ("full", "no_press")  # the fp cache: the project's, else the kvpre
 
 def summarize(sel) -> dict:
     """One benchmark and length: the columns, those every method ran and the fp cache answers (mean > 0: they
-    can separate methods), those some method has not run, and per method its prompts' scores (None: a PyramidKV cell that equals SnapKV), mean and
-    interval over all prompts and over the separating columns, and mean device bytes (16-bit)."""
+    can separate methods), those some method has not run, and per method its prompts' scores (None: a PyramidKV
+    cell that equals SnapKV), mean and interval over all prompts and over the separating columns, and mean
+    device bytes (16-bit)."""
     cols = sorted({column(r) for r in sel}, key=lambda c: (c[0].isalpha(), c))
-    fp = next((m for m in FP_METHODS if any(r["method"] == m for r in sel)), None)
-    fp_rows = [r for r in sel if r["method"] == fp]
+    methods = list(dict.fromkeys(r["method"] for r in sel))
+    fp = next((m for m in FP_METHODS if m in methods), None)
     # a column some method has not run yet compares nothing either (a grid part way through; the fp cache alone
     # on the tasks it may fail): 'sep.' covers the same prompts for every method
-    ran = [{column(r) for r in sel if r["method"] == m} for m in dict.fromkeys(r["method"] for r in sel)]
-    partial = [c for c in cols if not all(c in cs for cs in ran)]
-    separating = [c for c in cols if c not in partial and (not fp or any(r["score"] for r in fp_rows if column(r) == c))]
+    ran = {(r["method"], column(r)) for r in sel}
+    partial = [c for c in cols if any((m, c) not in ran for m in methods)]
+    answered = {column(r) for r in sel if r["method"] == fp and r["score"]}
+    separating = [c for c in cols if c not in partial and (not fp or c in answered)]
     out = {}
-    for m in dict.fromkeys(r["method"] for r in sel):
+    for m in methods:
         rows = [r for r in sel if r["method"] == m]
         scored = [r for r in rows if r["score"] is not None]
         entry = dict(n=len(scored), equals=sorted({r["equals"] for r in rows if r.get("equals")}),
@@ -258,8 +260,8 @@ def summarize(sel) -> dict:
 def cmd_report(a):
     """OUT/results.md: per benchmark and length, mean score x100 per method and column (RULER: task;
     NIAH: needle depth), the mean with its 95% interval over all prompts and over the columns every
-    method ran and the fp cache answers, and each method's mean device KV MiB in 16 bits; OUT/summary.json (what the figure
-    draws: tools/figures.py copies it to docs); OUT/score-vs-bytes.png with --figure."""
+    method ran and the fp cache answers, and each method's mean device KV MiB in 16 bits; OUT/summary.json
+    (what the figure draws: tools/figures.py copies it to docs); OUT/score-vs-bytes.png with --figure."""
     rows = load_rows(a)
     lines, points = [], []
     for bench, length in sorted({(r["cmd"], r["length"]) for r in rows}):
