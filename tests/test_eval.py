@@ -309,6 +309,16 @@ class HashTokenizer(WordTokenizer):
         return " ".join(map(str, ids))
 
 
+def test_a_cache_the_prompt_cannot_hold_is_one_error_line():
+    """An InfLLM budget below its smallest layout on this sequence: one error line naming the cache and the
+    length, not a traceback that loses which cell it was."""
+    from config import CacheConfig
+    r = tiny_runner()
+    with pytest.raises(SystemExit, match=r"^error: cache infllm.*@specache-1bit: specache-1bit's \d+ bytes do not "
+                                         r"hold InfLLM's smallest layout .* \(a sequence of 300 positions\)$"):
+        r.setup(CacheConfig.from_name("infllm@specache-1bit"), 300)
+
+
 def test_niah_rows_record_the_prompt_form(tmp_path):
     """tools/eval.py niah on a tiny model: every row records its prompt form, the report names it,
     and chat and completion cells of one results file are told apart."""

@@ -174,9 +174,13 @@ class Runner:
         self.steps = generate.Steps().compiled(self.device) if a.compile else generate.Steps()
 
     def setup(self, m: CacheConfig, seq_len: int):
-        """Fresh caches for one prompt (kept in self.caches)."""
+        """Fresh caches for one prompt (kept in self.caches); one error line for a cache this prompt cannot hold
+        (an InfLLM budget below its smallest layout), the rows before it kept."""
         from methods import setup_caches
-        self.caches = setup_caches(self.model, m, 1, self.fixed_len or seq_len)
+        try:
+            self.caches = setup_caches(self.model, m, 1, self.fixed_len or seq_len)
+        except ValueError as e:
+            raise SystemExit(f"error: {e} (a sequence of {self.fixed_len or seq_len} positions)")
 
     def prefill_step(self):
         """The recorded prefill's replay, or (replay None) each cache's own chunked prefill."""
