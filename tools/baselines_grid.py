@@ -233,9 +233,9 @@ FP_METHODS = ("full", "no_press")  # the fp cache: the project's, else the kvpre
 
 def summarize(sel) -> dict:
     """One benchmark and length: the columns, those every method ran and the fp cache answers (mean > 0: they
-    can separate methods), those some method has not run, and per method its prompts' scores (None: a PyramidKV
-    cell that equals SnapKV), mean and interval over all prompts and over the separating columns, and mean
-    device bytes (16-bit)."""
+    can separate methods), those some method has not run, those the fp cache fails (quiet), and per method its
+    prompts' scores (None: a PyramidKV cell that equals SnapKV), mean and interval over all prompts and over
+    the separating columns, and mean device bytes (16-bit)."""
     cols = sorted({column(r) for r in sel}, key=lambda c: (c[0].isalpha(), c))
     methods = list(dict.fromkeys(r["method"] for r in sel))
     fp = next((m for m in FP_METHODS if m in methods), None)
@@ -245,6 +245,7 @@ def summarize(sel) -> dict:
     partial = [c for c in cols if any((m, c) not in ran for m in methods)]
     answered = {column(r) for r in sel if r["method"] == fp and r["score"]}
     separating = [c for c in cols if c not in partial and (not fp or c in answered)]
+    quiet = [c for c in cols if c not in partial and c not in separating]  # every method ran, the fp cache fails
     out = {}
     for m in methods:
         rows = [r for r in sel if r["method"] == m]
@@ -258,7 +259,7 @@ def summarize(sel) -> dict:
             entry[name] = (mean, *wilson(mean, len(xs))) if xs else None
         entry["mib"] = sum(r["kv_device_bytes"] for r in scored) / len(scored) / 2 ** 20 if scored else None
         out[m] = entry
-    return dict(cols=cols, separating=separating, partial=partial, fp=fp, methods=out)
+    return dict(cols=cols, separating=separating, partial=partial, quiet=quiet, fp=fp, methods=out)
 
 
 def cmd_report(a):
@@ -272,8 +273,7 @@ def cmd_report(a):
         sel = [r for r in rows if (r["cmd"], r["length"]) == (bench, length)]
         panel = f"{bench} {length / 1000:g}k"
         s = summarize(sel)
-        cols, partial = s["cols"], s["partial"]
-        quiet = [c for c in cols if c not in s["separating"] and c not in partial]
+        cols, partial, quiet = s["cols"], s["partial"], s["quiet"]
         lines += [f"## {panel} ({sel[0]['model']})", ""]
         if quiet:
             lines += [f"The fp cache ({s['fp']}) scores 0 on {', '.join(quiet)}: those separate nothing; "

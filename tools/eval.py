@@ -177,10 +177,11 @@ class Runner:
         """Fresh caches for one prompt (kept in self.caches); one error line for a cache this prompt cannot hold
         (an InfLLM budget below its smallest layout), the rows before it kept."""
         from methods import setup_caches
+        seq_len = self.fixed_len or seq_len
         try:
-            self.caches = setup_caches(self.model, m, 1, self.fixed_len or seq_len)
+            self.caches = setup_caches(self.model, m, 1, seq_len)
         except ValueError as e:
-            raise SystemExit(f"error: {e} (a sequence of {self.fixed_len or seq_len} positions)")
+            raise SystemExit(f"error: {e} (a sequence of {seq_len} positions)")
 
     def prefill_step(self):
         """The recorded prefill's replay, or (replay None) each cache's own chunked prefill."""
