@@ -35,6 +35,7 @@ Budgets (config.CacheConfig: `infllm-pP-kK-rW-sinkI-reprR`, or a budget after `@
 (deployed_bytes) fit those of cache NAME on the same sequence (`infllm@specache-1bit-best`).
 """
 import math
+import weakref
 from dataclasses import replace
 from fractions import Fraction
 from functools import partial
@@ -61,25 +62,71 @@ def n_blocks_out(p, sinks: int, residual: int, page: int):
     return max(0, (p + 1 - residual - sinks) // page)
 
 
-QUERY_BLOCK = 512  # queries at a time in window_probability_sums: [B, Hq, 512, keys] fp32
+KEY_BLOCK = 256  # keys at a time in window_probability_sums: [B, Hq, KEY_BLOCK + window, KEY_BLOCK] fp32
+QUERY_BLOCK = 512  # queries at a time in causal_logsumexp's plain-torch path
 
 
-def window_probability_sums(q, k, q_pos, window: int):
+def causal_logsumexp(q, k, q_pos, fused: Optional[bool] = None):
+    """Each query's softmax normaliser over every key up to it: log sum_{m <= p} exp(q . k_m / sqrt(D)).
+    q [B,Hq,T,D] at contiguous positions q_pos [T] (the last T keys), k [B,H,S,D] -> [B,Hq,T] fp32.
+    fused (default: on the CPU): PyTorch's fused attention kernel returns it without the [T, S] logits in
+    memory (the earlier keys unmasked, the chunk's own causal, joined by logaddexp); else blocks of queries."""
+    T, S, D = q.shape[2], k.shape[2], q.shape[3]
+    q, k = q.float(), k.repeat_interleave(q.shape[1] // k.shape[1], 1).float()
+    kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if fused is None:
+        fused = q.device.type == "cpu" and kernel is not None
+    if fused:
+        def lse(keys, causal):
+            return kernel(q, keys, keys, 0.0, causal, scale=D ** -0.5)[1]
+        own = lse(k[:, :, S - T:], True)  # queries and keys aligned: the chunk's causal mask
+        return own if S == T else torch.logaddexp(own, lse(k[:, :, :S - T], False))
+    out = []
+    for t0 in range(0, T, QUERY_BLOCK):
+        qp = q_pos[t0:t0 + QUERY_BLOCK]
+        logits = (q[:, :, t0:t0 + QUERY_BLOCK] @ k.transpose(2, 3)) * D ** -0.5
+        out.append(logits.masked_fill_(qp[:, None] < torch.arange(S, device=q.device), -math.inf).logsumexp(-1))
+    return torch.cat(out, -1)
+
+
+_NORMALISERS = {}  # id(q) -> (q, its version, k, its version, lse): see shared_logsumexp
+
+
+def shared_logsumexp(q, k, q_pos):
+    """causal_logsumexp, computed once for the same q and k tensors (alive, unchanged): a replayed prefill
+    (tools/eval.py) hands every InfLLM configuration of a prompt the same recorded tensors, and the
+    normalisers, the O(T x S) part of the representative scores, do not depend on the budget."""
+    hit = _NORMALISERS.get(id(q))
+    if hit and hit[0]() is q and hit[1] == q._version and hit[2]() is k and hit[3] == k._version:
+        return hit[4]
+    for key in [key for key, e in _NORMALISERS.items() if e[0]() is None or e[2]() is None]:
+        del _NORMALISERS[key]
+    lse = causal_logsumexp(q, k, q_pos)
+    _NORMALISERS[id(q)] = (weakref.ref(q), q._version, weakref.ref(k), k._version, lse)
+    return lse
+
+
+def window_probability_sums(q, k, q_pos, window: int, lse=None):
     """The representative scores a prefill chunk adds: for each key, the causal softmax attention
     probability of each query at distance 0 .. window - 1 after it, summed over those queries, per query
     head. q [B,Hq,T,D] at positions q_pos [T] (contiguous, the last T keys' positions), k [B,H,S,D] at
-    positions 0..S-1 -> [B,Hq,S] fp32. Softmax over every key up to the query, scaled by 1/sqrt(D)."""
+    positions 0..S-1 -> [B,Hq,S] fp32. Softmax over every key up to the query, scaled by 1/sqrt(D).
+    The normalisers first (lse [B,Hq,T], else causal_logsumexp), then only the band of queries within
+    `window` of each block of keys: O(T x window) logits, not O(T x S)."""
     B, Hq, T, D = q.shape
     S = k.shape[2]
+    lse = causal_logsumexp(q, k, q_pos) if lse is None else lse
     k = k.repeat_interleave(Hq // k.shape[1], 1).float()
-    key_pos = torch.arange(S, device=q.device)
+    q = q.float()
+    p0 = S - T  # the first query's position
     out = torch.zeros(B, Hq, S, dtype=torch.float32, device=q.device)
-    for t0 in range(0, T, QUERY_BLOCK):
-        qp = q_pos[t0:t0 + QUERY_BLOCK]
-        dist = qp[:, None] - key_pos[None, :]
-        logits = (q[:, :, t0:t0 + QUERY_BLOCK].float() @ k.transpose(2, 3)) * D ** -0.5
-        probs = logits.masked_fill(dist < 0, -math.inf).softmax(-1)
-        out += probs.masked_fill(dist >= window, 0.0).sum(2)
+    for j0 in range(max(0, p0 - window + 1), S, KEY_BLOCK):
+        j1 = min(j0 + KEY_BLOCK, S)
+        a, b = max(j0, p0) - p0, min(j1 - 1 + window, S) - p0  # the queries within `window` after a key here
+        dist = q_pos[a:b, None] - torch.arange(j0, j1, device=q.device)
+        logits = (q[:, :, a:b] @ k[:, :, j0:j1].transpose(2, 3)) * D ** -0.5
+        probs = (logits - lse[:, :, a:b, None]).exp_()
+        out[:, :, j0:j1] = probs.masked_fill_((dist < 0) | (dist >= window), 0.0).sum(2)
     return out
 
 
@@ -143,7 +190,8 @@ class InfLLMCache(nn.Module):
         p0, p1 = int(input_pos[0]), int(input_pos[-1]) + 1
         earlier_k, _ = self.prefetcher.host_prefix(self.layer_idx, p0)
         self.prefetcher.offload(self.layer_idx, k, v, input_pos)
-        added = window_probability_sums(q, torch.cat([earlier_k, k.to(earlier_k.dtype)], 2), input_pos, self.window)
+        all_k = torch.cat([earlier_k, k.to(earlier_k.dtype)], 2) if p0 else k  # (a whole prompt: the tensor given)
+        added = window_probability_sums(q, all_k, input_pos, self.window, shared_logsumexp(q, all_k, input_pos))
         ring_pos, order = self.loc_pos.sort()
         n_old = int((ring_pos < EMPTY).sum())
         order = order[:n_old]

@@ -380,6 +380,11 @@ def test_prefill_replay_equals_prefilling_each_cache():
         r.replay = ev.PrefillReplay(2048, [m])  # (the queries recorded where the method reads them: InfLLM)
         assert r.generate(m, ids, 20)[0] == own, name
         assert r.generate(m, ids, 20)[0] == own, name  # the second prompt use replays the recording
+    both = [CacheConfig.from_name(n) for n in ("infllm-p8-k32-r16-sink4-repr2", "infllm-p8-k16-r24-sink2-repr4")]
+    r.replay = None
+    own = [r.generate(m, ids, 20)[0] for m in both]
+    r.replay = ev.PrefillReplay(2048, both)  # one recording: InfLLM's softmax normalisers shared by both
+    assert [r.generate(m, ids, 20)[0] for m in both] == own
     assert [ev.PrefillReplay(2048, [CacheConfig.from_name(n)]).keep_queries for n in ("kivi-1bit", "specache-1bit",
             "infllm-p8-k32-r16-sink4-repr2", "kivi-2bit-zipcache-s40-hi4")] == [False, False, True, True]
 

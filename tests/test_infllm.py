@@ -66,6 +66,47 @@ def test_window_probability_sums_match_plain_loops():
     assert torch.allclose(torch.nn.functional.pad(first, (0, 17)) + later, got, atol=1e-6)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_causal_logsumexp_matches_masked_logits(fused):
+    """Both paths (the CPU's fused attention kernel, blocks of queries) give log sum exp of q . k / sqrt(D)
+    over the keys up to each query, for a whole prompt and for a later chunk after earlier keys."""
+    torch.manual_seed(3)
+    q, k = torch.randn(1, 4, 700, 16), torch.randn(1, 4, 700, 16)
+    logits = (q @ k.transpose(2, 3)) / 4
+    want = logits.masked_fill(torch.ones(700, 700).triu(1).bool(), -math.inf).logsumexp(-1)
+    assert torch.allclose(infllm.causal_logsumexp(q, k, torch.arange(700), fused), want, atol=1e-4)
+    later = infllm.causal_logsumexp(q[:, :, 530:], k, torch.arange(530, 700), fused)
+    assert torch.allclose(later, want[:, :, 530:], atol=1e-4)
+
+
+def test_window_probability_sums_across_key_blocks_match_the_dense_softmax():
+    """Longer than a key block (the band of queries each block of keys reads) and a chunk that starts
+    more than a window in: the sums equal those of the whole [T, S] softmax, masked to the window."""
+    torch.manual_seed(4)
+    S, W = 700, 70
+    q, k = torch.randn(1, 4, S, 16), torch.randn(1, 2, S, 16)
+    logits = (q @ k.repeat_interleave(2, 1).transpose(2, 3)) / 4
+    dist = torch.arange(S)[:, None] - torch.arange(S)
+    probs = logits.masked_fill(dist < 0, -math.inf).softmax(-1).masked_fill(dist >= W, 0.0)
+    assert S > infllm.KEY_BLOCK + W
+    assert torch.allclose(infllm.window_probability_sums(q, k, torch.arange(S), W), probs.sum(2), atol=1e-5)
+    later = infllm.window_probability_sums(q[:, :, 400:], k, torch.arange(400, S), W)
+    assert torch.allclose(later, probs[:, :, 400:].sum(2), atol=1e-5)
+
+
+def test_shared_logsumexp_reuses_only_the_same_unchanged_tensors():
+    torch.manual_seed(6)
+    q, k = torch.randn(1, 4, 50, 8), torch.randn(1, 2, 50, 8)
+    first = infllm.shared_logsumexp(q, k, torch.arange(50))
+    assert infllm.shared_logsumexp(q, k, torch.arange(50)) is first  # the same tensors: computed once
+    assert torch.allclose(first, infllm.causal_logsumexp(q, k, torch.arange(50)))
+    again = infllm.shared_logsumexp(q, k.clone(), torch.arange(50))  # equal keys, another tensor: recomputed
+    assert again is not first and torch.allclose(again, first)
+    k[:, :, 10] += 1.0  # changed in place: recomputed
+    assert torch.allclose(infllm.shared_logsumexp(q, k, torch.arange(50)), infllm.causal_logsumexp(q, k, torch.arange(50)))
+    assert not torch.allclose(infllm.shared_logsumexp(q, k, torch.arange(50)), first)
+
+
 def test_blocks_keep_their_vectors_through_prefill_chunks_and_decode_steps():
     """Two prefill chunks, then decode steps with every block fetched (so each step's probabilities are
     exact attention's): every block out of the window holds the mean of its top-reprs keys by the

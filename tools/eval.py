@@ -135,12 +135,21 @@ class _Recorder(FullCache):
         return super().prefill(q, k, v, input_pos)
 
     def recording(self):
-        """(k, v, positions, q) of what the layer keeps, in position order (q None for a ring or unkept)."""
-        pos, order = self.key_pos.sort()
-        n = int((pos < self.EMPTY).sum())
-        pos, order = pos[:n], order[:n]
-        q = None if self.ring or not self.keep_queries else torch.cat(self.queries, 2)
-        return self.k_cache[:, :, order], self.v_cache[:, :, order], pos, q
+        """(k, v, positions, q) of what the layer keeps, in position order (q None for a ring or unkept):
+        the same tensors on every call, once the prefill is over (InfLLM's replay shares its softmax
+        normalisers by them), views of the cache where its slots are the positions in order."""
+        if getattr(self, "kept", None) is None:
+            pos, order = self.key_pos.sort()
+            n = int((pos < self.EMPTY).sum())
+            pos, order = pos[:n], order[:n]
+            if torch.equal(order, torch.arange(n, device=order.device)):
+                k, v = self.k_cache[:, :, :n], self.v_cache[:, :, :n]
+            else:
+                k, v = self.k_cache[:, :, order], self.v_cache[:, :, order]
+            q = None if self.ring or not self.keep_queries else torch.cat(self.queries, 2)
+            self.__dict__.pop("queries", None)  # (the chunks, now joined in q)
+            self.kept = (k, v, pos, q)
+        return self.kept
 
 
 class Runner:
