@@ -126,12 +126,14 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
         steps = steps.compiled(device, pre_decode=cfg.policy.resync)
     prompt = torch.tensor([ids[:context]] * batch, device=device)
     marks, timed = measure.StepMarks(device), a.warmup + a.steps
+    cpu_marks = []  # process CPU seconds at each mark: the CPU share over the timed steps alone
     profile = {}
 
     t_start = time.perf_counter()
 
     def on_step(step, logits, token, fed):
         marks.mark()
+        cpu_marks.append(time.process_time())
         if step in (1, 2):  # the first step includes prefill, compile and CUDA-graph capture
             print(f"#   step {step} done {time.perf_counter() - t_start:.1f} s after the start", file=sys.stderr, flush=True)
         if step == timed and a.profile_steps and device.type == "cuda":
@@ -141,14 +143,16 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
 
     with measure.PeakMemory(device) as mem:  # the cache buffers are allocated inside, as in HF's generate()
         caches = setup_caches(model, cfg, batch, cache_len(context, a))
-        cpu0, wall0 = time.process_time(), time.perf_counter()
         n_new = timed + (a.profile_steps if device.type == "cuda" else 0) + 1
         if policy != cfg.policy:  # NAME+2tok: the loop feeds two tokens to caches configured for one
             for c in caches:
                 c.policy = policy
         out, stats = generate.generate(model, prompt, generate.Decoding(n_new), steps, on_step)
-        wall = time.perf_counter() - wall0
-        cpu_share = (time.process_time() - cpu0) / (wall * torch.get_num_threads())
+    cpu_share = None
+    if device.type == "cpu":  # marks[i] ends step i + 1: the timed steps run from marks[warmup] to marks[timed]
+        # (the warm-up, prefill and compilation are left out: compilation runs on one core)
+        wall = marks.marks[timed] - marks.marks[a.warmup]
+        cpu_share = (cpu_marks[timed] - cpu_marks[a.warmup]) / (wall * torch.get_num_threads())
     if "p" in profile:
         profile["p"].stop()
         torch.cuda.synchronize()
@@ -161,9 +165,9 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
            "step_ms_median": 1e3 * med, "step_ms_per_layer": 1e3 * med / model.args.n_layers, "step_ms_mean": 1e3 * statistics.fmean(times),
            "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times), "resyncs": stats["resyncs"],
            "spread_pct": 100 * (max(times) - min(times)) / med, "n_timed": len(times),
-           # CPU seconds this process got / (wall seconds x threads): well below ~0.8 on CPU means other
-           # processes took the cores and the row's timings are suspect.
-           "cpu_share": cpu_share if device.type == "cpu" else None, "loadavg_1m": os.getloadavg()[0],
+           # CPU seconds this process got / (wall seconds x threads) over the timed steps: well below ~0.8
+           # on CPU means other processes took the cores and the row's timings are suspect.
+           "cpu_share": cpu_share, "loadavg_1m": os.getloadavg()[0],
            "tok_s": batch / med,  # one output token per step (SpeCache: per two-token step)
            "kv_device_bytes": caches.device_bytes(), "kv_host_bytes": caches.host_bytes(),
            "fetch_bytes_per_step": caches.fetch_bytes_per_step(),

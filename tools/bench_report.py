@@ -34,7 +34,7 @@ def report(res: dict) -> str:
               mb(r["read_bytes_per_step"]), f"{r['achieved_gbs']:.1f}", f"{100 * r['of_copy_bw']:.0f}%",
               f"{r['floor_ms_h100']:.2f}", "-" if r["cpu_share"] is None else f"{r['cpu_share']:.2f}"]
              for r in res["grid"]]))
-        md.append("\nCPU share: CPU time this process got / (wall time x threads) while it ran; well below ~0.8 means "
+        md.append("\nCPU share: CPU time this process got / (wall time x threads) over the timed steps; well below ~0.8 means "
                   "other processes competed for the cores (timings suspect).\n")
         ratios = ratio_rows(res["grid"])
         if ratios:
