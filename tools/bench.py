@@ -149,8 +149,8 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
                 c.policy = policy
         out, stats = generate.generate(model, prompt, generate.Decoding(n_new), steps, on_step)
     cpu_share = None
-    if device.type == "cpu":  # marks[i] ends step i + 1: the timed steps run from marks[warmup] to marks[timed]
-        # (the warm-up, prefill and compilation are left out: compilation runs on one core)
+    if device.type == "cpu":  # marks[i] ends step i (marks[0] the prefill): the timed steps warmup + 1 .. timed
+        # run from marks[warmup] to marks[timed], leaving out the prefill and the compilation, which runs on one core
         wall = marks.marks[timed] - marks.marks[a.warmup]
         cpu_share = (cpu_marks[timed] - cpu_marks[a.warmup]) / (wall * torch.get_num_threads())
     if "p" in profile:
