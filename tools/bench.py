@@ -126,14 +126,12 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
         steps = steps.compiled(device, pre_decode=cfg.policy.resync)
     prompt = torch.tensor([ids[:context]] * batch, device=device)
     marks, timed = measure.StepMarks(device), a.warmup + a.steps
-    cpu_marks = []  # process CPU seconds at each mark: the CPU share over the timed steps alone
     profile = {}
 
     t_start = time.perf_counter()
 
     def on_step(step, logits, token, fed):
         marks.mark()
-        cpu_marks.append(time.process_time())
         if step in (1, 2):  # the first step includes prefill, compile and CUDA-graph capture
             print(f"#   step {step} done {time.perf_counter() - t_start:.1f} s after the start", file=sys.stderr, flush=True)
         if step == timed and a.profile_steps and device.type == "cuda":
@@ -148,11 +146,8 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
             for c in caches:
                 c.policy = policy
         out, stats = generate.generate(model, prompt, generate.Decoding(n_new), steps, on_step)
-    cpu_share = None
-    if device.type == "cpu":  # marks[i] ends step i (marks[0] the prefill): the timed steps warmup + 1 .. timed
-        # run from marks[warmup] to marks[timed], leaving out the prefill and the compilation, which runs on one core
-        wall = marks.marks[timed] - marks.marks[a.warmup]
-        cpu_share = (cpu_marks[timed] - cpu_marks[a.warmup]) / (wall * torch.get_num_threads())
+    # marks[i] ends step i (marks[0] the prefill): the timed steps alone, not the compilation (one core)
+    cpu_share = marks.cpu_share(a.warmup, timed, torch.get_num_threads())
     if "p" in profile:
         profile["p"].stop()
         torch.cuda.synchronize()

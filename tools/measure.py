@@ -163,6 +163,7 @@ class StepMarks:
     def __init__(self, device):
         self.cuda = device.type == "cuda"
         self.marks = []
+        self.cpu_seconds = []  # on CPU: this process's CPU time at each mark, for cpu_share()
 
     def mark(self):
         if self.cuda:
@@ -171,6 +172,15 @@ class StepMarks:
             self.marks.append(ev)
         else:
             self.marks.append(time.perf_counter())
+            self.cpu_seconds.append(time.process_time())
+
+    def cpu_share(self, first: int, last: int, threads: int) -> float | None:
+        """CPU seconds this process got / (wall seconds x threads) from mark first to mark last (steps
+        first + 1 .. last); None on CUDA. Well below ~0.8: other processes took the cores."""
+        if self.cuda:
+            return None
+        wall = self.marks[last] - self.marks[first]
+        return (self.cpu_seconds[last] - self.cpu_seconds[first]) / (wall * threads)
 
     def durations(self) -> list[float]:
         if self.cuda:
