@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tools import eval as ev
+from tools.replay import PrefillReplay
 from tools import eval_report
 from tools import tasks as tk
 
@@ -377,15 +378,15 @@ def test_prefill_replay_equals_prefilling_each_cache():
         m = CacheConfig.from_name(name)
         r.replay = None
         own, _ = r.generate(m, ids, 20)
-        r.replay = ev.PrefillReplay(2048, [m])  # (the queries recorded where the method reads them: InfLLM)
+        r.replay = PrefillReplay(2048, [m])  # (the queries recorded where the method reads them: InfLLM)
         assert r.generate(m, ids, 20)[0] == own, name
         assert r.generate(m, ids, 20)[0] == own, name  # the second prompt use replays the recording
     both = [CacheConfig.from_name(n) for n in ("infllm-p8-k32-r16-sink4-repr2", "infllm-p8-k16-r24-sink2-repr4")]
     r.replay = None
     own = [r.generate(m, ids, 20)[0] for m in both]
-    r.replay = ev.PrefillReplay(2048, both)  # one recording: InfLLM's softmax normalisers shared by both
+    r.replay = PrefillReplay(2048, both)  # one recording: InfLLM's softmax normalisers shared by both
     assert [r.generate(m, ids, 20)[0] for m in both] == own
-    assert [ev.PrefillReplay(2048, [CacheConfig.from_name(n)]).keep_queries for n in ("kivi-1bit", "specache-1bit",
+    assert [PrefillReplay(2048, [CacheConfig.from_name(n)]).keep_queries for n in ("kivi-1bit", "specache-1bit",
             "infllm-p8-k32-r16-sink4-repr2", "kivi-2bit-zipcache-s40-hi4")] == [False, False, True, True]
 
 
@@ -421,11 +422,10 @@ def test_method_parsing():
             ev.parse_args(["ruler", "--out", "x", *args])
 
 
-def test_method_sweeps_and_labels():
+def test_method_sweeps():
     ms = ev.expand_methods("full,kivi-1bit,specache-1bit", ks=[16, 64], groups=[None])
     assert [(m.name, m.k, m.residual_len) for m in ms] == [("full", 64, 64), ("kivi-1bit", 64, 128),
                                                            ("specache-1bit-k16", 16, 64), ("specache-1bit", 64, 64)]
-    assert [ev.label(m, ms) for m in ms] == ["full", "kivi-1bit", "specache-1bit-k16", "specache-1bit"]
     assert ev.expand_methods("specache-1bit", groups=[128])[0].residual_len == 128  # residual a multiple of group
     a = ev.parse_args(["ppl", "--out", "x", "--quick", "--k", "16,32"])
     assert a.lengths == [1024, 2048] and a.n_eval == 64 and {m.k for m in a.method_list} == {64, 16, 32}
@@ -455,7 +455,7 @@ def test_quantspec_subcommand_reports_acceptance_and_equality(tmp_path, monkeypa
     from types import SimpleNamespace
 
     r = tiny_runner()
-    r.replay = ev.PrefillReplay()
+    r.replay = PrefillReplay()
     r.encode_prompt = lambda text: [int(t) for t in text.split()]
     monkeypatch.setattr(ev, "summary_prompt", lambda tok, L, i: " ".join(
         str(random.Random(L + i).randrange(256)) for _ in range(L)))

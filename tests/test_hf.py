@@ -144,17 +144,17 @@ def test_gemma3_local_layers_keep_a_ring_of_their_window():
 
 
 def test_prefill_replay_of_a_windowed_model():
-    """tools/eval.py's PrefillReplay prefills once in chunks (13: not a multiple of the window 8),
+    """tools/replay.py's PrefillReplay prefills once in chunks (13: not a multiple of the window 8),
     the local layers through their rings, and replays the recording into each new set of caches:
     the tokens of transformers' own generate(), for the fp16 cache and SpeCache with every row
     fetched, on the recording's first use and on its replays."""
     import functools
     from generate import Decoding, Steps, generate as loop, prefill
-    from tools import eval as ev
+    from tools.replay import PrefillReplay
     model = tiny_gemma3()
     ids = prompt()
     ref = reference(model, ids)
-    view, replay = hf.HFModel(model), ev.PrefillReplay(13)
+    view, replay = hf.HFModel(model), PrefillReplay(13)
     for name in ["full", "specache-1bit-k512-g32-r32", "full"]:
         config = CacheConfig.from_name(name)
         for fill in (replay, functools.partial(prefill, chunk=13)):

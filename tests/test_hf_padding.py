@@ -161,7 +161,7 @@ def test_bench_replays_each_row_as_its_own_prefill():
     """tools/bench_hf.py times a padded batch from prompts prefilled alone and replayed into each row's
     caches: the tokens of the padded batch prefilled for real."""
     from tools.bench_hf import padded_batch, replayed
-    from tools.eval import PrefillReplay
+    from tools.replay import PrefillReplay
     model = tiny("llama")
     view = hf.HFModel(model)
     prompts = [prompt(1, 100), prompt(2, 20), prompt(3, 57)]

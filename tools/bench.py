@@ -401,7 +401,7 @@ def parse_args(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--prompt", default="essay", choices=["essay", "random"])
     p.add_argument("--shared-prefill", action="store_true", help="prefill each context once and replay it into every "
-                   "cache (tools/eval.py's PrefillReplay: exact attention over the prompt; prefill_s is the replay's)")
+                   "cache (tools/replay.py's PrefillReplay: exact attention over the prompt; prefill_s is the replay's)")
     p.add_argument("--compile", action="store_true", help="compiled decode step (CUDA graph on CUDA)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default fp32 CPU, bf16 CUDA")
@@ -559,7 +559,7 @@ def main(argv=None):
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     runner = Runner(model, ids, a, res["bandwidth"])
     if a.shared_prefill:
-        from tools.eval import PrefillReplay
+        from tools.replay import PrefillReplay
         a.replay = PrefillReplay(a.prefill_chunk, [bench_config(c, a)[0] for c in a.caches])
     if a.kernels:
         res["kernels"] = [row for ctx in a.contexts for row in bench_kernels.kernel_rows(model, ctx, a, res["bandwidth"])]

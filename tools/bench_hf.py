@@ -7,7 +7,7 @@ Run alone, the adapter side by side on any transformers model directory, batch 1
 batch of different prompts (docs/hf.md):
     python tools/bench_hf.py --hf checkpoints/gemma-3-270m --contexts 4096,8192 --json results/bench/hf/gemma.json
 Each prompt (an essay window; the batch's rows 1/8, 2/8, 3/8 shorter, from other offsets) is
-prefilled once through fp caches and replayed into every cache (tools/eval.py's PrefillReplay): the
+prefilled once through fp caches and replayed into every cache (tools/replay.py's PrefillReplay): the
 rows time decode steps, eager, then compiled from a fresh replay; tok/s counts every row's tokens."""
 import argparse
 import json
@@ -116,7 +116,7 @@ def adapter_rows(a, model, ids, device, configs: dict) -> list[dict]:
 def recorded_prompts(view, tok, n: int, batch: int, chunk: int):
     """`batch` different prompts of n, 7n/8, 6n/8, ... tokens (essay windows from different offsets),
     each prefilled alone once: [(ids [1, n_b], per-layer recordings, last logits [1, V])]."""
-    from tools.eval import PrefillReplay
+    from tools.replay import PrefillReplay
     from tools.tasks import essay_window
     import methods
     out = []

@@ -36,11 +36,11 @@ sys.path.insert(0, str(ROOT))  # the method's modules are at the root (`python t
 import torch  # noqa: E402
 
 import tp  # noqa: E402
-from cache import FullCache  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from tools.eval_report import (Results, begin_cells, end_cells, init_cells, mean, my_cells,  # noqa: E402
                                 write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
                                 write_ruler_report, write_saliency_report)
+from tools.replay import PrefillReplay, Recorder  # noqa: E402
 from tools.tasks import (NEEDLES, PROMPT_FORMS, RULER_TASKS, essay_ids, essay_window, niah, niah_score,  # noqa: E402
                          render, ruler_max_new, ruler_sample, ruler_score, summary_prompt)
 
@@ -82,76 +82,7 @@ def expand_methods(names: str, ks=(None,), groups=(None,), residuals=(None,)) ->
     return out
 
 
-def label(m: CacheConfig, methods=None) -> str:
-    """The canonical cache name: it spells out every non-default field, so it tells sweeps apart."""
-    return m.name
-
-
-# ==== results file: one JSON line per cell, resumable; markdown ==================================================
-
-
 # ==== the model side ============================================================================================
-class PrefillReplay:
-    """Algorithm 1 once per prompt, replayed into every cache configuration. The prompt is prefilled
-    in chunks through fp caches that record it (_Recorder): a layer that attends to every position keeps
-    all of them (and the queries, only for `methods` that read them, None: all: ZipCache's saliency probes,
-    InfLLM's representative scores; 5.6 GB on a 1.5B model at 32k), a layer with a shorter sliding window its
-    ring, as its own FullCache would. Every new set of caches then stores the recording as its own one-chunk
-    prefill would (quantize, offload; a ring copies the window): the exact attention of Algorithm 1 over the
-    whole prompt. Evaluations run many caches on the same prompt: this turns N prefills into one."""
-
-    def __init__(self, chunk: int = 2048, methods=None):
-        self.chunk, self.key, self.recorded, self.logits = chunk, None, None, None
-        self.keep_queries = methods is None or any(m.scheme == "zipcache" or m.kind == "infllm" for m in methods)
-
-    def __call__(self, model, prompt):
-        from generate import prefill
-        key = (tuple(prompt.shape), hash(tuple(prompt[0].tolist())), str(prompt.device))
-        if key != self.key:
-            caches = [layer.attention.kv_cache for layer in model.layers]
-            B, P = prompt.shape
-            w, a = model.tok_embeddings.weight, model.args
-            self.recorded = model.setup_caches(lambda i: _Recorder(B, a.n_kv_heads, P, a.head_dim, w.dtype, w.device,
-                                                                   sliding_window=a.window(i), keep=self.keep_queries))
-            self.logits, self.key = prefill(model, prompt, self.chunk), key
-            for layer, cache in zip(model.layers, caches):
-                layer.attention.kv_cache = cache
-        for layer, rec in zip(model.layers, self.recorded):
-            layer.attention.kv_cache.append_prefill(*rec.recording())
-        return self.logits
-
-
-class _Recorder(FullCache):
-    """A prefill-only FullCache for PrefillReplay (a ring for a layer with a shorter sliding window)
-    that also keeps the queries of a layer that attends to every position (unless keep_queries=False)."""
-
-    def __init__(self, *args, keep=True, **kw):
-        super().__init__(*args, **kw)
-        self.keep_queries = keep
-
-    def prefill(self, q, k, v, input_pos):
-        if not self.ring and self.keep_queries:
-            self.queries = getattr(self, "queries", []) + [q]
-        return super().prefill(q, k, v, input_pos)
-
-    def recording(self):
-        """(k, v, positions, q) of what the layer keeps, in position order (q None for a ring or unkept):
-        the same tensors on every call, once the prefill is over (InfLLM's replay shares its softmax
-        normalisers by them), views of the cache where its slots are the positions in order."""
-        if getattr(self, "kept", None) is None:
-            pos, order = self.key_pos.sort()
-            n = int((pos < self.EMPTY).sum())
-            pos, order = pos[:n], order[:n]
-            if torch.equal(order, torch.arange(n, device=order.device)):
-                k, v = self.k_cache[:, :, :n], self.v_cache[:, :, :n]
-            else:
-                k, v = self.k_cache[:, :, order], self.v_cache[:, :, order]
-            q = None if self.ring or not self.keep_queries else torch.cat(self.queries, 2)
-            self.__dict__.pop("queries", None)  # (the chunks, now joined in q)
-            self.kept = (k, v, pos, q)
-        return self.kept
-
-
 class Runner:
     """One model + tokenizer; fresh caches for every prompt (each prompt prefilled once)."""
 
@@ -305,7 +236,7 @@ def cmd_niah(a, runner, methods, results):
     def run(f, m):
         s = sample(f["length"], f["depth"], f.get("needle", 0))
         out = answer(runner, m, s, f["max_new"])
-        return dict(label=label(m, methods), score=niah_score(out["output"], s.answers), **out, prompt_form=s.form,
+        return dict(label=m.name, score=niah_score(out["output"], s.answers), **out, prompt_form=s.form,
                     needle_depth=round(s.meta["needle_char"] / max(1, s.meta["context_chars"]), 4))
 
     run_cells(cells, results, run, "niah")
@@ -327,7 +258,7 @@ def cmd_ruler(a, runner, methods, results):
     def run(f, m):
         s = sample(f["task"], f["length"], f["sample"])
         out = answer(runner, m, s, f["max_new"])
-        return dict(label=label(m, methods), score=ruler_score(f["task"], out["output"], s.answers),
+        return dict(label=m.name, score=ruler_score(f["task"], out["output"], s.answers),
                     answers=s.answers, **out, prompt_form=s.form)
 
     run_cells(cells, results, run, "ruler")
@@ -347,7 +278,7 @@ def cmd_ppl(a, runner, methods, results):
 
     def run(f, m):
         nll = runner.nll_decode_path(m, essay_window(runner.tok, f["start"], f["length"]), f["n_eval"])
-        return dict(label=label(m, methods), nll=sum(nll) / len(nll), n=len(nll),
+        return dict(label=m.name, nll=sum(nll) / len(nll), n=len(nll),
                     bits=m.bits_per_value(runner.model.args.head_dim))
 
     run_cells(cells, results, run, "ppl")
@@ -367,7 +298,7 @@ def cmd_hitrate(a, runner, methods, results):
         else:  # (completion: the essay window itself, which a base model continues)
             text = summary_prompt(runner.tok, f["length"], f["sample"], a.prompt_form)
         ids = runner.encode_prompt(text)
-        return dict(label=label(m, methods), **runner.hit_trace(m, ids, f["steps"]), prompt_tokens=len(ids))
+        return dict(label=m.name, **runner.hit_trace(m, ids, f["steps"]), prompt_tokens=len(ids))
 
     run_cells(cells, results, run, "hitrate")
     write_hitrate_report(results)
@@ -396,7 +327,7 @@ def cmd_quantspec(a, runner, methods, results):
         out, st = quantspec.generate_quantspec(runner.model, draft, runner.torch.tensor([ids], device=runner.device), g,
                                                 runner.gen.Decoding(f["max_new"], eos_ids=frozenset(runner.tok.eos_ids)),
                                                 replace(steps, prefill=runner.prefill_step()))
-        return dict(label=label(m), tokens=[int(t) for t in out[0]], prompt_tokens=len(ids),
+        return dict(label=m.name, tokens=[int(t) for t in out[0]], prompt_tokens=len(ids),
                     acceptance=st["acceptance_rate"], rounds=st["rounds"], accepted=st["accepted"],
                     drafted=st["drafted"], decode_tok_s=round(st["decode_tok_s"], 2))
 
@@ -428,7 +359,7 @@ def cmd_saliency(a, runner, methods, results):
         L = L // g * g  # whole key groups
         prompt = torch.tensor([ids[:L]], device=runner.device)
         w, args = runner.model.tok_embeddings.weight, runner.model.args
-        recorders = runner.model.setup_caches(lambda i: _Recorder(1, args.n_kv_heads, L, args.head_dim, w.dtype, w.device))
+        recorders = runner.model.setup_caches(lambda i: Recorder(1, args.n_kv_heads, L, args.head_dim, w.dtype, w.device))
         with torch.no_grad():
             runner.model(prompt, torch.arange(L, device=runner.device), mode="prefill")
         out = {key: [] for key in ("group", "global", "accumulated")}
@@ -604,7 +535,7 @@ def main(argv=None):
     a.device = str(init_cells(torch.device(a.device), a.out / "results.jsonl"))
     runner = Runner(a)
     results = Results(a.out)
-    print(f"{a.cmd}: {', '.join(label(m, a.method_list) for m in a.method_list)} -> {a.out}", file=sys.stderr)
+    print(f"{a.cmd}: {', '.join(m.name for m in a.method_list)} -> {a.out}", file=sys.stderr)
     {"niah": cmd_niah, "ruler": cmd_ruler, "ppl": cmd_ppl, "hitrate": cmd_hitrate,
      "quantspec": cmd_quantspec, "saliency": cmd_saliency}[a.cmd](a, runner, a.method_list, results)
     print((results.dir / "results.md").read_text())
