@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from tools import eval as ev
-from tools.replay import PrefillReplay
 from tools import eval_report
 from tools import tasks as tk
+from tools.replay import PrefillReplay
 
 CKPT = Path(ev.DEFAULT_CHECKPOINT)
 

@@ -26,7 +26,7 @@ class PrefillReplay:
             B, P = prompt.shape
             w, a = model.tok_embeddings.weight, model.args
             self.recorded = model.setup_caches(lambda i: Recorder(B, a.n_kv_heads, P, a.head_dim, w.dtype, w.device,
-                                                                   sliding_window=a.window(i), keep=self.keep_queries))
+                                                                  sliding_window=a.window(i), keep=self.keep_queries))
             self.logits, self.key = prefill(model, prompt, self.chunk), key
             for layer, cache in zip(model.layers, caches):
                 layer.attention.kv_cache = cache
