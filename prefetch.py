@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from topk import Picked, Selection, select_ref, select_triton
+from topk import Picked, Selection, select_counters, select_ref, select_triton
 from transfer import (keep_sink_rows, keep_sinks_triton, record_rows, rerank_rows_ref, rerank_rows_triton, rerank_scratch,
                       transfer_rows_ref, transfer_rows_triton)
 
@@ -154,6 +154,9 @@ class Prefetcher:
         self.rings = [None] * n_layers  # [ring_k, ring_v, ...]: what the side stream writes, per layer
         self.ring_offs = [0] * n_layers  # per layer: the ring slots before it hold rows the cache keeps (sinks)
         self.rerank_scratch = None  # re-ranking's device scratch (CUDA), one for all layers: they run in turn
+        # the selection's ticket counters and fault counts (topk.select_counters), made here so that no graph
+        # owns them; the layers' selections run in turn on the step's stream and share them
+        self.select_counters = select_counters(batch, n_kv_heads, device)
         if self.on_cuda and select_rows is not None:
             self.rerank_scratch = rerank_scratch(batch, n_kv_heads, self.key_rows, head_dim, dtype, device)
         if self.async_ops:
@@ -355,7 +358,7 @@ class Prefetcher:
             record = None if slot_rows is None or len(bufs) < 4 else (bufs[2], bufs[3], self.ring_offs[layer], slot_rows)
             assert cand is not None or record is not None, "a selection without re-ranking needs the ring's record"
             select_triton(*pick[:5], out=cand, record=record, stage_q=(rerank[0], *cand_q) if rerank else None,
-                          token=token)
+                          token=token, counters=self.select_counters)
         else:
             self._stage_torch(layer, bufs, pick, token, slot_rows, cand, cand_q)
         self.consumed[layer].record(self._main())

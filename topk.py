@@ -11,6 +11,7 @@
 
 A torch reference beside each Triton kernel; prefetch.Prefetcher runs them (CUDA: Triton; CPU: the references).
 """
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from lowbit import Fetched, LowBitKV, as_rows, fp_row_scores, row_scores
-from tiles import LOG2E, best_row
+from tiles import LOG2E
 
 Tensor = torch.Tensor
 
@@ -129,12 +130,13 @@ def select_ref(logits, lse_rows, n_quant, k: int, first: int = 0):
 # A score p >= 0 has the key bits(p) + 1 (the fp32 bits of a non-negative float order as integers); a position
 # that is no candidate has key 0. Keys fit 31 bits, so int32 shifts never sign-extend. Round r histograms digit
 # r of the keys whose higher digits are the k-th largest key's; rounds stop as soon as the k-th key's bucket is
-# taken whole. Then one pass in position order takes every key above the prefix and the first ties on it.
+# taken whole. Then one scan in position order takes every key above the prefix and the first ties on it.
 # Keys rank by (key, then the lower position): a total order, so a kv head's top k lies within the union of its
-# position slices' own top k. The launch is a grid of slices: each program picks its slice's k (a few KB, from
-# L2), and the last of a head's programs to finish (a ticket counter) picks the k of their n_slices * k.
+# position slices' own top k. The launch is a grid of slices, the slice index fastest (a head's slices run side
+# by side and its merge starts while later heads' slices still run): each program holds its slice's keys in
+# registers and writes its k candidates; the last of a head's programs to finish (a ticket counter) picks the k
+# of the live slices' candidates, also from registers. Slices at or past the quantized length only take a ticket.
 RADIX = tl.constexpr(256)
-SELECT_WARPS = 8
 MAX_SLICES = 128  # a head's slices: its candidates for the last program are n_slices * k
 
 
@@ -156,19 +158,14 @@ def _bucket(h, need):
 
 
 @triton.jit
-def _kth_prefix(keys, n, hist, K, CHUNK: tl.constexpr, CACHE: tl.constexpr):
-    """Radix rounds 1-3 over keys[0:n], round 0's histogram of their top digits given -> (prefix, shift, need):
-    the K largest keys are those whose bits above `shift` exceed prefix, and the first `need` equal to it."""
-    offs = tl.arange(0, CHUNK)
-    prefix, need, count = _bucket(hist, K)
+def _kth_prefix(key, inn, K):
+    """The radix rounds over a register tile of keys (entries where inn; at least K of them) -> (prefix, shift,
+    need): the K largest keys are those whose bits above `shift` exceed prefix, and the first `need` equal to it."""
+    prefix, need, count = _bucket(tl.histogram(key >> 24, RADIX, mask=inn), K)
     shift = prefix * 0 + 24
     for r in tl.static_range(1, 4):
         if count > need:  # the k-th key's bucket is not taken whole: its next 8 bits decide
-            hist = tl.zeros([RADIX], tl.int32)
-            for c0 in range(0, n, CHUNK):
-                inn = c0 + offs < n
-                key = tl.load(keys + c0 + offs, mask=inn, other=0, cache_modifier=CACHE)
-                hist += tl.histogram((key >> (24 - 8 * r)) & 255, RADIX, mask=inn & ((key >> (32 - 8 * r)) == prefix))
+            hist = tl.histogram((key >> (24 - 8 * r)) & 255, RADIX, mask=inn & ((key >> (32 - 8 * r)) == prefix))
             digit, need, count = _bucket(hist, need)
             prefix = (prefix << 8) | digit
             shift = shift * 0 + (24 - 8 * r)
@@ -176,102 +173,82 @@ def _kth_prefix(keys, n, hist, K, CHUNK: tl.constexpr, CACHE: tl.constexpr):
 
 
 @triton.jit
-def _take_in_order(keys, pos_at, n, base, prefix, shift, need, K, out_pos, out_key, CHUNK: tl.constexpr,
-                   CACHE: tl.constexpr, MERGE: tl.constexpr):
-    """Every key of keys[0:n] above the prefix and the first `need` on it, in their order, to out_pos/out_key
-    [0:K]: a slice's positions base + i and keys; MERGE (the candidates): positions pos_at[i], written as int64,
-    and key > 0 as int8. One scan
-    counts both (above in the low 16 bits, ties in the high: CHUNK < 2^16); the ties taken before an entry are
-    min(ties, left)."""
-    offs = tl.arange(0, CHUNK)
-    n_take = prefix * 0
-    n_tie = prefix * 0
-    for c0 in range(0, n, CHUNK):
-        i = c0 + offs
-        inn = i < n
-        key = tl.load(keys + i, mask=inn, other=0, cache_modifier=CACHE)
-        above = (((key >> shift) > prefix) & inn).to(tl.int32)
-        tie = (((key >> shift) == prefix) & inn).to(tl.int32)
-        both = above + (tie << 16)
-        before = tl.cumsum(both, 0) - both
-        ties_left = tl.maximum(need - n_tie, 0)
-        take = above | (tie & ((before >> 16) < ties_left).to(tl.int32))
-        slot = n_take + (before & 0xFFFF) + tl.minimum(before >> 16, ties_left)
-        put = (take != 0) & (slot < K)  # (exactly K are taken: a guard)
-        if MERGE:
-            pos = tl.load(pos_at + i, mask=inn, other=0, cache_modifier=CACHE)
-            tl.store(out_pos + slot, pos.to(tl.int64), mask=put)
-            tl.store(out_key + slot, (key > 0).to(tl.int8), mask=put)
-        else:
-            tl.store(out_pos + slot, base + i, mask=put)
-            tl.store(out_key + slot, key, mask=put)
-        total = tl.sum(both, 0)
-        n_take += (total & 0xFFFF) + tl.minimum(total >> 16, ties_left)
-        n_tie += total >> 16
+def _take_in_order(key, inn, prefix, shift, need, K):
+    """-> (put, slot): the entries of the tile taken (every key above the prefix and the first `need` on it, in
+    tile order) and their output slots 0..K-1. One scan counts both (above in the low 16 bits, ties in the high:
+    tiles hold fewer than 2^16 entries); the ties taken before an entry are min(ties, need)."""
+    above = (((key >> shift) > prefix) & inn).to(tl.int32)
+    tie = (((key >> shift) == prefix) & inn).to(tl.int32)
+    both = above + (tie << 16)
+    before = tl.cumsum(both, 0) - both
+    take = (above != 0) | ((tie != 0) & ((before >> 16) < need))
+    slot = (before & 0xFFFF) + tl.minimum(before >> 16, need)
+    return take & (slot < K), slot  # (exactly K are taken: a guard)
 
 
 @triton.jit
-def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, cand_key, cand_pos, tickets, work, sel_idx,
-                   sel_ok, S, S_PAD, SLICE, N_SLICES, K, FIRST, G, Hkv, fetch_idx, fetch_valid, slot_rows, RING, OFF,
+def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, cand_key, cand_pos, counters, where, work, sel_idx,
+                   sel_ok, S, N_SLICES, K, FIRST, G, Hkv, BH, fetch_idx, fetch_valid, slot_rows, RING, OFF,
                    q, q_sb, q_sh, q_sr, q_sd, s_q, s_lse, new_k, new_v, n_sb, n_sh, n_sd, new_pos, s_k, s_v, s_pos, D,
                    R: tl.constexpr, RS: tl.constexpr, RECORD: tl.constexpr, STAGE_Q: tl.constexpr,
-                   HAS_NEW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_NEW: tl.constexpr, SLICE: tl.constexpr, N_CAND: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv, N_SLICES): the k rows of kv head bh that the next step fetches, and what the transfer needs,
-    in one launch. Program (bh, s): the keys of positions [s*SLICE, (s+1)*SLICE) from the logits the attention
-    wrote (score = max_r sum_g 2^(logit - lse), select_ref), its slice's K largest in position order to
-    cand_key/cand_pos; the head's last program to take a ticket: the K largest of the N_SLICES * K candidates, in
-    position order, to sel_idx/sel_ok, and then RECORD (the plain transfer): lay them out in the ring as
-    transfer.record_rows does (a row the ring holds keeps its slot; the others take the freed slots in order)
-    into fetch_idx/fetch_valid [.., RING] from slot OFF, and give the transfer its host row per ring slot,
-    slot_rows (-1: keep). STAGE_Q (re-ranking, whose candidates are sel_idx/sel_ok): the query rows and their
-    lse, RS rows a head from the R tokens, into s_q/s_lse. HAS_NEW: the step's token new_k/new_v and new_pos into
-    s_k/s_v/s_pos. The staged inputs are what the side stream reads: the step's own tensors are graph temporaries.
-    tickets [B*Hkv] are zero between launches (the last program resets its head's)."""
-    bh = tl.program_id(0).to(tl.int64)
-    sl = tl.program_id(1)
+    """Grid (N_SLICES, B*Hkv): the k rows of kv head bh that the next step fetches, and what the transfer needs,
+    in one launch. Program (s, bh), for a live slice (one that starts below n_quant; slice 0 always): the keys of
+    positions [s*SLICE, (s+1)*SLICE) from the logits the attention wrote (score = max_r sum_g 2^(logit - lse),
+    select_ref), its K largest in position order to cand_key/cand_pos. Every program then takes a ticket; the
+    head's last: the K largest of the live slices' candidates, in position order, to sel_idx/sel_ok, and then
+    RECORD (the plain transfer): lay them out in the ring as transfer.record_rows does (a row the ring holds keeps
+    its slot; the others take the freed slots in order) into fetch_idx/fetch_valid [.., RING] from slot OFF, and
+    give the transfer its host row per ring slot, slot_rows (-1: keep); `where` [BH, S] is its scratch. STAGE_Q
+    (re-ranking, whose candidates are sel_idx/sel_ok): the query rows and their lse, RS rows a head from the R
+    tokens, into s_q/s_lse. HAS_NEW: the step's token new_k/new_v and new_pos into s_k/s_v/s_pos. The staged
+    inputs are what the side stream reads: the step's own tensors are graph temporaries.
+    counters [2, BH]: row 0 the tickets, zero between launches (the last program resets its head's); row 1 counts
+    the launches in which a head's tickets were not exactly its N_SLICES (a counter found non-zero or lost)."""
+    sl = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
     b, h = bh // Hkv, bh % Hkv
-    offs = tl.arange(0, CHUNK)
-    offs_g = tl.arange(0, BLOCK_G)
-    g_ok = offs_g < G * R
-    lse_g = tl.load(lse + b * l_sb + (h * G + offs_g // R) * l_sh + (offs_g % R) * l_sr, mask=g_ok,
-                    other=float("inf")) * LOG2E
     hi = tl.minimum(tl.load(n_quant_ptr), S)
-    row = logits + (bh * G * R + offs_g)[:, None] * S
-    first = sl * SLICE
-    my_keys = keys + bh * S_PAD + first
-    # the slice's keys, and the histogram of their top digits
-    hist = tl.zeros([RADIX], tl.int32)
-    for c0 in range(0, SLICE, CHUNK):
-        pos = first + c0 + offs
+    n_live = tl.maximum(tl.cdiv(hi, SLICE), 1)
+    heads_cand = bh * N_SLICES * K
+    if sl < n_live:
+        pos = sl * SLICE + tl.arange(0, SLICE)
         ok = (pos >= FIRST) & (pos < hi)
-        lg = tl.load(row + pos[None, :], mask=g_ok[:, None] & ok[None, :], other=-float("inf"))
-        key = _radix_key(best_row(tl.exp2(lg - lse_g[:, None]), offs_g, g_ok, R), ok)
-        tl.store(my_keys + c0 + offs, key)
-        hist += tl.histogram(key >> 24, RADIX)
-    tl.debug_barrier()  # (the keys are read back below in another layout: other threads' stores)
-    prefix, shift, need = _kth_prefix(my_keys, SLICE, hist, K, CHUNK, "")
-    my_cand = bh * N_SLICES * K + sl * K
-    _take_in_order(my_keys, my_keys, SLICE, first, prefix, shift, need, K, cand_pos + my_cand, cand_key + my_cand,
-                   CHUNK, "", False)
+        row = logits + bh * G * R * S + pos
+        best = tl.zeros([SLICE], tl.float32)
+        for r in tl.static_range(R):  # the best of the R selecting tokens of the sum over the G query heads
+            acc = tl.zeros([SLICE], tl.float32)
+            for g in range(G):
+                lse_m = tl.load(lse + b * l_sb + (h * G + g) * l_sh + r * l_sr) * LOG2E
+                acc += tl.exp2(tl.load(row + (g * R + r) * S, mask=ok, other=-float("inf")) - lse_m)
+            best = tl.maximum(best, acc)
+        key = _radix_key(best, ok)
+        every = pos >= 0  # (every position of the slice is an entry: non-candidates with key 0)
+        prefix, shift, need = _kth_prefix(key, every, K)
+        put, slot = _take_in_order(key, every, prefix, shift, need, K)
+        tl.store(cand_key + heads_cand + sl * K + slot, key, mask=put)
+        tl.store(cand_pos + heads_cand + sl * K + slot, pos, mask=put)
     tl.debug_barrier()  # (every thread's candidates stored before the ticket releases them)
-    if tl.atomic_add(tickets + bh, 1, sem="acq_rel") == N_SLICES - 1:  # the head's last slice: pick from all
+    ticket = tl.atomic_add(counters + bh, 1, sem="acq_rel")
+    if ticket >= N_SLICES:  # a counter left non-zero by an earlier launch
+        tl.atomic_add(counters + BH + bh, 1)
+    if ticket == N_SLICES - 1:  # the head's last slice: pick from the live slices' candidates
         tl.debug_barrier()
-        n_cand = N_SLICES * K
-        heads_cand = bh * n_cand
-        hist = tl.zeros([RADIX], tl.int32)
-        for c0 in range(0, n_cand, CHUNK):
-            inn = c0 + offs < n_cand
-            key = tl.load(cand_key + heads_cand + c0 + offs, mask=inn, other=0, cache_modifier=".cg")
-            hist += tl.histogram(key >> 24, RADIX, mask=inn)
-        prefix, shift, need = _kth_prefix(cand_key + heads_cand, n_cand, hist, K, CHUNK, ".cg")
-        _take_in_order(cand_key + heads_cand, cand_pos + heads_cand, n_cand, 0, prefix, shift, need, K,
-                       sel_idx + bh * K, sel_ok + bh * K, CHUNK, ".cg", True)
-        tl.atomic_xchg(tickets + bh, 0)
+        i = tl.arange(0, N_CAND)
+        inn = i < n_live * K
+        ck = tl.load(cand_key + heads_cand + i, mask=inn, other=0, cache_modifier=".cg")
+        cp = tl.load(cand_pos + heads_cand + i, mask=inn, other=0, cache_modifier=".cg")
+        prefix, shift, need = _kth_prefix(ck, inn, K)
+        put, slot = _take_in_order(ck, inn, prefix, shift, need, K)
+        tl.store(sel_idx + bh * K + slot, cp.to(tl.int64), mask=put)
+        tl.store(sel_ok + bh * K + slot, (ck > 0).to(tl.int8), mask=put)
+        if tl.atomic_xchg(counters + bh, 0) != N_SLICES:  # (tickets drawn this launch, before the reset)
+            tl.atomic_add(counters + BH + bh, 1)
         offs_k = tl.arange(0, BLOCK_K)
         if RECORD:
-            _record(keys + bh * S_PAD, work + bh * 2 * BLOCK_K, sel_idx + bh * K, sel_ok + bh * K,
-                    fetch_idx + bh * RING + OFF, fetch_valid + bh * RING + OFF, slot_rows + bh * K, offs_k, K, S_PAD)
+            _record(where + bh * S, work + bh * 2 * BLOCK_K, sel_idx + bh * K, sel_ok + bh * K,
+                    fetch_idx + bh * RING + OFF, fetch_valid + bh * RING + OFF, slot_rows + bh * K, offs_k, K, S)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         if STAGE_Q:  # query row m = g*RS + r of the kv head, from selecting token r % R
@@ -292,15 +269,15 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, keys, cand_key, c
 
 
 @triton.jit
-def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, slot_rows, offs_k, K, S_PAD):
-    """transfer.record_rows for one kv head in O(k): `where` (the spent keys) maps a position to the ring slot
-    that holds it, checked against fetch_idx (entries the map never set hold stale keys); `work` [2, BLOCK_K]
+def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, slot_rows, offs_k, K, S):
+    """transfer.record_rows for one kv head in O(k): `where` (scratch) maps a position to the ring slot that
+    holds it, checked against fetch_idx (entries the map never set hold garbage); `work` [2, BLOCK_K]
     holds which slots keep their row, then the free slots in order."""
     kept, free_list = work, work + offs_k.shape[0]
     k_ok = offs_k < K
     tl.debug_barrier()  # (the selection's stores, read back below by other threads)
     old = tl.load(fetch_idx + offs_k, mask=k_ok, other=-1)
-    old_ok = k_ok & (tl.load(fetch_valid + offs_k, mask=k_ok, other=0) != 0) & (old >= 0) & (old < S_PAD)
+    old_ok = k_ok & (tl.load(fetch_valid + offs_k, mask=k_ok, other=0) != 0) & (old >= 0) & (old < S)
     tl.store(where + old, offs_k, mask=old_ok)
     tl.store(kept + offs_k, offs_k * 0, mask=k_ok)
     tl.debug_barrier()
@@ -327,70 +304,75 @@ def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, slot_rows, off
     tl.store(slot_rows + to, pos, mask=miss)
 
 
-_TICKETS: dict = {}  # device -> every counter buffer made there, the newest last
+def select_counters(batch: int, n_kv_heads: int, device) -> Tensor:
+    """The selection's counters [2, batch * n_kv_heads] int32 (_select_kernel: the tickets, zero between
+    launches, and the faults), made once by their owner (the Prefetcher, when it is built). Not allocated by
+    the launch: a CUDA graph's first call allocates from the graph's pool, whose blocks other temporaries reuse,
+    and a ticket counter must keep its zero across replays. Selections sharing them run one at a time (the
+    step's stream)."""
+    return torch.zeros(2, batch * n_kv_heads, dtype=torch.int32, device=device)
 
 
-def _tickets(device, n: int) -> Tensor:
-    """The selection's ticket counters, zero between launches (each launch's last programs reset theirs): one
-    buffer a device, so a launch needs no memset. A larger batch gets a larger buffer; the old ones are kept,
-    since a CUDA graph captured earlier still writes to them. Selections on one device run one at a time (the
-    step's stream), which these shared counters assume."""
-    made = _TICKETS.setdefault(torch.device(device), [])
-    if not made or made[-1].numel() < n:
-        made.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return made[-1]
-
-
-def slices(S: int, k: int, chunk: int) -> tuple[int, int, int]:
-    """-> (chunk, slice length, slices) of the one-launch selection over S positions: slices of whole chunks, at
-    least 4x the (padded) k so the last program's n_slices * k candidates are at most a quarter of the
-    positions, at most MAX_SLICES of them."""
-    chunk = min(chunk, triton.next_power_of_2(S))
-    need = max(chunk, 4 * triton.next_power_of_2(k), triton.cdiv(S, MAX_SLICES))
-    length = triton.cdiv(need, chunk) * chunk
-    return chunk, length, triton.cdiv(S, length)
+def slices(S: int, k: int, slice_len: Optional[int] = None) -> tuple[int, int]:
+    """-> (slice length, slices) of the one-launch selection over S positions. A slice costs its length, the
+    merge n_slices * k: both near sqrt(S * k) by default, a power of two, at least 4x the (padded) k (the
+    candidates at most a quarter of the positions), at most MAX_SLICES slices."""
+    kp = triton.next_power_of_2(k)
+    length = slice_len or triton.next_power_of_2(math.isqrt(S * kp - 1) + 1)
+    length = max(triton.next_power_of_2(length), 4 * kp, triton.next_power_of_2(triton.cdiv(S, MAX_SLICES)), 16)
+    length = min(length, max(4 * kp, triton.next_power_of_2(S)))
+    return length, triton.cdiv(S, length)
 
 
 def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, record=None, stage_q=None, token=None,
-                  chunk: int = 1024):
+                  counters=None, slice_len: Optional[int] = None):
     """select_ref in one launch (_select_kernel), -> (idx, valid) [B,Hkv,k]; `out`: where to write them
     (re-ranking: its staged candidates). record = (fetch_idx, fetch_valid, off, slot_rows): lay the rows out in
     the ring and give the transfer its host rows (record_rows); stage_q = (q_rows [B,H,R',D], s_q [B,H,RS,D],
     s_lse [B,H,RS]); token = (new_k, new_v, new_pos, s_k, s_v, s_pos). Strided inputs are read in place.
-    `chunk`: positions a loop iteration reads (slices are whole chunks: a small chunk gives several slices)."""
+    counters: select_counters' buffer for this batch (None: a fresh one, for a launch no graph replays).
+    slice_len: positions a program scans (default: slices')."""
     B, Hkv, GR, S = logits.shape
     H, R = lse_rows.shape[1:]
     G, BH, dev = H // Hkv, B * Hkv, logits.device
     if k > S:
         raise ValueError(f"top-k of {k} over {S} slots")
     assert logits.is_contiguous() and GR == G * R
-    chunk, length, n_slices = slices(S, k, chunk)
-    S_PAD = n_slices * length
+    length, n_slices = slices(S, k, slice_len)
     BLOCK_K = triton.next_power_of_2(k)
-    keys = torch.empty(BH, S_PAD, dtype=torch.int32, device=dev)
+    if counters is None:
+        counters = select_counters(B, Hkv, dev)
+    assert counters.shape == (2, BH) and counters.dtype == torch.int32 and counters.is_contiguous()
     cand_key = torch.empty(BH, n_slices * k, dtype=torch.int32, device=dev)
     cand_pos = torch.empty(BH, n_slices * k, dtype=torch.int32, device=dev)
-    work = torch.empty(BH, 2, BLOCK_K, dtype=torch.int32, device=dev)
     idx, ok = out if out is not None else (torch.empty(B, Hkv, k, dtype=torch.long, device=dev),
                                            torch.empty(B, Hkv, k, dtype=torch.bool, device=dev))
     assert idx.is_contiguous() and ok.is_contiguous() and idx.shape == ok.shape == (B, Hkv, k)
-    any_t = keys  # absent inputs: any valid pointer
+    any_t = cand_key  # absent inputs: any valid pointer
     fetch_idx, fetch_valid, off, slot_rows = record if record is not None else (any_t, any_t, 0, any_t)
+    where, work = any_t, any_t
     if record is not None:
         assert fetch_idx.is_contiguous() and fetch_valid.is_contiguous() and slot_rows.shape == (B, Hkv, k)
         fetch_valid = fetch_valid.view(torch.int8)
+        where = torch.empty(BH, S, dtype=torch.int32, device=dev)
+        work = torch.empty(BH, 2, BLOCK_K, dtype=torch.int32, device=dev)
     q, s_q, s_lse = stage_q if stage_q is not None else (any_t, any_t, any_t)
     q_strides, RS = (q.stride(), s_q.shape[2]) if stage_q is not None else ((0,) * 4, 1)
     new_k, new_v, new_pos, s_k, s_v, s_pos = token if token is not None else (any_t,) * 6
     new_strides = (new_k.stride(0), new_k.stride(1), new_k.stride(3)) if token is not None else (0,) * 3
     assert token is None or new_v.stride() == new_k.stride()
     D = s_k.shape[-1] if token is not None else s_q.shape[-1] if stage_q is not None else 1
-    _select_kernel[(BH, n_slices)](
-        logits, lse_rows, *lse_rows.stride(), n_quant, keys, cand_key, cand_pos, _tickets(dev, BH), work, idx,
-        ok.view(torch.int8), S, S_PAD, length, n_slices, k, first, G, Hkv, fetch_idx, fetch_valid, slot_rows,
+    _select_kernel[(n_slices, BH)](
+        logits, lse_rows, *lse_rows.stride(), n_quant, cand_key, cand_pos, counters, where, work, idx,
+        ok.view(torch.int8), S, n_slices, k, first, G, Hkv, BH, fetch_idx, fetch_valid, slot_rows,
         fetch_idx.shape[-1] if record is not None else 0, off,
         q, *q_strides, s_q, s_lse, new_k, new_v, *new_strides, new_pos, s_k, s_v, s_pos, D,
-        R=R, RS=RS, RECORD=record is not None, STAGE_Q=stage_q is not None, HAS_NEW=token is not None, CHUNK=chunk,
-        BLOCK_G=max(2, triton.next_power_of_2(G * R)), BLOCK_K=BLOCK_K, BLOCK_M=max(2, triton.next_power_of_2(G * RS)),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=SELECT_WARPS)
+        R=R, RS=RS, RECORD=record is not None, STAGE_Q=stage_q is not None, HAS_NEW=token is not None, SLICE=length,
+        N_CAND=triton.next_power_of_2(n_slices * k), BLOCK_K=BLOCK_K, BLOCK_M=max(2, triton.next_power_of_2(G * RS)),
+        BLOCK_D=triton.next_power_of_2(D), num_warps=select_warps(length))
     return idx, ok
+
+
+def select_warps(slice_len: int) -> int:
+    """Warps of a selection program: about 8 keys a thread in the slice's register tile."""
+    return max(4, min(16, slice_len // 256))

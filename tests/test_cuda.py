@@ -160,6 +160,120 @@ def test_fused_selection_matches_the_reference(bits, S, dtype, attn_path):
     assert_same_selection([x.cpu() for x in got], by_pos.cpu(), 64, rtol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def tied_logits(B, Hkv, G, S, seed):
+    """Selection logits whose scores take 6 values (the G query heads of a kv head agree), so the k-th score
+    ties with hundreds of positions across every slice."""
+    g = torch.Generator().manual_seed(seed)
+    levels = torch.tensor([-40.0, -12.0, -6.0, -3.0, -1.0, 0.0])
+    one = levels[torch.randint(0, 6, (B, Hkv, 1, S), generator=g)]
+    return one.expand(B, Hkv, G, S).contiguous()
+
+
+RACE_SHAPES = [(1, 8, 32768, 64), (4, 8, 32768, 64), (3, 5, 10007, 100), (64, 8, 32768, 64)] if ON_GPU else \
+    [(1, 2, 3000, 16), (3, 5, 1001, 20)]
+RACE_LAUNCHES = 200 if ON_GPU else 4
+
+
+@pytest.mark.parametrize("B,Hkv,S,k", RACE_SHAPES)
+def test_selection_race_across_launches_and_graph_replays(B, Hkv, S, k):
+    """The sliced selection's programs share nothing but each head's ticket counter and candidates. Two inputs
+    alternate, whose top-k differ and whose quantized lengths differ (one leaves slices dead, so stale
+    candidates of the other would show), with exact ties across slices: RACE_LAUNCHES eager launches, then as
+    many replays of one captured CUDA graph; after each, the rows equal select_ref's and those of another
+    slice length, the ticket counters are zero and no launch recorded a fault."""
+    G = 4
+    lse = torch.zeros(B, Hkv * G, 1, device=DEV)
+    inputs = [(on(tied_logits(B, Hkv, G, S, seed)), torch.tensor(nq, device=DEV))
+              for seed, nq in ((0, S - 70), (1, S // 3 + 5))]
+    length = topk.slices(S, k)[0]
+    want = []
+    for logits, nq in inputs:
+        ref = topk.select_ref(logits, lse, nq, k, first=4)
+        other = topk.select_triton(logits, lse, nq, k, first=4, slice_len=max(16, length // 4))
+        assert torch.equal(other[0], ref[0]) and torch.equal(other[1], ref[1])
+        want.append(ref)
+    assert not torch.equal(want[0][0], want[1][0])
+    counters = topk.select_counters(B, Hkv, DEV)
+    logits_in, nq_in = inputs[0][0].clone(), inputs[0][1].clone()
+    out = (torch.empty(B, Hkv, k, dtype=torch.long, device=DEV), torch.empty(B, Hkv, k, dtype=torch.bool, device=DEV))
+
+    def launch():
+        topk.select_triton(logits_in, lse, nq_in, k, first=4, out=out, counters=counters)
+
+    def check(i, how):
+        idx, ok = want[i % 2]
+        assert torch.equal(out[0], idx) and torch.equal(out[1], ok), f"{how} {i}: other rows than select_ref's"
+        assert not counters.any(), f"{how} {i}: counters {counters.nonzero().tolist()[:4]} (tickets, faults)"
+
+    for i in range(RACE_LAUNCHES):
+        logits_in.copy_(inputs[i % 2][0])
+        nq_in.copy_(inputs[i % 2][1])
+        launch()
+        check(i, "launch")
+    if not ON_GPU:
+        return
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (the warm-up a capture needs, on a side stream)
+        launch()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for i in range(RACE_LAUNCHES):
+        logits_in.copy_(inputs[i % 2][0])
+        nq_in.copy_(inputs[i % 2][1])
+        graph.replay()
+        torch.cuda.synchronize()
+        check(i, "replay")
+
+
+def write_random_checkpoint(out, n_layers=2, max_seq_len=4096):
+    """A converted checkpoint of a small random Llama with a byte-level tokenizer (256 byte tokens, then
+    tokenizer.py's Llama-3 specials): generate.py runs it where no real model is on disk."""
+    import base64
+    from dataclasses import asdict
+    from safetensors.torch import save_file
+    from model import ModelArgs, Transformer, random_weights
+    (out / "tokenizer.model").write_bytes(b"".join(base64.b64encode(bytes([i])) + b" %d\n" % i for i in range(256)))
+    args = ModelArgs(name="random-small", dim=512, n_layers=n_layers, n_heads=8, n_kv_heads=2, vocab_size=512,
+                     intermediate_size=1024, max_seq_len=max_seq_len, rope_theta=10000.0)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = random_weights(model, "cpu", torch.float32, seed=0)
+    with torch.no_grad():  # larger than random_weights' N(0, 0.02): peaked logits, so greedy tokens are no near-ties
+        gen = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.06, generator=gen)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    cfg = {**asdict(args), "tokenizer": {"kind": "tiktoken", "file": "tokenizer.model", "bos_id": 256, "eos_ids": [511]}}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_generate_compile_preset_fresh_process(tmp_path):
+    """`generate.py --compile --preset best` in a fresh process (pre-decoding compiles first, under the resync
+    policy: the first compiled call allocates from a CUDA graph's pool) gives the eager run's tokens, over a
+    prompt long enough for several selection slices."""
+    if not ON_GPU:
+        pytest.skip("a compiled step on CUDA (on CPU the compiled path is tests/test_specache.py's)")
+    import subprocess
+    import sys
+    ckpt = write_random_checkpoint(tmp_path)
+    prompt = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(70))
+    runs = []
+    for extra in ([], ["--compile"]):
+        cmd = [sys.executable, "generate.py", "--checkpoint", str(ckpt), "--preset", "best", "--prompt", prompt,
+               "--dtype", "float32", "--max-new-tokens", "40", "--json", "--quiet", *extra]
+        r = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert runs[0]["prompt_tokens"] > 3000 and len(runs[0]["tokens"]) == 40
+    assert runs[1]["tokens"] == runs[0]["tokens"]
+
+
 @pytest.mark.parametrize("with_new", [True, False])
 def test_transfer_from_pinned_host_memory_is_exact(with_new):
     g = torch.Generator().manual_seed(0)

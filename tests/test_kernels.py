@@ -532,7 +532,7 @@ def test_fused_selection_equals_the_separate_topk(G, T, n_quant, kw, k, first):
     c = make_case(G=G, T=T, S=256, n_quant=n_quant, seed=1, **kw)
     path = planes_where_they_fit(c.store, c.q.shape[-1], rows(c))
     _, lse, logits = triton_attention(c, attn_path=path, select=T)
-    got = topk.select_triton(logits, lse, c.store.n_quant, k, first, chunk=64)
+    got = topk.select_triton(logits, lse, c.store.n_quant, k, first, slice_len=64)
     ref = topk.select_ref(logits, lse, c.store.n_quant, k, first)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     S = c.store.k_codes.shape[2]

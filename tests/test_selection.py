@@ -36,7 +36,7 @@ def test_radix_selection_equals_the_reference_and_torch_topk(kind, k):
     n = 512
     logits = torch.stack([logits_for(kind, n, seed) for seed in range(3)]).view(1, 3, 1, n)
     lse = torch.zeros(1, 3, 1)
-    got = topk.select_triton(logits, lse, torch.tensor(n), k, chunk=64)
+    got = topk.select_triton(logits, lse, torch.tensor(n), k, slice_len=64)
     want = topk.select_ref(logits, lse, torch.tensor(n), k)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[1].all()
     score = topk.selection_scores(logits, lse)
@@ -52,16 +52,38 @@ def test_the_slices_candidates_hold_the_heads_top_k(kind):
     picks from their union: the same rows as select_ref when the k best crowd into one slice, when the k-th
     score ties across every slice, and in general; the ticket counters are zero again after the launch."""
     n, k = 4096, 100
-    assert topk.slices(n, k, 64) == (64, 512, 8)
+    assert topk.slices(n, k, 64) == (512, 8)
     if kind == "crowded":  # scores fall with the position: all of the top 100 sit in the first slice
         logits = -torch.arange(n, dtype=torch.float32).view(1, 1, 1, n).repeat(1, 2, 1, 1) / 64
     else:
         logits = torch.stack([logits_for(kind, n, seed) for seed in range(2)]).view(1, 2, 1, n)
     lse = torch.zeros(1, 2, 1)
-    got = topk.select_triton(logits, lse, torch.tensor(n - 5), k, first=3, chunk=64)
+    counters = topk.select_counters(1, 2, logits.device)
+    got = topk.select_triton(logits, lse, torch.tensor(n - 5), k, first=3, counters=counters, slice_len=64)
     want = topk.select_ref(logits, lse, torch.tensor(n - 5), k, first=3)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert not topk._tickets(logits.device, 2).any()
+    assert not counters.any()
+
+
+@needs_interpreter
+def test_slices_past_the_quantized_length_and_a_counter_left_non_zero():
+    """n_quant 700 of 4096 positions: 2 of the 8 slices hold candidates and the others only take their ticket,
+    after a launch over every slice has left its candidates in memory; the rows are select_ref's. A head whose
+    counter an earlier launch left at its slice count never merges, and each of its programs records a fault in
+    the counters' second row; the other head is unaffected."""
+    n, k = 4096, 100
+    logits = torch.stack([logits_for("spread", n, seed) for seed in range(2)]).view(1, 2, 1, n)
+    lse = torch.zeros(1, 2, 1)
+    for n_quant in (n, 700):
+        got = topk.select_triton(logits, lse, torch.tensor(n_quant), k, slice_len=64)
+        want = topk.select_ref(logits, lse, torch.tensor(n_quant), k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    counters = topk.select_counters(1, 2, logits.device)
+    counters[0, 1] = 8
+    got = topk.select_triton(logits, lse, torch.tensor(n), k, counters=counters, slice_len=64)
+    want = topk.select_ref(logits, lse, torch.tensor(n), k)
+    assert torch.equal(got[0][:, 0], want[0][:, 0]) and torch.equal(got[1][:, 0], want[1][:, 0])
+    assert counters.tolist() == [[0, 16], [0, 8]]
 
 
 @needs_interpreter
@@ -70,7 +92,7 @@ def test_fewer_candidates_than_k_and_the_sinks():
     are never valid."""
     logits = logits_for("spread", 256, 0).view(1, 1, 1, 256).repeat(1, 2, 1, 1)
     lse = torch.zeros(1, 2, 1)
-    got = topk.select_triton(logits, lse, torch.tensor(40), 64, first=4, chunk=64)
+    got = topk.select_triton(logits, lse, torch.tensor(40), 64, first=4, slice_len=64)
     want = topk.select_ref(logits, lse, torch.tensor(40), 64, first=4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[1].sum(-1).eq(36).all() and set(got[0][got[1]].tolist()) == set(range(4, 40))
@@ -95,7 +117,7 @@ def test_the_ring_layout_is_record_rows(k):
         idx, valid = topk.select_ref(logits, lse, torch.tensor(640), k, first=4)
         rows = transfer.record_rows(idx, valid, *want_ring, 4)
         slot_rows = torch.empty(B, Hkv, k, dtype=torch.long)
-        got = topk.select_triton(logits, lse, torch.tensor(640), k, first=4, record=(*ring, 4, slot_rows), chunk=128)
+        got = topk.select_triton(logits, lse, torch.tensor(640), k, first=4, record=(*ring, 4, slot_rows), slice_len=128)
         assert torch.equal(got[0], idx) and torch.equal(got[1], valid)
         assert torch.equal(slot_rows, rows) and torch.equal(ring[0], want_ring[0]) and torch.equal(ring[1], want_ring[1])
         kept += int((rows == -1).sum())
@@ -119,7 +141,7 @@ def test_the_launch_stages_the_token_and_the_query_rows(R, RS):
     out = (torch.zeros(B, Hkv, C, dtype=torch.long), torch.zeros(B, Hkv, C, dtype=torch.bool))
     token = (step_k[:, :, :1], step_v[:, :, :1], torch.tensor(41), *staged)
     topk.select_triton(logits, lse[:, :, -R:], torch.tensor(200), C, out=out, stage_q=(q[:, :, -R:], s_q, s_lse),
-                       token=token, chunk=64)
+                       token=token, slice_len=64)
     want = topk.select_ref(logits, lse[:, :, -R:], torch.tensor(200), C)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
     assert torch.equal(staged[0], step_k[:, :, :1]) and torch.equal(staged[1], step_v[:, :, :1]) and int(staged[2]) == 41

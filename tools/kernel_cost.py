@@ -36,11 +36,8 @@ LOOPS = {
     "_attn_fp_rows_kernel": [("fetched", "BLOCK_F", "row", "HAS_FETCH"), ("residual", "BLOCK_F", "row", None)],
     "_attn_planes_gluon": [("quantized", ("GROUP_K", "NW"), "token", None)],
     "_attn_views_kernel": [("quantized", "GROUP_K", "token", None)],
-    "_select_kernel": [("keys", "CHUNK", "position", None), ("round 1", "CHUNK", "position", None),
-                       ("round 2", "CHUNK", "position", None), ("round 3", "CHUNK", "position", None),
-                       ("collect", "CHUNK", "position", None), ("candidates", "CHUNK", "candidate", None),
-                       ("merge round 1", "CHUNK", "candidate", None), ("merge round 2", "CHUNK", "candidate", None),
-                       ("merge round 3", "CHUNK", "candidate", None), ("merge collect", "CHUNK", "candidate", None)],
+    # (the radix rounds and the merge work on register tiles, outside any loop: counted as the kernel's rest)
+    "_select_kernel": [("keys", "SLICE", "query row position", None)],
     "_transfer_rows_kernel": [("rows", "BLOCK_R", "row", "HAS_ROWS"), ("new token", 1, "kv head", ("HAS_NEW", "!HAS_ROWS")),
                               ("token slot", ("BLOCK_R", 4), "slot", ("HAS_NEW", "HAS_ROWS"))],
 }
@@ -56,7 +53,7 @@ BUDGETS = {
     "_attn_planes_gluon": (24.0, "KV token", "the attention's quantized slots (as _attn_words_kernel's)"),
     "_attn_views_kernel": (24.0, "KV token", "the siblings' quantized slots (as _attn_words_kernel's)"),
     "_select_kernel": (4.0, "position", "1.0: keys 0.3 (G = 4 logits, exp2, sum, key, store, count) + 3 rounds x 0.15 "
-                                        "(load, digit, count) + collect 0.25 (compare, two scans, store)"),
+                                        "(digit, count, from registers) + collect 0.25 (compare, a scan, store)"),
     "_transfer_rows_kernel": (8.3, "row", "2.06: 512 B of K+V loaded and stored (2 x 1 LDG/STG.128 a warp) + index"),
     "_rerank_score_kernel": (135.0, "candidate", "33.8: 1 key load + store, 8 rows x 128 FMA / 32, exp and sums"),
     "_rerank_layout_kernel": (96.0, "candidate", "24: 128 x 3 lane-ops of ranking / 32 + record_rows' 64 x 6 / 32"),
@@ -120,11 +117,10 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
         return H * splits, dict(quantized=nq * H), nq * H, "KV token"
     if kern == "_attn_combine_kernel":
         return H * s["G"] * s["T"], {}, H * s["G"] * s["T"], "output row"
-    if kern == "_select_kernel":  # (every refining round counted: an upper bound, they stop once the k-th's bucket is whole)
+    if kern == "_select_kernel":  # the keys' loop runs once per query head of a kv head over each slice
         import topk
-        n_slices = topk.slices(nq, s["k"], 1024)[2]
-        loops = {name: (nq if item == "position" else n_slices * s["k"]) * H for name, _, item, _ in LOOPS[kern]}
-        return H * n_slices, loops, nq * H, "position"
+        n_slices = topk.slices(nq, s["k"])[1]
+        return H * n_slices, {"keys": nq * H * s["G"]}, nq * H, "position"
     if kern == "_transfer_rows_kernel":
         rows = s["k"] * H if _cx(row, "HAS_ROWS") else 0
         progs = min(16, max(-(-rows // _cx(row, "BLOCK_R")), H))
