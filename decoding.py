@@ -41,8 +41,9 @@ class Decoding:
 # ---- Algorithm 1 ----------------------------------------------------------------------------------
 @torch.no_grad()
 def prefill(model, prompt: torch.Tensor, chunk: int = 2048, progress=None) -> torch.Tensor:
-    """Algorithm 1. prompt [B, P] -> logits of the last position [B, V]. Chunks attend exactly to
-    everything before them (SpeCache reads the earlier chunks back from the host store)."""
+    """Algorithm 1. prompt [B, P] -> logits of the last position [B, V] (the model applies its head to that
+    row alone). Chunks attend exactly to everything before them (SpeCache reads the earlier chunks back from
+    the host store)."""
     P = prompt.shape[1]
     for start in range(0, P, chunk):
         end = min(P, start + chunk)

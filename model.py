@@ -197,13 +197,18 @@ class Transformer(nn.Module):
         self.rope = rope_table(self.args, self.args.max_seq_len).to(self.tok_embeddings.weight.device)
         return [layer.attention.kv_cache for layer in self.layers]
 
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, mode: str = "decode") -> torch.Tensor:
-        """idx: [B, T] token ids, input_pos: [T] absolute positions. Returns logits [B, T, vocab] (fp32).
-        `mode` tells the caches what the step is (MODES: prefill, decode, predecode, draft, verify)."""
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, mode: str = "decode",
+                all_logits: bool = False) -> torch.Tensor:
+        """idx: [B, T] token ids, input_pos: [T] absolute positions. Returns logits [B, T, vocab] (fp32); a prefill
+        chunk only its last position's, [B, 1, vocab], unless all_logits (a whole chunk's logits at a 128k
+        vocabulary are a GB a row). `mode` tells the caches what the step is (MODES: prefill, decode, predecode,
+        draft, verify)."""
         rope = self.rope[input_pos]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, rope, input_pos, mode)
+        if mode == "prefill" and not all_logits:
+            x = x[:, -1:]
         x = self.norm(x)
         logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
         return logits.float()

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from tests.helpers import tiny_model
+
 transformers = pytest.importorskip("transformers")
 
 import convert_hf  # noqa: E402
@@ -46,15 +48,30 @@ def test_logits_match_hf(family, tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits
         setup_caches(ours, "full", batch=2, max_seq_len=32)
-        got_prefill = ours(ids, torch.arange(20), mode="prefill")
+        got_prefill = ours(ids, torch.arange(20), mode="prefill", all_logits=True)
         # Decode path: prefill 12 tokens, then one token per step through the static cache.
         setup_caches(ours, "full", batch=2, max_seq_len=32)
-        steps = [ours(ids[:, :12], torch.arange(12), mode="prefill")]
+        steps = [ours(ids[:, :12], torch.arange(12), mode="prefill", all_logits=True)]
         for t in range(12, 20):
             steps.append(ours(ids[:, t:t + 1], torch.tensor([t])))
         got_decode = torch.cat(steps, 1)
     torch.testing.assert_close(got_prefill, ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(got_decode, ref, atol=1e-4, rtol=0)
+
+
+def test_prefill_applies_the_head_to_the_last_position_only():
+    """A prefill chunk returns its last position's logits [B, 1, V] (what decoding.prefill samples from), equal to
+    that row of all the chunk's logits; decode steps return every fed token's."""
+    model = tiny_model()
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        setup_caches(model, "full", batch=2, max_seq_len=32)
+        last = model(ids, torch.arange(20), mode="prefill")
+        two = model(ids[:, :2], torch.tensor([20, 21]))
+        setup_caches(model, "full", batch=2, max_seq_len=32)
+        every = model(ids, torch.arange(20), mode="prefill", all_logits=True)
+    assert last.shape == (2, 1, 256) and every.shape == (2, 20, 256) and two.shape == (2, 2, 256)
+    torch.testing.assert_close(last[:, 0], every[:, -1], atol=1e-4, rtol=1e-5)  # (one row or 20: other BLAS blocking)
 
 
 def test_known_configs_and_errors():

@@ -142,7 +142,7 @@ def test_tiny_qwen2_gguf_logits_and_greedy_tokens_equal_transformers(tmp_path):
     ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(1))
     setup(ours, "full", max_seq_len=64)
     with torch.no_grad():
-        got = ours(ids, torch.arange(40), mode="prefill")
+        got = ours(ids, torch.arange(40), mode="prefill", all_logits=True)
         want = hf_model(ids).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     hf_model.set_attn_implementation("sdpa")
@@ -257,7 +257,7 @@ def test_real_logits_and_greedy_tokens_equal_transformers(both, qwen_tok):
     P = ids.shape[1]
     setup_caches(ours, "full", 1, P + 1)
     with torch.no_grad():
-        got, want = ours(ids, torch.arange(P), mode="prefill"), ref(ids).logits
+        got, want = ours(ids, torch.arange(P), mode="prefill", all_logits=True), ref(ids).logits
     assert (got - want).abs().max() < 2e-3 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     ref.set_attn_implementation("sdpa")

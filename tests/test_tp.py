@@ -92,7 +92,7 @@ def _parity(rank, store, out):
     setup_caches(full, "full", 2, PROMPT + 4)
     setup_caches(local, "full", 2, PROMPT + 4)
     with torch.no_grad():  # batch 2: the whole batch is all-reduced, not row 0
-        ref, got = full(prompt, pos, mode="prefill"), local(prompt, pos, mode="prefill")
+        ref, got = full(prompt, pos, mode="prefill", all_logits=True), local(prompt, pos, mode="prefill", all_logits=True)
     report = {"logits_max_err": float((ref - got).abs().max()), "logits_max": float(ref.abs().max()), "tokens": {}}
     for name in CACHES + ["quantspec"]:
         a, b = greedy(full, name, prompt[:1]), greedy(local, name, prompt[:1])
