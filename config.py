@@ -217,6 +217,13 @@ class CacheConfig:
     def invalid(self, msg: str):
         raise ValueError(f"cache {self.name!r}: {msg}")
 
+    def check_compiled(self):
+        """Whether a compiled step (one graph; a CUDA graph on CUDA) can hold this cache's step: the staged
+        fetch cannot, as each layer syncs to gather its rows on the host."""
+        if self.kind == "specache" and self.fetch_impl == "staged":
+            self.invalid("--fetch-impl staged runs eager only (each layer syncs to gather its rows on the host, "
+                         "which a CUDA graph cannot hold): drop --compile, or use --fetch-impl uva")
+
     # ---- KIVI and SpeCache ----
     def check_quantizer(self, head_dim: Optional[int]):
         """The low-bit copy: bits, groups, residual window, zero/scale, and whether head_dim packs."""

@@ -160,6 +160,8 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
 
     config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
     hf.check_generation(config, logits_processor, stopping_criteria, generation_config)
+    if compile:
+        config.check_compiled()
     B, P = input_ids.shape
     pad = hf.left_padding(model_kwargs.get("attention_mask"), B, P)  # None: no padding
     prev = model.config._attn_implementation
@@ -210,6 +212,8 @@ def run_autoregressive(model, config, prompt, max_seq_len: int, decoding: Decodi
 def run(a):
     cli.check_args(a)
     config = cli.cache_of(a)
+    if a.compile:
+        config.check_compiled()
     device = tp.init(a.tp, cli.check_device(a.device))
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -37,6 +37,7 @@ def run_json(ckpt, capsys, *args):
     (["--cache", "h2o"], "unknown cache 'h2o'"),
     (["--fetch", "magic"], "unknown fetch policy 'magic'"),
     (["--cache", "kivi", "--preset", "best"], "are SpeCache configurations"),
+    (["--compile", "--fetch-impl", "staged"], "--fetch-impl staged runs eager only"),
 ])
 def test_bad_input_is_one_clear_line(ckpt, args, message):
     with pytest.raises(SystemExit) as e:
