@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit import (Fetched, LowBitKV, Residual, Tensor, check_attn_path, code_layout, dot_precision, from_op_inputs,
-                    interpreted, interpreter_upcast, op_inputs, plane_codes_mode, planes_fit, replaced_mask)
+from lowbit import (DEFAULT_ATTN_PATH, Fetched, LowBitKV, Residual, Tensor, check_attn_path, code_layout, dot_precision,
+                    from_op_inputs, interpreted, interpreter_upcast, op_inputs, plane_codes_mode, planes_fit,
+                    replaced_mask)
 from tiles import (LOG2E, codes_tile, fetched_hits, fetched_mask, fetched_positions, key_scores, logits_rows,
                    online_softmax, plane_codes, plane_key_scores, query_rows, softmax_start, store_logits, store_partial,
                    tile_channels, word_block)
@@ -366,7 +367,7 @@ def launch_path(path: str, q, store: LowBitKV, M: int) -> str:
 
 
 def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale,
-                            attn_path="words", n_splits=None, select=0, quantized=None, **launch):
+                            attn_path=DEFAULT_ATTN_PATH, n_splits=None, select=0, quantized=None, **launch):
     """The Triton attention on one path (config.ATTN_PATHS; the planes and Gluon paths need a layout
     planes_fit takes). `quantized`: a launcher of the quantized programs in place of this module's (a
     store read through its own kernel); this module then launches the fp-row program and the combine."""
@@ -374,7 +375,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     Hkv, S, R = store.k_codes.shape[1], store.k_codes.shape[2], residual.k.shape[2]
     M, BH, G = (H // Hkv) * T, B * Hkv, H // Hkv
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
-    path = launch_path(check_attn_path(attn_path), q, store, M)
+    path = "words" if quantized is not None else launch_path(check_attn_path(attn_path), q, store, M)  # (its own programs)
     if path != "words" and not planes_fit(store, D, M):
         raise ValueError(f"the {path} attention path does not take this cache layout (lowbit.planes_fit)")
     gluon = path == "gluon"
@@ -460,7 +461,7 @@ def _(q, tensors, ints, optional, sm_scale, attn_path, select=0):
 
 
 def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None,
-                     attn_path="words", select=0):
+                     attn_path=DEFAULT_ATTN_PATH, select=0):
     """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores), and with
     select > 0 the last `select` tokens' logits [B,Hkv,G*select,S] for topk.select (selection_logits).
     use_op: run the Triton kernel behind its custom op (default: on CUDA); True on CPU tensors gives a
