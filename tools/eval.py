@@ -8,7 +8,9 @@ and scorers are in tools/tasks.py; this file runs them through generate.py and w
     python tools/eval.py niah --methods full,kivi-1bit,specache-1bit --lengths 1000,2000,4000,8000 --out results/niah
     python tools/eval.py ruler --lengths 4000 --samples 5 --out results/ruler
     python tools/eval.py ppl --methods kivi-1bit,kivi-1bit-orig,specache-1bit,specache-1bit-orig --out results/ppl
+    python tools/eval.py ppl --text squad --lengths 16000 --windows 1 --out results/ppl      # SQuAD's paragraphs
     python tools/eval.py hitrate --methods specache-1bit,specache-2bit --out results/hitrate
+    python tools/eval.py hitrate --prompts qa_squad,qa_hotpot --lengths 16000 --out results/hitrate   # RULER's QA prompts
     python tools/eval.py quantspec --lengths 4000,8000 --gammas 0,1,2,4,6 --out results/quantspec    # acceptance rates
     python tools/eval.py saliency --lengths 2000,4000 --out results/saliency     # ZipCache: probe vs exact saliency
 
@@ -41,8 +43,8 @@ from tools.eval_report import (Results, begin_cells, end_cells, init_cells, mean
                                 write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
                                 write_ruler_report, write_saliency_report)
 from tools.replay import PrefillReplay, Recorder  # noqa: E402
-from tools.tasks import (NEEDLES, PROMPT_FORMS, RULER_TASKS, essay_ids, essay_window, niah, niah_score,  # noqa: E402
-                         render, ruler_max_new, ruler_sample, ruler_score, summary_prompt)
+from tools.tasks import (NEEDLES, PPL_TEXTS, PROMPT_FORMS, RULER_TASKS, essay_window, niah, niah_score,  # noqa: E402
+                         render, ruler_max_new, ruler_sample, ruler_score, summary_prompt, text_ids, text_window)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the machine is shared; see cpu-toolchain notes
 
@@ -266,19 +268,24 @@ def cmd_ruler(a, runner, methods, results):
 
 
 def cmd_ppl(a, runner, methods, results):
-    n_stream = len(essay_ids(runner.tok))
+    text = getattr(a, "text", "essays")
+    # the text in a cell's key, but for the essays: results files without the field resume as essay cells
+    in_key = {} if text == "essays" else dict(text=text)
+    need = max((a.windows - 1) * (a.stride or L) + L for L in a.lengths)
+    n_stream = len(text_ids(runner.tok, text, need))
     cells = []
     for L in a.lengths:
         stride = a.stride or L
         for w in range(a.windows):
             if w * stride + L > n_stream:
-                raise SystemExit(f"error: window {w} of {L} tokens at stride {stride} runs past the essays ({n_stream} tokens)")
+                raise SystemExit(f"error: window {w} of {L} tokens at stride {stride} runs past the {text} ({n_stream} tokens)")
             cells += [(dict(base_fields("ppl", a, m), length=L, window=w, start=w * stride, n_eval=a.n_eval,
-                            chunk=a.prefill_chunk), m) for m in methods]
+                            chunk=a.prefill_chunk, **in_key), m) for m in methods]
 
     def run(f, m):
-        nll = runner.nll_decode_path(m, essay_window(runner.tok, f["start"], f["length"]), f["n_eval"])
-        return dict(label=m.name, nll=sum(nll) / len(nll), n=len(nll),
+        nll = runner.nll_decode_path(m, text_window(runner.tok, text, f["start"], f["length"]), f["n_eval"])
+        # every token's NLL: the report's bootstrap intervals, paired with the fp cache's on the same tokens
+        return dict(label=m.name, text=text, nll=sum(nll) / len(nll), n=len(nll), nlls=[round(x, 5) for x in nll],
                     bits=m.bits_per_value(runner.model.args.head_dim))
 
     run_cells(cells, results, run, "ppl")
@@ -289,12 +296,16 @@ def cmd_hitrate(a, runner, methods, results):
     bad = [m.name for m in methods if m.kind != "specache"]
     if bad:
         raise SystemExit(f"error: hitrate measures SpeCache fetches (specache-...), not {', '.join(bad)}")
-    cells = [(dict(base_fields("hitrate", a, m), prompt=kind, length=L, sample=i, steps=a.steps, **form_fields(a)), m)
+    cells = [(dict(base_fields("hitrate", a, m), prompt=kind, length=L, sample=i, steps=a.steps, **form_fields(a),
+                   **({"seed": a.seed} if kind in RULER_TASKS else {})), m)
              for kind in a.prompts.split(",") for L in a.lengths for i in range(a.samples) for m in methods]
 
     def run(f, m):
         if f["prompt"] == "needle":  # the needle at depths spread over the samples
             text = render(runner.tok, niah(runner.tok, f["length"], (f["sample"] + 0.5) / a.samples, a.prompt_form))
+        elif f["prompt"] in RULER_TASKS:  # the prompt `ruler` asks at this task, length, sample and seed
+            s = ruler_sample(runner.tok, f["prompt"], f["length"], f["sample"], f["seed"], a.prompt_form)
+            text = render(runner.tok, s)
         else:  # (completion: the essay window itself, which a base model continues)
             text = summary_prompt(runner.tok, f["length"], f["sample"], a.prompt_form)
         ids = runner.encode_prompt(text)
@@ -424,6 +435,7 @@ DEFAULTS = {
     "quantspec": dict(methods="quantspec", lengths="4000,8000", samples=2, gammas="0,1,2,4,6", max_new_tokens=128),
     "saliency": dict(methods="full", lengths="2000,4000", samples=2),
 }
+HIT_PROMPTS = ("essay", "needle", "qa_squad", "qa_hotpot")
 PROMPT_FORM_HELP = ("chat (default): the question in the model's chat template (instruct models); completion: "
                     "text that a base model continues (tools/tasks.py)")
 SUBCOMMANDS = {  # name: (help, its own options)
@@ -440,12 +452,15 @@ SUBCOMMANDS = {  # name: (help, its own options)
     "ppl": ("perplexity through the decode path", [
         ("--n-eval", dict(type=int, default=None, help="scored tokens at the end of each window")),
         ("--windows", dict(type=int, default=None, help="windows per length")),
-        ("--stride", dict(type=int, default=None, help="tokens between window starts (default: the length)"))]),
+        ("--stride", dict(type=int, default=None, help="tokens between window starts (default: the length)")),
+        ("--text", dict(default="essays", choices=list(PPL_TEXTS), help="the windows' text: the essays, or RULER QA's "
+                        "documents one after another (squad: SQuAD's paragraphs, hotpot: HotpotQA's)"))]),
     "hitrate": ("SpeCache fetch quality (hit rates, attention mass, output error) by step and layer", [
         ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
         ("--samples", dict(type=int, default=None)),
         ("--steps", dict(type=int, default=None, help="decode steps (stops earlier at EOS)")),
-        ("--prompts", dict(default="essay", help="essay (summaries), needle (NIAH prompts), or both: essay,needle"))]),
+        ("--prompts", dict(default="essay", help="comma list of: essay (summaries), needle (NIAH prompts), qa_squad, "
+                           "qa_hotpot (RULER's QA prompts, as `ruler` asks them at --seed)"))]),
     "quantspec": ("QuantSpec acceptance rates by draft length (quantspec cache)", [
         ("--samples", dict(type=int, default=None)),
         ("--gammas", dict(default=None, help="draft lengths (0 = the target alone, the reference)")),
@@ -504,6 +519,10 @@ def parse_args(argv=None):
             raise SystemExit(f"error: --needles: there are {len(NEEDLES)} needles (0-{len(NEEDLES) - 1})")
         if any(not 0 <= d <= 1 for d in a.depths):
             raise SystemExit("error: --depths are fractions in [0, 1]")
+    if a.cmd == "hitrate":
+        bad = [k for k in a.prompts.split(",") if k not in HIT_PROMPTS]
+        if bad:
+            raise SystemExit(f"error: --prompts: unknown prompt kind {bad[0]!r}; known: {', '.join(HIT_PROMPTS)}")
     if a.cmd == "quantspec":
         a.gammas = parse_int_list(a.gammas, "gammas", low=0)
     if a.cmd == "saliency":

@@ -227,27 +227,101 @@ def write_ruler_report(results: Results):
             per = [mean([r["score"] for r in c]) for c in cells]
             if any(p is not None for p in per):
                 rows.append([lb, L, min(map(len, cells))] + [pct(p) for p in per] + [pct(mean(per))])
+    spread = []
+    for L in sorted({r["length"] for r in recs}):
+        for lb in labels_of(recs):
+            cells = [[r["score"] for r in where(recs, label=lb, length=L, task=t)] for t in tasks]
+            if any(cells):
+                spread.append([lb, L] + [with_interval(c) for c in cells] + [with_interval(sum(cells, []))])
     results.write_md("RULER-style tasks",
                      "Recall of the expected strings in the greedy output (RULER's string_match_all; QA: "
                      "string_match_part), x100, case and punctuation insensitive. Samples generated locally with a "
                      "fixed seed; n = samples per task. " + forms,
-                     md_table(["method", "length", "n"] + [RULER_TASKS[t][2] for t in tasks] + ["Average"], rows))
+                     md_table(["method", "length", "n"] + [RULER_TASKS[t][2] for t in tasks] + ["Average"], rows),
+                     "Per task: the mean x100 with Wilson's 95% interval over the samples (how many in brackets; a QA "
+                     "answer scores 0 or 1, a multi-value NIAH answer a fraction, for which Wilson's is wider than "
+                     "needed); pooled: every answer of the row's tasks together, weighed alike.",
+                     md_table(["method", "length"] + [RULER_TASKS[t][2] for t in tasks] + ["pooled"], spread))
+
+
+def bootstrap_mean(xs, ys=None, resamples=2000, seed=0, level=0.95):
+    """(mean, lo, hi): the mean of xs, or (ys given) of xs - ys, and its percentile interval over
+    `resamples` resamples of the indices with replacement, deterministic in seed. Paired: a resample
+    takes the same indices of xs and ys, which is resampling the differences."""
+    x = torch.tensor(xs, dtype=torch.float64)
+    if ys is not None:
+        y = torch.tensor(ys, dtype=torch.float64)
+        if y.shape != x.shape:
+            raise ValueError(f"paired bootstrap over {len(xs)} and {len(ys)} values")
+        x = x - y
+    n = len(x)
+    if n == 0:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    per = max(1, 2 ** 22 // n)  # resamples a batch: 4M indices at most
+    means = torch.cat([x[torch.randint(n, (min(per, resamples - i), n), generator=g)].mean(1)
+                       for i in range(0, resamples, per)])
+    lo, hi = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    return float(x.mean()), lo, hi
+
+
+PPL_TEXTS_SAID = {"essays": "Paul Graham's essays", "squad": "SQuAD's paragraphs, article by article",
+                  "hotpot": "HotpotQA's paragraphs, question by question"}
+
+
+def ppl_text(r) -> str:
+    return r.get("text", "essays")  # rows before --text: essay windows
+
+
+def paired_key(r) -> str:
+    """The cell's key without the cache: the rows of one window, whatever the cache."""
+    fields = json.loads(r["key"]) if "key" in r else dict(r)
+    fields.pop("method", None)
+    return json.dumps(fields, sort_keys=True)
+
+
+def ppl_interval_rows(recs, text, L, ref="full"):
+    """[method, text, length, tokens, perplexity [95%], vs the fp cache [95%]] per cache: a bootstrap over the
+    scored tokens of every window; against `ref`, paired over the windows both have per-token NLLs for."""
+    cell = [r for r in where(recs, length=L) if ppl_text(r) == text]
+    refs = {paired_key(r): r["nlls"] for r in where(cell, label=ref) if r.get("nlls")}
+    rows = []
+    for lb in labels_of(cell):
+        mine = where(cell, label=lb)
+        b = bootstrap_mean([x for r in mine for x in r["nlls"]]) if all(r.get("nlls") for r in mine) else None
+        point = b[0] if b else mean([r["nll"] for r in mine])
+        ppl = f"{math.exp(point):.3f}" + (f" [{math.exp(b[1]):.3f}, {math.exp(b[2]):.3f}]" if b else " -")
+        pairs = [(r["nlls"], refs[paired_key(r)]) for r in mine if r.get("nlls") and paired_key(r) in refs]
+        d = bootstrap_mean(sum((p[0] for p in pairs), []), sum((p[1] for p in pairs), [])) if pairs else None
+        change = "" if lb == ref else "-" if d is None else "{:+.1f}% [{:+.1f}, {:+.1f}]".format(
+            *(100 * math.expm1(x) for x in d))
+        rows.append([lb, text, L, sum(r["n"] for r in mine), ppl, change])
+    return rows
 
 
 def write_ppl_report(results: Results):
     recs = results.of("ppl")
-    lengths = sorted({r["length"] for r in recs})
+    cols = sorted({(ppl_text(r), r["length"]) for r in recs}, key=lambda c: (c[0] != "essays", c))
     rows = []
     for lb in labels_of(recs):
-        nlls = [mean([r["nll"] for r in where(recs, label=lb, length=L)]) for L in lengths]
+        nlls = [mean([r["nll"] for r in where(recs, label=lb, length=L) if ppl_text(r) == t]) for t, L in cols]
         rows.append([lb, bits_column(recs, lb)] + [None if x is None else f"{math.exp(x):.3f}" for x in nlls]
                     + [f"{mean(nlls):.4f}", len(where(recs, label=lb))])
     n_eval = "/".join(map(str, sorted({r["n_eval"] for r in recs})))
+    texts = "; ".join(f"{t}: {PPL_TEXTS_SAID.get(t, t)}" for t in dict.fromkeys(t for t, _ in cols))
+    spread = [row for t, L in cols for row in ppl_interval_rows(recs, t, L)]
     results.write_md("Perplexity through the decode path",
-                     f"Perplexity of the last {n_eval} tokens of essay windows, teacher-forced one decode step "
+                     f"Perplexity of the last {n_eval} tokens of each window, teacher-forced one decode step "
                      "at a time after a prefill of the rest (speculative SpeCache: [true token, own speculative token]). "
-                     "`-orig` = original KIVI 1-bit zero/scale (paper eq. 2) instead of eq. 3 (Table 5's ablation).",
-                     md_table(["method", "bits"] + [f"ppl @{L}" for L in lengths] + ["mean NLL", "cells"], rows))
+                     "`-orig` = original KIVI 1-bit zero/scale (paper eq. 2) instead of eq. 3 (Table 5's ablation). "
+                     f"Texts: {texts}.",
+                     md_table(["method", "bits"] + [f"ppl @{L}" if t == "essays" else f"ppl {t} @{L}" for t, L in cols]
+                              + ["mean NLL", "cells"], rows),
+                     "With 95% intervals, a bootstrap over the scored tokens (2,000 resamples, seed 0; \"-\": rows "
+                     "without per-token NLLs): each cache's perplexity, and its change against the fp cache (`full`) "
+                     "as its perplexity over the fp cache's, - 1, the same resampled tokens for both. Resampling "
+                     "tokens takes them as independent; neighbouring tokens are not, so the intervals are somewhat narrow.",
+                     md_table(["method", "text", "length", "tokens", "perplexity [95%]", "vs full [95%]"], spread))
 
 
 HIT_INTERVALS = [(1, 10), (11, 50), (51, 100), (101, 200), (201, None)]  # decode steps, as in rebuttal Q2
@@ -336,15 +410,47 @@ def write_hitrate_report(results: Results):
                      "(and the exact top-k's), and the relative error of its attention output with the rows it "
                      "attended in fp16, with the exact top-k's, with its own low-bit top-k's, and with none. "
                      "Exact token: the speculative token fed at a step equals the real token it produces. Greedy "
-                     "decoding of essay summaries or needle prompts, stopped at EOS; steps with nothing quantized are "
-                     "not counted.", md_table(["method", "prompts", "steps"] + list(HIT_SERIES.values()), totals),
+                     "decoding of essay summaries, needle prompts or RULER's QA prompts (qa_squad, qa_hotpot), stopped "
+                     "at EOS; steps with nothing quantized are not counted.",
+                     md_table(["method", "prompts", "steps"] + list(HIT_SERIES.values()), totals),
                      "By decode step (rebuttal Q2), first prompt kind:", md_table(["method", "measure"] + names, by_step),
-                     "![per layer](layers.png)")
+                     "Per layer: top-k hit % (vs exact top-k), each prompt's per-layer mean weighed by its steps:",
+                     layer_table(recs), "![per layer](layers.png)")
     plot_layers(recs, results.dir / "layers.png")
 
 
+def layer_series(recs, key="layer_hit"):
+    """{(label, prompt kind): per-layer mean of `key` over the records, each weighed by its counted steps}."""
+    out = {}
+    for kind in sorted({r.get("prompt", "essay") for r in recs}):
+        for lb in labels_of(recs):
+            mine = [r for r in where(recs, label=lb) if r.get("prompt", "essay") == kind and r.get(key)]
+            if not mine:
+                continue
+            steps = [max(1, sum(v is not None for v in r.get("hit") or [])) for r in mine]
+            out[lb, kind] = [weighted_mean([(w, r[key][i]) for w, r in zip(steps, mine)])
+                             for i in range(min(len(r[key]) for r in mine))]
+    return out
+
+
+def weighted_mean(pairs):
+    """Mean of the values of [(weight, value)], None values left out; None for none."""
+    pairs = [(w, v) for w, v in pairs if v is not None]
+    return sum(w * v for w, v in pairs) / sum(w for w, _ in pairs) if pairs else None
+
+
+def layer_table(recs) -> str:
+    series = layer_series(recs)
+    if not series:
+        return "(no per-layer rows)"
+    n = max(map(len, series.values()))
+    rows = [[i] + [pct(s[i]) if i < len(s) else None for s in series.values()] for i in range(n)]
+    return md_table(["layer"] + [f"{lb} ({kind})" for lb, kind in series], rows)
+
+
 def plot_layers(recs, path):
-    """Per-layer means of the output error and the hit rate, one line per method."""
+    """Per-layer means of the output error and the hit rate, one line per method (and prompt kind:
+    one line style each, where there are several)."""
     recs = [r for r in recs if r.get("layer_err")]
     if not recs:
         return
@@ -353,11 +459,12 @@ def plot_layers(recs, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    for lb in labels_of(recs):
-        mine = where(recs, label=lb)
-        for ax, key in zip(axes, ("layer_err", "layer_hit")):
-            per = [mean([r[key][i] for r in mine if r[key][i] is not None]) for i in range(len(mine[0][key]))]
-            ax.plot(range(len(per)), [None if x is None else 100 * x for x in per], label=lb, lw=1.2)
+    kinds = sorted({r.get("prompt", "essay") for r in recs})
+    colors, styles = {lb: f"C{i}" for i, lb in enumerate(labels_of(recs))}, ["-", "--", ":", "-."]
+    for ax, key in zip(axes, ("layer_err", "layer_hit")):
+        for (lb, kind), per in layer_series(recs, key).items():
+            ax.plot(range(len(per)), [None if x is None else 100 * x for x in per], color=colors[lb], lw=1.2,
+                    ls=styles[kinds.index(kind) % len(styles)], label=lb if len(kinds) == 1 else f"{lb} ({kind})")
     axes[0].set_title("attention output error % (vs exact)", fontsize=9)
     axes[1].set_title("top-k hit % (vs exact top-k)", fontsize=9)
     for ax in axes:

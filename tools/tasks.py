@@ -421,6 +421,47 @@ def qa_data(dataset: str):
     return qas, docs
 
 
+@lru_cache(None)
+def qa_documents(dataset: str) -> list[str]:
+    """qa_data's documents in the order the dataset file first gives them: SQuAD's paragraphs article
+    by article (an article's paragraphs in a row), HotpotQA's question by question."""
+    if dataset == "squad":
+        data = json.loads(ruler_json("squad.json").read_text())["data"]
+        order = [p["context"] for d in data for p in d["paragraphs"]]
+    else:
+        data = json.loads(ruler_json("hotpotqa.json").read_text())
+        order = [f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]]
+    return list(dict.fromkeys(order))
+
+
+# ---- perplexity text: the token stream a window is cut from ----------------------------------------------
+PPL_TEXTS = {"essays": None, "squad": "squad", "hotpot": "hotpotqa"}  # --text: (QA dataset)
+
+
+@lru_cache(8)
+def text_ids(tok, text: str, n: int) -> list[int]:
+    """The first n tokens (fewer where the text is shorter) of a perplexity stream: the essays
+    (essay_ids), or RULER QA's documents (qa_documents) one after another, each encoded on its own
+    with the blank line after it, so that a prefix never depends on how much was encoded (HotpotQA's
+    37M characters are never encoded whole)."""
+    if text == "essays":
+        return essay_ids(tok)[:n]
+    ids = []
+    for doc in qa_documents(PPL_TEXTS[text]):
+        if len(ids) >= n:
+            break
+        ids += tok.encode(doc + "\n\n")
+    return ids[:n]
+
+
+def text_window(tok, text: str, start: int, length: int) -> list[int]:
+    """essay_window over any PPL_TEXTS stream: BOS (if the tokenizer adds one) + its tokens from `start`."""
+    if text == "essays":
+        return essay_window(tok, start, length)
+    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    return bos + text_ids(tok, text, start + length - len(bos))[start:]
+
+
 def ruler_qa(seed: int, n: int, index: int = 0, dataset: str = "squad") -> Sample:
     """Question `index`; its gold document(s) among distractor documents totalling n words (the last
     distractor is cut to fit), gold placed at random positions (RULER shuffles all documents)."""
