@@ -27,6 +27,13 @@ ruler() {  # LENGTH SAMPLES: one call per task and sample
     done
   done
 }
+qa() {  # LENGTH SAMPLES: RULER's two QA tasks over real documents, one call per sample and task (alternating)
+  for i in $(seq 1 $2); do
+    for t in qa_squad qa_hotpot; do
+      $E ruler --checkpoint $M --threads 2 --lengths $1 --samples $i --tasks $t --methods $CACHES --out $R/qa16k
+    done
+  done
+}
 ppl() {  # LENGTH: the last 1,000 tokens of one essay window, teacher-forced through the decode path
   $E ppl --checkpoint $M --threads 2 --methods full,kivi-1bit,specache-1bit,specache-1bit-best,specache-2bit-best \
      --lengths $1 --n-eval 1000 --windows 1 --out $R/ppl
@@ -35,6 +42,20 @@ hit() {  # LENGTH "SAMPLES": needle prompts, 64 decode steps, one call per sampl
   for s in $2; do
     $E hitrate --checkpoint $M --threads 2 --methods specache-1bit,specache-1bit-best,specache-2bit-best \
        --lengths $1 --samples $s --steps 64 --prompts needle --out $R/hitrate
+  done
+}
+ppldocs() {  # LENGTH: ppl's window and caches over the text of RULER's QA documents, SQuAD's then HotpotQA's
+  for t in squad hotpot; do
+    $E ppl --checkpoint $M --threads 2 --methods full,kivi-1bit,specache-1bit,specache-1bit-best,specache-2bit-best \
+       --lengths $1 --n-eval 1000 --windows 1 --text $t --out $R/ppl
+  done
+}
+hitqa() {  # LENGTH SAMPLES: RULER's QA prompts (qa's, the same seed), 64 decode steps, one call per sample and task
+  for i in $(seq 1 $2); do
+    for t in qa_squad qa_hotpot; do
+      $E hitrate --checkpoint $M --threads 2 --methods specache-1bit,specache-1bit-best,specache-2bit-best \
+         --lengths $1 --samples $i --steps 64 --prompts $t --out $R/hitrate
+    done
   done
 }
 
@@ -48,10 +69,15 @@ for piece in "${@:-niah16k niah8k niah32k ruler16k ppl16k ppl32k hit16k hit32k}"
       niah16k) niah 16000 "$D10" ;;
       niah32k) niah 32700 "$D5" ;;
       ruler16k) ruler 16000 4 ;;
+      qa16k) qa 16000 20 ;;
+      qa16k@*) qa 16000 "${p#*@}" ;;
       ppl16k) ppl 16000 ;;
       ppl32k) ppl 32700 ;;
       hit16k) hit 16000 "1" ;;
       hit32k) hit 32700 "1" ;;
+      ppl16k-docs) ppldocs 16000 ;;
+      hitqa16k) hitqa 16000 5 ;;
+      hitqa16k@*) hitqa 16000 "${p#*@}" ;;
       *) echo "unknown piece $p" >&2; exit 1 ;;
     esac
   done
