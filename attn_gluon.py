@@ -157,15 +157,16 @@ def _value_group(acc, p, ps_scale, zv, alpha_t, vbytes, V4: gl.constexpr, LA: gl
 
 
 @gluon.jit
-def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, f_idx, f_valid,
-                       out_part, lse_part, logits, qk_scale, S, D, T, M, K, SPLIT_LEN, NS,
+def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, row_start, f_idx, f_valid,
+                       out_part, lse_part, logits, qk_scale, S, D, T, M, K, Hkv, SPLIT_LEN, NS,
                        BITS: gl.constexpr, GROUP_K: gl.constexpr, NGV: gl.constexpr, HAS_FETCH: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_K: gl.constexpr,
                        NW: gl.constexpr, SEL: gl.constexpr = 0):
     """Grid (B*Hkv, n_splits): program `split` attends to quantized slots [split*SPLIT_LEN, +SPLIT_LEN) below
     n_quant (SPLIT_LEN a multiple of NW*GROUP_K), warp w to key groups w, w + NW, ...; writes the
     (out, lse) partial `split` of the kv head's M query rows (of NS partials per kv head); SEL > 0: the last SEL
-    tokens' scores of the quantized slots to `logits` (as tiles.store_logits, straight from the MMA's registers)."""
+    tokens' scores of the quantized slots to `logits` (as tiles.store_logits, straight from the MMA's registers).
+    row_start [B]: each row's first real slot (left padding: skipped by whole steps of NW groups, masked within)."""
     bh = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
     dt: gl.constexpr = q.dtype.element_ty
@@ -237,6 +238,8 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
         lrows_ok = (sm < M) & (st >= T - SEL)
     lo = split * SPLIT_LEN
     hi = gl.minimum(gl.minimum(lo + SPLIT_LEN, gl.load(n_quant_ptr).to(gl.int32)), S)
+    start = gl.load(row_start + bh // Hkv).to(gl.int32)
+    lo += gl.maximum(start - lo, 0) // (NW * N) * (NW * N)
     m_i = gl.full([NW, BLOCK_M], -float("inf"), gl.float32, SL)
     l_i = gl.zeros([NW, BLOCK_M], gl.float32, SL)
     acc0 = gl.zeros([NW, DG, BLOCK_M], gl.float32, MMA)
@@ -270,7 +273,7 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
         s = mma_v2(qs, _codes(kw16, kshift, kmask, kmagic, dt), gl.zeros([NW, BLOCK_M, N], gl.float32, MMA))
         s = (s + gl.expand_dims(zt, 2)) * qk_scale
         tok = n0 + sw * N + sn
-        keep = tok < hi
+        keep = (tok < hi) & (tok >= start)
         if HAS_FETCH:  # eq. 1: a fetched fp row replaces its quantized copy (one 64-bit word per warp)
             rel = fidx - (n0 + fw * N)
             hit = gl.where((rel >= 0) & (rel < N), gl.full(rel.shape, 1, gl.int64, FL) << rel.to(gl.int64), 0)
@@ -350,8 +353,9 @@ def launch(q, store, k_codes, v_codes, fetched, out_part, lse_part, logits, sm_s
     c = lambda x: x.contiguous() if x is not None else q  # noqa: E731
     _attn_planes_gluon[(B * Hkv, n_splits)](
         q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero),
-        c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q, out_part, lse_part,
-        logits, sm_scale_log2, S, D, T, M, K, split_len, NS,
+        c(store.n_quant), store.starts().contiguous(), c(f.idx) if f else q,
+        f.valid.contiguous().view(torch.uint8) if f else q, out_part, lse_part, logits, sm_scale_log2, S, D, T, M, K, Hkv,
+        split_len, NS,
         BITS=store.bits, GROUP_K=store.group_k, NGV=D // min(store.group_v, D), HAS_FETCH=f is not None,
         BLOCK_M=8 if M <= 8 else 16, BLOCK_D=D,
         BLOCK_K=max(32, triton.next_power_of_2(max(K, 1))), NW=WARPS, SEL=select, num_warps=WARPS)

@@ -47,6 +47,13 @@ class ViewKV(NamedTuple):
     def n_quant(self) -> Tensor:
         return self.kv.n_quant
 
+    @property
+    def row_start(self) -> Optional[Tensor]:
+        return self.kv.row_start
+
+    def real_slots(self) -> Tensor:
+        return self.kv.real_slots()
+
     def unit_div(self) -> int:
         """What the stored scales are divided by for `codes`' integers: QuantSpec's s4/16, ZipCache's s_hi/2."""
         return 16 if self.k_codes_lo is not None else 2 if self.k_ref is not None else 1

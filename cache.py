@@ -30,6 +30,20 @@ def deployed_nbytes(*tensors) -> int:
     return sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in tensors)
 
 
+def register_row_start(cache, row_start, batch: int, device):
+    """The batch's [B] first real slot per row (a left-padded batch; zeros: none), one tensor that every cache
+    of the model registers (setup_caches makes it; the model reads it too): the kernels, the masks, the
+    quantizer and the selection read it from there. Not counted as KV bytes."""
+    if row_start is None:
+        row_start = torch.zeros(batch, dtype=torch.int64, device=device)
+    cache.register_buffer("row_start", row_start, persistent=False)
+
+
+def kv_buffers(cache) -> list:
+    """A cache's buffers but the batch's row_start (shared by every layer)."""
+    return [b for name, b in cache.named_buffers() if name != "row_start"]
+
+
 def check_fits(input_pos, max_seq_len: int):
     """A prefill chunk (eager) past the positions the cache was set up for is an error, not a wrap or
     an overrun of its buffers."""
@@ -39,12 +53,17 @@ def check_fits(input_pos, max_seq_len: int):
                          f"(setup_caches' max_seq_len)")
 
 
-def exact_attention(q, k, v, input_pos, key_pos, window=None):
+def exact_attention(q, k, v, input_pos, key_pos, window=None, row_start=None):
     """Softmax attention of queries at input_pos over keys at key_pos, causal (and windowed). The mask
-    takes two comparisons per element: prefill builds one for every layer and chunk."""
+    takes two comparisons per element: prefill builds one for every layer and chunk. row_start [B]: a
+    left-padded batch's first real slot per row: its keys before it are padding, never attended (a padding
+    query attends to itself alone, so that no row of the softmax is empty)."""
     mask = key_pos[None, :] <= input_pos[:, None]
     if window is not None:
         mask &= key_pos[None, :] > (input_pos - window)[:, None]
+    if row_start is not None:
+        real = key_pos[None, None, :] >= row_start[:, None, None]  # [B, 1, S]
+        mask = (mask & (real | (key_pos[None, :] == input_pos[:, None])))[:, None]  # [B, 1, T, S]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -59,7 +78,8 @@ def prefill_chunk(cache, q, k, v, input_pos, held: int, earlier_kv):
     earlier_k, earlier_v = earlier_kv(p0)
     k_all, v_all = torch.cat([earlier_k, k], 2), torch.cat([earlier_v, v], 2)
     with cache.meter.holding(k_all, v_all):
-        out = exact_attention(q, k_all, v_all, input_pos, torch.arange(k_all.shape[2], device=q.device))
+        out = exact_attention(q, k_all, v_all, input_pos, torch.arange(k_all.shape[2], device=q.device),
+                              row_start=getattr(cache, "row_start", None))  # (the baselines' caches: no padding)
         cache.append_prefill(k, v, input_pos, q=q)
     return out
 
@@ -100,8 +120,9 @@ class FullCache(nn.Module):
     policy = NO_FETCH  # what generate.generate reads of a layer's cache: this one fetches nothing
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, sliding_window=None,
-                 max_step_tokens=2, meter=None):
+                 max_step_tokens=2, meter=None, row_start=None):
         super().__init__()
+        register_row_start(self, row_start, batch, device)
         self.ring = sliding_window is not None and sliding_window + max_step_tokens - 1 < max_seq_len
         self.capacity = sliding_window + max_step_tokens - 1 if self.ring else max_seq_len
         shape = (batch, n_kv_heads, self.capacity, head_dim)
@@ -116,7 +137,8 @@ class FullCache(nn.Module):
         if mode == "prefill":
             return self.prefill(q, k, v, input_pos)
         self.append_prefill(k, v, input_pos)  # every mode stores: a later step writes its positions again
-        return exact_attention(q, self.k_cache, self.v_cache, input_pos, self.key_pos, self.sliding_window)
+        return exact_attention(q, self.k_cache, self.v_cache, input_pos, self.key_pos, self.sliding_window,
+                               self.row_start)
 
     def prefill(self, q, k, v, input_pos):
         """A chunk attends to the earlier positions the cache holds and to itself, then is stored.
@@ -127,7 +149,7 @@ class FullCache(nn.Module):
             self.append_prefill(k, v, input_pos)
             end = int(input_pos[-1]) + 1
             return exact_attention(q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], input_pos,
-                                   self.key_pos[:end], self.sliding_window)
+                                   self.key_pos[:end], self.sliding_window, self.row_start)
         k_all, v_all = torch.cat([self.k_cache, k], 2), torch.cat([self.v_cache, v], 2)
         pos_all, W, C = torch.cat([self.key_pos, input_pos]), self.sliding_window, self.capacity
         out = []
@@ -136,7 +158,7 @@ class FullCache(nn.Module):
                 b1 = min(k.shape[2], b0 + W)
                 keys = slice(C + b0 - W + 1 if b0 >= W - 1 else 0, C + b1)  # the ring's rows only near the start
                 out.append(exact_attention(q[:, :, b0:b1], k_all[:, :, keys], v_all[:, :, keys], input_pos[b0:b1],
-                                           pos_all[keys], W))
+                                           pos_all[keys], W, self.row_start))
         self.append_prefill(k, v, input_pos)
         return torch.cat(out, 2)
 
@@ -154,7 +176,7 @@ class FullCache(nn.Module):
         return self.k_cache.nbytes + self.v_cache.nbytes
 
     def deployed_bytes(self) -> int:
-        return deployed_nbytes(self.k_cache, self.v_cache)
+        return deployed_nbytes(self.k_cache, self.v_cache)  # (row_start: the batch's, counted by KVCaches)
 
     def host_bytes(self) -> int:
         return 0
@@ -178,8 +200,9 @@ class LowBitCache(nn.Module):
     one_attn_path: Optional[str] = None  # a store read by a kernel of its own: the one path that kernel has
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
-                 max_step_tokens=2, meter=None):
+                 max_step_tokens=2, meter=None, row_start=None):
         super().__init__()
+        register_row_start(self, row_start, batch, device)
         config = config.validated(head_dim)
         if config.scheme != self.scheme:
             raise ValueError(f"cache {config.name}: the {config.scheme} quantizer has its own cache class "
@@ -229,7 +252,7 @@ class LowBitCache(nn.Module):
     def stored(self) -> LowBitKV:
         """The quantized tokens as the kernels read them."""
         return LowBitKV(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
-                        self.n_quant, self.bits, self.group, self.group_v)
+                        self.n_quant, self.bits, self.group, self.group_v, self.row_start)
 
     def residual_rows(self, step_tokens: int) -> Residual:
         """The fp window with the step's tokens (already written after the kept ones) at its end."""
@@ -238,12 +261,14 @@ class LowBitCache(nn.Module):
     # ---- storage -------------------------------------------------------------------------------
     def quantize(self, k, v, row0, first_group):
         """-> ({buffer: per-row tensor}, {buffer: per-key-group tensor}) for k, v [B,H,n,D] bound for
-        slots [row0, row0+n); `first_group` [n/group] marks the key group of positions [0, group):
+        slots [row0, row0+n); `first_group` [B, n/group] marks each row's first key group (the one holding its
+        first real token; a batch without padding: the group of positions [0, group)):
         under the least-squares fit it keeps min/max unless the sinks are held in fp16, because the
         fit would pull the attention sinks' outlier keys off the grid and softmax leans on them
         (docs/policies.md, the least-squares fit)."""
         keep = first_group if self.config.sinks == 0 else None
-        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, self.one_bit, self.k_scale.dtype, self.fit, keep)
+        pad = (self.row_start - row0).clamp(0, k.shape[2])  # a left-padded row's padding in this block
+        kc, ks, kz = quant.quantize_keys(k, self.bits, self.group, self.one_bit, self.k_scale.dtype, self.fit, keep, pad)
         vc, vs, vz = self.quantize_values(v)
         return dict(k_codes=kc, v_codes=vc, v_scale=vs, v_zero=vz), dict(k_scale=ks, k_zero=kz)
 
@@ -255,7 +280,8 @@ class LowBitCache(nn.Module):
         """Quantize k, v [B,H,n,D] (n a multiple of group) into slots [row0, row0+n); row0 a tensor.
         quantizer_args: what a subclass's `quantize` takes besides (`prefill_args`)."""
         groups = row0 // self.group + torch.arange(k.shape[2] // self.group, device=k.device)
-        per_row, per_group = self.quantize(k, v, row0, groups == 0, **quantizer_args)
+        first_group = groups[None] == (self.row_start // self.group)[:, None]  # [B, n/group]
+        per_row, per_group = self.quantize(k, v, row0, first_group, **quantizer_args)
         rows = row0 + torch.arange(k.shape[2], device=k.device)
         for name, x in per_row.items():
             getattr(self, name).index_copy_(2, rows, x)
@@ -345,12 +371,12 @@ class LowBitCache(nn.Module):
 
     # ---- bytes ---------------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers())
+        return sum(b.nbytes for b in kv_buffers(self))
 
     def deployed_bytes(self) -> int:
         """device_bytes in a 16-bit deployment: the codes and 16-bit scales as stored, the residual (and
         SpeCache's ring of fetched rows and sinks) at 2 bytes an element."""
-        return deployed_nbytes(*self.buffers())
+        return deployed_nbytes(*kv_buffers(self))
 
     def host_bytes(self) -> int:
         return 0
@@ -405,8 +431,8 @@ class SpeCache(LowBitCache):
 
     def quantize_block(self, k, v, row0, **quantizer_args):
         super().quantize_block(k, v, row0, **quantizer_args)
-        if self.sinks:  # the first block quantized: its first tokens stay in fp16 on the device
-            self.prefetcher.keep_sinks([self.ring_k, self.ring_v, self.fetch_valid], k, v, row0 == 0, self.sinks)
+        if self.sinks:  # the block holding a row's first real tokens: they stay in fp16 on the device
+            self.prefetcher.keep_sinks([self.ring_k, self.ring_v, self.fetch_valid], k, v, row0, self.sinks)
 
     # ---- selection ---------------------------------------------------------------------------------
     def pick(self, q_rows, lse_rows, logits) -> "topk.Selection | topk.Picked":
@@ -415,10 +441,11 @@ class SpeCache(LowBitCache):
         host's fp keys."""
         if self.policy.exact:
             score, idx = topk.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
-                                         self.n_fetch, self.sm_scale, first=self.sinks)
+                                         self.n_fetch, self.sm_scale, first=self.sinks, row_start=self.row_start)
             return topk.Picked(idx, score >= 0)
         rerank = (q_rows, lse_rows, self.sm_scale) if self.rerank > 1 else None
-        return topk.Selection(logits, lse_rows, self.n_quant, self.n_cand if rerank else self.n_fetch, self.sinks, rerank)
+        return topk.Selection(logits, lse_rows, self.n_quant, self.n_cand if rerank else self.n_fetch, self.sinks, rerank,
+                              self.row_start)
 
     # ---- a decode step ----------------------------------------------------------------------------
     def forward(self, q, k, v, input_pos, mode="decode"):
@@ -475,9 +502,11 @@ class SpeCache(LowBitCache):
 class KVCaches(list):
     """The caches setup_caches gave a model's layers, in layer order, with what they hold and move."""
 
-    def __init__(self, config: CacheConfig, layers: list, prefetcher: Optional[Prefetcher], meter: MemoryMeter):
+    def __init__(self, config: CacheConfig, layers: list, prefetcher: Optional[Prefetcher], meter: MemoryMeter,
+                 row_start: Optional[torch.Tensor] = None):
         super().__init__(layers)
         self.config, self.prefetcher, self.meter = config, prefetcher, meter
+        self.row_start = row_start  # [B] a left-padded batch's first real slot per row (setup_caches)
 
     def device_bytes(self) -> int:
         """KV bytes on the compute device (every buffer the caches allocated)."""
@@ -507,6 +536,15 @@ def fetch_policy(model) -> FetchPolicy:
     if len(fetching) > 1:
         raise ValueError(f"the layers' caches fetch by different policies: {sorted(p.name for p in fetching)}")
     return fetching.pop() if fetching else NO_FETCH
+
+
+def hold_fetched(model, rows: Optional[torch.Tensor]):
+    """rows [B] bool: the batch rows whose fetched rows the next forward's fetch leaves as they are (a resync's
+    pre-decoding fetches again only for the rows whose speculative token was wrong); None: every row fetches."""
+    prefetchers = {id(p): p for p in (getattr(layer.attention.kv_cache, "prefetcher", None) for layer in model.layers)
+                   if p is not None}
+    for p in prefetchers.values():
+        p.keep_rows.copy_(rows if rows is not None else torch.zeros_like(p.keep_rows))
 
 
 def kv_fp16_bytes(args, batch: int, seq_len: int) -> int:
@@ -539,15 +577,29 @@ def plan_layers(model, batch: int, max_seq_len: Optional[int], global_cache: Opt
     return LayerPlan(dims, windows, local, [i for i in range(args.n_layers) if not local[i]])
 
 
+def batch_row_start(row_start, batch: int, max_seq_len: int, device) -> torch.Tensor:
+    """A left-padded batch's first real slot per row as the caches' [B] int64 tensor on `device` (None: zeros).
+    ValueError for the wrong length or a start outside [0, max_seq_len)."""
+    if row_start is None:
+        return torch.zeros(batch, dtype=torch.int64, device=device)
+    row_start = torch.as_tensor(row_start, dtype=torch.int64).to(device)
+    if tuple(row_start.shape) != (batch,):
+        raise ValueError(f"row_start has shape {tuple(row_start.shape)}: one start per row of the batch ({batch},)")
+    if bool((row_start < 0).any()) or bool((row_start >= max_seq_len).any()):
+        raise ValueError(f"row_start must lie in [0, {max_seq_len}) (each row's first real slot), got {row_start.tolist()}")
+    return row_start.clone()
+
+
 def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len: Optional[int] = None,
-                 store: type = LowBitCache, max_step_tokens: int = 2, **store_kw) -> KVCaches:
+                 store: type = LowBitCache, max_step_tokens: int = 2, row_start=None, **store_kw) -> KVCaches:
     """Give every layer of `model` (model.Transformer, or hf.HFModel) its cache, on the model's device
     and dtype, for sequences of max_seq_len positions (default the model's). `config`: a CacheConfig or
     its name. A layer whose sliding window (model.args.window) is shorter keeps the window-masked
     FullCache; the others the configured cache, and SpeCache's host store holds only them.
     `store`: the LowBitCache class of the configuration's quantizer (`store_kw` to its constructor;
     methods.setup_caches picks it), under SpeCache for the specache kind; max_step_tokens: the
-    most tokens a step feeds.
+    most tokens a step feeds. row_start [B]: a left-padded batch's first real slot per row (prompts of
+    different lengths, padded to the longest; None: no padding): one tensor the model and every cache read.
     Raises ValueError on what the model or the kernels cannot run."""
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind != "full" and config.scheme != store.scheme:
@@ -557,6 +609,7 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
     dims, windows, local, fetching = plan_layers(model, batch, max_seq_len,
                                                  None if config.kind == "full" else "low-bit caches")
     _, _, max_seq_len, _, dtype, device = dims
+    row_start = batch_row_start(row_start, batch, max_seq_len, device)
     meter = MemoryMeter()
     prefetcher = None
     if config.kind == "specache":
@@ -564,18 +617,19 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
         prefetcher = Prefetcher(len(fetching), batch, args.n_kv_heads, max_seq_len, args.head_dim, n_fetch, dtype,
                                 device, impl=config.fetch_impl, key_rows=min(config.rerank * n_fetch, max_seq_len),
                                 select_rows=(args.n_heads, 2 if config.policy.selects == "both" else 1)
-                                if config.rerank > 1 else None, query_heads=args.n_heads)
+                                if config.rerank > 1 else None, query_heads=args.n_heads, row_start=row_start)
     # SpeCache over another quantizer's store: the same fetch, that store's codes (Python's MRO
     # runs SpeCache's methods, then the store's, then LowBitCache's)
     fetching_cache = SpeCache if store is LowBitCache else type(f"SpeCache_{store.__name__}", (SpeCache, store), {})
 
     def make(i):
         if config.kind == "full" or local[i]:
-            return FullCache(*dims, sliding_window=windows[i], max_step_tokens=max_step_tokens, meter=meter)
+            return FullCache(*dims, sliding_window=windows[i], max_step_tokens=max_step_tokens, meter=meter,
+                             row_start=row_start)
         if config.kind == "specache":
-            return fetching_cache(fetching.index(i), prefetcher, *dims, config, meter=meter)
-        return store(*dims, config, meter=meter, **store_kw)
+            return fetching_cache(fetching.index(i), prefetcher, *dims, config, meter=meter, row_start=row_start)
+        return store(*dims, config, meter=meter, row_start=row_start, **store_kw)
 
-    caches = KVCaches(config, model.setup_caches(make), prefetcher, meter)
+    caches = KVCaches(config, model.setup_caches(make, row_start), prefetcher, meter, row_start)
     meter.alloc(caches.device_bytes())
     return caches

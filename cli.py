@@ -21,6 +21,8 @@ def parse_args(argv=None, description=None):
     p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py: Llama, Mistral, Qwen2/3, ...)")
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
+    p.add_argument("--prompts-file", type=Path, help="a batch of different prompts, JSON Lines: one a line, a string "
+                   '(text; --chat wraps it), {"text": ...}, or a chat turn {"role": "user", "content": ...}')
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=1, help="the prompt is replicated per row")
@@ -61,6 +63,13 @@ def check_args(a):
         raise ValueError("--hf DIR and --checkpoint DIR both name the model: give one")
     if a.hf and a.compile_prefill:
         raise ValueError("--compile-prefill is not available with --hf (--compile compiles its decode step)")
+    if a.prompts_file is not None:
+        if a.prompt_file is not None:
+            raise ValueError("--prompts-file and --prompt-file both name the prompt: give one")
+        if a.batch_size != 1:
+            raise ValueError("--prompts-file: the batch is its prompts, one a row (drop --batch-size)")
+        if a.method == "quantspec":
+            raise ValueError("--prompts-file: QuantSpec's loop runs one prompt (batch 1)")
 
 
 def cache_of(a) -> CacheConfig:
@@ -111,6 +120,69 @@ def read_prompt(a) -> str:
         raise ValueError(f"prompt file {a.prompt_file} is not valid UTF-8 ({e.reason} at byte {e.start})")
     except OSError as e:
         raise ValueError(f"cannot read prompt file {a.prompt_file}: {e.strerror}")
+
+
+def read_prompts(path: Path) -> list[tuple[str, bool]]:
+    """The prompts of a JSON Lines file: [(text, is a chat turn)], one per line. ValueError naming the line
+    for an unreadable file, a line that is not UTF-8, empty or not valid JSON, or a prompt that is empty."""
+    import json
+    try:
+        raw = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read prompts file {path}: {e.strerror}")
+    out = []
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        if n == raw.count(b"\n") + 1 and not line.strip():
+            break  # (the newline that ends the last line)
+        where = f"prompts file {path} line {n}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where} is not valid UTF-8 ({e.reason} at byte {e.start})")
+        if not text.strip():
+            raise ValueError(f"{where} is empty (one prompt a line)")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not valid JSON ({e.msg} at column {e.colno})")
+        if isinstance(value, dict) and set(value) == {"text"} and isinstance(value["text"], str):
+            value = value["text"]
+        if isinstance(value, str):
+            prompt = (value, None)
+        elif (isinstance(value, dict) and value.get("role") == "user" and isinstance(value.get("content"), str)
+              and set(value) == {"role", "content"}):
+            prompt = (value["content"], True)
+        else:
+            raise ValueError(f'{where}: a prompt is a JSON string, {{"text": ...}} or {{"role": "user", "content": ...}}')
+        if not prompt[0].strip():
+            raise ValueError(f"{where}: the prompt is empty")
+        out.append(prompt)
+    if not out:
+        raise ValueError(f"prompts file {path} holds no prompt")
+    return out
+
+
+def prompts_ids(a, tok, prompts, max_seq_len: int) -> tuple:
+    """(each prompt's token ids, the positions the batch's caches hold: the longest prompt, new tokens, one
+    step's lookahead). A chat turn takes the chat template; text takes it with --chat."""
+    rows = [tok.encode_prompt(text, chat=a.chat if chat is None else chat) for text, chat in prompts]
+    P = max(len(r) for r in rows)
+    seq_len = P + a.max_new_tokens + 1
+    for n, r in enumerate(rows, 1):
+        if len(r) + a.max_new_tokens + 1 > max_seq_len:
+            raise ValueError(f"prompts file {a.prompts_file} line {n}: the prompt ({len(r)} tokens) + --max-new-tokens "
+                             f"({a.max_new_tokens}) exceeds the model's max_seq_len {max_seq_len}")
+    if seq_len > max_seq_len:  # (each fits: the padded batch does too, as the longest row ends it)
+        raise ValueError(f"the longest prompt ({P} tokens) + --max-new-tokens exceeds max_seq_len {max_seq_len}")
+    return rows, seq_len
+
+
+def left_padded(rows: list, pad_id: int, device) -> tuple:
+    """Prompts of different lengths as one batch: [B, P] ids padded on the left to the longest, and each row's
+    first real slot [B] (cache.setup_caches' row_start)."""
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows], device=device)
+    return ids, torch.tensor([P - len(r) for r in rows], device=device)
 
 
 def prompt_ids(a, tok, max_seq_len: int) -> tuple:

@@ -30,7 +30,7 @@ import torch
 import cli
 import quantspec
 import tp
-from cache import fetch_policy, kv_fp16_bytes
+from cache import fetch_policy, hold_fetched, kv_fp16_bytes
 from config import CacheConfig
 from decoding import Decoding, compiled_step, prefill, sample  # noqa: F401 (generate.Decoding, generate.prefill)
 from lowbit import DEFAULT_ATTN_PATH
@@ -78,9 +78,12 @@ def generate(model, prompt: torch.Tensor, decoding: Decoding, steps: Steps = Ste
     """prompt [B, P] -> (generated ids [B, N], stats), over the caches set up on `model`, by their fetch
     policy (cache.fetch_policy): Algorithm 1, Algorithm 2 when the policy pre-decodes, then decode steps
     of policy.step_tokens tokens until decoding.max_new_tokens or every row has produced an eos token
-    (the ids stop after the last row's). With the resync policy, whenever the speculative token turns
-    out wrong, pre-decoding runs again with the real token, so the next speculative token and the next
-    fetch come from it, not from the wrong guess (one more one-token forward per miss, one sync a step).
+    (the ids stop after the last row's). With the resync policy, whenever a row's speculative token turns
+    out wrong, pre-decoding runs again with the real token, so that row's next speculative token and next
+    fetch come from it, not from the wrong guess; the rows that guessed right keep theirs (cache.hold_fetched),
+    so a row decodes in a batch as it does alone (one more one-token forward per step with a miss, one sync a
+    step). A left-padded batch of different prompts: the caches' row_start (setup_caches) says where each
+    row's prompt starts.
 
     on_step(step, logits, token, fed) is called after prefill (step 0, logits of the last prompt
     position, fed None) and after each decode step (logits [B, V] of the real token's row, fed
@@ -125,9 +128,13 @@ def generate(model, prompt: torch.Tensor, decoding: Decoding, steps: Steps = Ste
             token = forced
         pos = pos + 1
         more = step < decoding.max_new_tokens - 1  # (after the last step no fetch is needed)
-        if policy.resync and two and more and bool((fed[:, 1] != token).any()):  # a wrong guess: restart from the real token
-            spec = decoding.sample(steps.pre_decode(model, token, pos[:1]))
-            stats["resyncs"] += 1
+        if policy.resync and two and more:  # a wrong guess: restart from the real token
+            right = fed[:, 1] == token
+            if not bool(right.all()):  # (the rows that guessed right keep their fetch and their next guess)
+                hold_fetched(model, right)
+                spec = torch.where(right, spec, decoding.sample(steps.pre_decode(model, token, pos[:1])))
+                hold_fetched(model, None)
+                stats["resyncs"] += 1
         out.append(token)
     sync()
     stats["decode_s"] = time.perf_counter() - t1
@@ -151,8 +158,8 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     """The decode loop for `model.generate(input_ids, custom_generate=generate.hf_generate, cache_config=NAME,
     ...)`: generate() over fresh caches of `cache_config` (a config.CacheConfig or its name, e.g.
     "specache-1bit-best", "kivi-2bit", "full") inside the transformers model (hf.HFModel). Honours
-    max_new_tokens/max_length, eos_token_id, a left-padded batch's attention_mask (each row its own
-    caches: hf.HFModel.setup_rows), greedy decoding and sampling's temperature/top-k/top-p/min-p;
+    max_new_tokens/max_length, eos_token_id, a left-padded batch's attention_mask (the rows' first real
+    slots: cache.setup_caches' row_start), greedy decoding and sampling's temperature/top-k/top-p/min-p;
     other logits processors and stopping criteria raise hf.HFError. transformers 5.23 hands a custom_generate
     callable only the keyword arguments its own loop does not take: pass the streamer as `stream=`.
     compile=True: the decode step as one fullgraph graph, as --compile (Steps.compiled). -> [B, P + N] ids"""
@@ -168,10 +175,7 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     view = hf.HFModel(model)
     decoding = hf.generation_decoding(generation_config, P, streaming=streamer is not None or stream is not None)
     max_seq_len = P + decoding.max_new_tokens + 1
-    if pad is None:
-        setup_caches(view, config, B, max_seq_len)
-    else:  # a left-padded batch: each row caches of its own, at its own positions
-        view.setup_rows(lambda: setup_caches(view, config, 1, max_seq_len), pad)
+    setup_caches(view, config, B, max_seq_len, row_start=pad)  # (a left-padded batch: each row's first real slot)
     if streamer is None and stream is not None:
         streamer = stream
         streamer.put(input_ids.cpu())  # what generate() does before the loop for its own `streamer`
@@ -200,9 +204,10 @@ def main(argv=None):
 
 
 def run_autoregressive(model, config, prompt, max_seq_len: int, decoding: Decoding, prefill_fn, compile=False,
-                       on_token=None):
-    """generate.py's default method: caches of `config`, then generate() -> (caches, ids, stats)."""
-    caches = setup_caches(model, config, prompt.shape[0], max_seq_len)
+                       on_token=None, row_start=None):
+    """generate.py's default method: caches of `config`, then generate() -> (caches, ids, stats). row_start [B]:
+    a left-padded batch of different prompts (each row's first real slot)."""
+    caches = setup_caches(model, config, prompt.shape[0], max_seq_len, row_start=row_start)
     steps = Steps(prefill=prefill_fn)
     steps = steps.compiled(prompt.device, pre_decode=config.policy.resync) if compile else steps
     on_step = None if on_token is None else (lambda step, logits, token, fed: on_token(token))
@@ -218,9 +223,18 @@ def run(a):
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
+    listed = cli.read_prompts(a.prompts_file) if a.prompts_file is not None else None  # (its errors before the model)
     model, tok = cli.load(a, device, cli.dtype_of(a, device))
-    ids, seq_len = cli.prompt_ids(a, tok, model.args.max_seq_len)
-    prompt = torch.tensor([ids] * a.batch_size, device=device)
+    row_start = None
+    if listed is None:
+        ids, seq_len = cli.prompt_ids(a, tok, model.args.max_seq_len)
+        prompt = torch.tensor([ids] * a.batch_size, device=device)
+        prompt_lens = [len(ids)] * a.batch_size
+    else:  # different prompts: one left-padded batch, each row at its own positions (cache.setup_caches' row_start)
+        rows, seq_len = cli.prompts_ids(a, tok, listed, model.args.max_seq_len)
+        prompt, row_start = cli.left_padded(rows, 0, device)  # (the padding is never attended: any id)
+        prompt_lens, ids = [len(r) for r in rows], rows[0]
+        a.batch_size = len(rows)
     quiet = a.quiet or tp.rank() > 0  # one rank prints
     streamed, ended = [], []
 
@@ -246,7 +260,8 @@ def run(a):
         caches, out, stats = quantspec.run(model, config, prompt, seq_len, a.gamma, a.draft_group, decoding, fill,
                                            a.compile, on_token)
     else:
-        caches, out, stats = run_autoregressive(model, config, prompt, seq_len, decoding, fill, a.compile, on_token)
+        caches, out, stats = run_autoregressive(model, config, prompt, seq_len, decoding, fill, a.compile, on_token,
+                                                row_start)
     rows = [[int(x) for x in row] for row in out]
     for row in rows:  # cut at the first eos
         for i, t in enumerate(row):
@@ -254,7 +269,8 @@ def run(a):
                 del row[i:]
                 break
     result = {
-        "text": tok.decode(rows[0]), "tokens": rows[0] if a.batch_size == 1 else rows, "prompt_tokens": len(ids),
+        "text": tok.decode(rows[0]), "tokens": rows[0] if a.batch_size == 1 and listed is None else rows,
+        "prompt_tokens": len(ids) if listed is None else prompt_lens,
         "prefill_s": round(stats["prefill_s"], 4), "decode_tok_s": round(stats["decode_tok_s"], 3),
         # device bytes in a 16-bit deployment (cache.deployed_nbytes), and as this run holds them
         "kv_device_bytes": caches.deployed_bytes(), "kv_device_bytes_as_run": caches.device_bytes(),
@@ -269,13 +285,17 @@ def run(a):
         # bus bytes a step, the same two ways
         "bytes_fetched_per_step": caches.fetch_bytes_per_step(deployed=True),
         "bytes_fetched_per_step_as_run": caches.fetch_bytes_per_step()}
+    if listed is not None:  # one output per prompt, in the file's order
+        result["texts"] = [tok.decode(r) for r in rows]
     if tp.rank() > 0:
         return result
     if not a.quiet:
         print()
+        for n, text in enumerate(result.get("texts", [])[1:], 2):  # (row 0 was streamed)
+            print(f"--- prompt {n} ---\n{text}")
     mib = 2 ** 20
     attn = f", attention {result['attn_path']}" if result["attn_path"] else ""
-    print(f"[{config.name}{attn}] prefill {len(ids)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
+    print(f"[{config.name}{attn}] prefill {len(ids) if listed is None else sum(prompt_lens)} tok in {stats['prefill_s']:.2f}s | decode {stats['decode_tok_s']:.2f} tok/s | "
           f"KV device {result['kv_device_bytes'] / mib:.2f} MiB in 16 bits ({result['kv_device_bytes_as_run'] / mib:.2f} as run), host {result['kv_host_bytes'] / mib:.2f} MiB, "
           f"fp16 equiv {result['kv_fp16_bytes'] / mib:.2f} MiB", file=sys.stderr if a.json else sys.stdout)
     if a.json:

@@ -54,6 +54,9 @@ def attention_lowbit_ref(q, store: LowBitKV, residual: Residual, fetched: Option
         keep_q = keep_q & ~replaced_mask(fetched, S)
     t = torch.arange(M, device=dev) % T  # query row m = g*T + t sees residual rows < length - T + t + 1
     keep_res = torch.arange(R, device=dev) < residual.length - T + 1 + t[:, None]  # [M, R]
+    if store.row_start is not None:  # a left-padded row attends from its first real slot on
+        keep_q = keep_q & store.real_slots()
+        keep_res = keep_res & (store.n_quant + torch.arange(R, device=dev) >= store.row_start[:, None, None, None])
     fp_parts = [(residual.k, residual.v, keep_res)]
     if fetched is not None:
         fp_parts.append((fetched.k, fetched.v, fetched.valid[:, :, None, :]))
@@ -113,11 +116,12 @@ def selection_logits(quantized, res_scores, n_quant, res_len):
 
 
 @triton.jit
-def fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, logits, bh, offs_m, sel_ok,
-            offs_d, d_ok, S, R, K, D, T, M, dt: tl.constexpr, HAS_FETCH: tl.constexpr, DOT: tl.constexpr,
+def fp_rows(qt, m_i, l_i, acc, n_quant_ptr, start, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, logits, bh, offs_m,
+            sel_ok, offs_d, d_ok, S, R, K, D, T, M, dt: tl.constexpr, HAS_FETCH: tl.constexpr, DOT: tl.constexpr,
             BLOCK_F: tl.constexpr, SEL: tl.constexpr):
     """The fp rows of a kv head into the online softmax of its query tile qt (channels offs_d in their own
-    order): the fetched rows (eq. 1) and the residual window, causal among the step's T tokens. SEL > 0:
+    order): the fetched rows (eq. 1) and the residual window, causal among the step's T tokens, from the row's
+    first real slot `start` on (a left-padded row's padding is never attended). SEL > 0:
     their scores go to `logits` too (rows sel_ok): a fetched row's exact score at its position (Algorithm
     3's A), residual row r's at position n_quant + r (where a flush after this step quantizes it)."""
     if SEL > 0:
@@ -140,16 +144,17 @@ def fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, 
     # residual rows [0, res_len); query row m (token t = m % T) sees rows < res_len - T + t + 1
     res_len = tl.minimum(tl.load(res_len_ptr), R)
     limit = res_len - T + 1 + offs_m % T
+    n_quant = tl.load(n_quant_ptr)
     for r0 in range(0, res_len, BLOCK_F):
         r = r0 + offs_f
-        r_ok = r < res_len
+        r_ok = (r < res_len) & (n_quant + r >= start)
         ptr = (bh * R + r[:, None]) * D + offs_d[None, :]
         kt = tl.load(r_k + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
         vt = tl.load(r_v + ptr, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(dt)
         causal = r_ok[None, :] & (r[None, :] < limit[:, None])
         s = tl.where(causal, tl.dot(qd, tl.trans(kt), input_precision=DOT), -float("inf"))
         if SEL > 0:
-            pos = tl.load(n_quant_ptr) + r
+            pos = n_quant + r
             store_logits(lrows, lrows_ok, pos, r_ok & (pos < S), s)
         m_i, l_i, acc, p = online_softmax(s, m_i, l_i, acc)
         acc += tl.dot(p.to(dt), vt, input_precision=DOT)
@@ -157,8 +162,9 @@ def fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, 
 
 
 @triton.jit
-def _attn_words_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, f_idx, f_valid, f_k, f_v,
-                       r_k, r_v, res_len_ptr, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, SPLIT_LEN, NPARTS,
+def _attn_words_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, row_start, f_idx, f_valid,
+                       f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, Hkv,
+                       SPLIT_LEN, NPARTS,
                        BITS: tl.constexpr, WORDS: tl.constexpr, GROUP_K: tl.constexpr, NGV: tl.constexpr,
                        HAS_FETCH: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr, SEL: tl.constexpr = 0):
@@ -168,9 +174,11 @@ def _attn_words_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
     NPARTS for the kv head's G*T query rows m = g*T + t. SEL > 0: the last SEL tokens select the next
     step's rows (Algorithm 3's ArgTopK over the attention they just computed): their scores go to `logits`
     (tiles.store_logits) for every position the step attended that can be fetched; a quantized slot's is
-    its low-bit score."""
+    its low-bit score. row_start [B]: each row's first real slot (left padding: the key groups before it
+    are skipped, the slots before it in its group masked)."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    start = tl.load(row_start + bh // Hkv)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < M
@@ -187,9 +195,10 @@ def _attn_words_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
             lrows, lrows_ok = logits_rows(logits, bh, offs_m, m_ok, T, M, S, SEL)
         lo = split * SPLIT_LEN
         hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
+        lo += tl.maximum(start - lo, 0) // GROUP_K * GROUP_K  # (whole key groups of padding)
         for n0 in range(lo, hi, GROUP_K):
             offs_n = n0 + tl.arange(0, GROUP_K)
-            n_ok = offs_n < hi
+            n_ok = (offs_n < hi) & (offs_n >= start)
             rows = bh * S + offs_n
             # keys: this block is one key group; its scale/zero fold into the query
             grp = bh * (S // GROUP_K) + n0 // GROUP_K
@@ -205,15 +214,15 @@ def _attn_words_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
             cv = codes_tile(v_codes, rows, n_ok, offs_d, D, BITS, WORDS, GROUP_K, BLOCK_D).to(dt)
             m_i, l_i, acc = word_block(s, keep, cv, m_i, l_i, acc, v_scale, v_zero, rows, n_ok, offs_d, D, dt, NGV, DOT)
     else:
-        m_i, l_i, acc = fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, logits,
-                                bh, offs_m, m_ok, offs_d, d_ok, S, R, K, D, T, M, dt, HAS_FETCH, DOT, BLOCK_F, SEL)
+        m_i, l_i, acc = fp_rows(qt, m_i, l_i, acc, n_quant_ptr, start, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr,
+                                logits, bh, offs_m, m_ok, offs_d, d_ok, S, R, K, D, T, M, dt, HAS_FETCH, DOT, BLOCK_F, SEL)
     store_partial(out_part, lse_part, (bh * NPARTS + split) * M + offs_m, m_ok, offs_d, d_ok, D, acc, m_i, l_i)
 
 
 @triton.jit
-def _attn_planes_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, f_idx, f_valid, f_k, f_v,
-                        r_k, r_v, res_len_ptr, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, SPLIT_LEN,
-                        NPARTS, BITS: tl.constexpr, GROUP_K: tl.constexpr, NGV: tl.constexpr, HAS_FETCH: tl.constexpr,
+def _attn_planes_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, row_start, f_idx, f_valid,
+                        f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, Hkv,
+                        SPLIT_LEN, NPARTS, BITS: tl.constexpr, GROUP_K: tl.constexpr, NGV: tl.constexpr, HAS_FETCH: tl.constexpr,
                         DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr, RG: tl.constexpr, CODES: tl.constexpr,
                         CODE_OFF: tl.constexpr, SEL: tl.constexpr = 0):
@@ -224,6 +233,7 @@ def _attn_planes_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n
     query rows would leave empty. CODES / CODE_OFF: how 16-bit dots read the codes (plane_codes)."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    start = tl.load(row_start + bh // Hkv)
     MR: tl.constexpr = BLOCK_M // RG
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = offs_r % MR  # the query row of each tile row
@@ -243,10 +253,11 @@ def _attn_planes_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n
             lrows, lrows_ok = logits_rows(logits, bh, offs_m, m_ok & (offs_r < MR), T, M, S, SEL)
         lo = split * SPLIT_LEN
         hi = tl.minimum(tl.minimum(lo + SPLIT_LEN, tl.load(n_quant_ptr)), S)
+        lo += tl.maximum(start - lo, 0) // GROUP_K * GROUP_K  # (whole key groups of padding)
         grp_r = offs_r // MR
         for n0 in range(lo, hi, GROUP_K):
             offs_n = n0 + tl.arange(0, GROUP_K)
-            n_ok = offs_n < hi
+            n_ok = (offs_n < hi) & (offs_n >= start)
             rows = bh * S + offs_n
             grp = bh * (S // GROUP_K) + n0 // GROUP_K
             s = plane_key_scores(qt, k_codes, k_scale, k_zero, rows, grp, offs_c, offs_d, D, dt, BITS, BLOCK_D, CODES,
@@ -271,9 +282,9 @@ def _attn_planes_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n
         offs_d = offs_c
         d_ok = offs_d < D
         qt = query_rows(q, bh, offs_m, m_ok, offs_d, d_ok, M, D, qk_scale)
-        m_i, l_i, acc = fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, logits,
-                                bh, offs_m, m_ok & (offs_r < MR), offs_d, d_ok, S, R, K, D, T, M, dt, HAS_FETCH, DOT,
-                                BLOCK_F, SEL)
+        m_i, l_i, acc = fp_rows(qt, m_i, l_i, acc, n_quant_ptr, start, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr,
+                                logits, bh, offs_m, m_ok & (offs_r < MR), offs_d, d_ok, S, R, K, D, T, M, dt, HAS_FETCH,
+                                DOT, BLOCK_F, SEL)
     if RG > 1:  # each row copy keeps its own channel group (their softmax statistics are the same)
         acc = tl.sum(tl.reshape(tl.where(offs_r[:, None] // MR == offs_d[None, :] // (D // NGV), acc, 0.0),
                                 (RG, MR, BLOCK_D)), 0)
@@ -284,8 +295,8 @@ def _attn_planes_kernel(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n
 
 
 @triton.jit
-def _attn_fp_rows_kernel(q, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part, logits,
-                         qk_scale, S, R, K, D, T, M, NPARTS, HAS_FETCH: tl.constexpr, DOT: tl.constexpr,
+def _attn_fp_rows_kernel(q, n_quant_ptr, row_start, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, out_part, lse_part,
+                         logits, qk_scale, S, R, K, D, T, M, Hkv, NPARTS, HAS_FETCH: tl.constexpr, DOT: tl.constexpr,
                          UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                          SEL: tl.constexpr = 0):
     """Grid (B*Hkv,): the fp rows' program alone (fp_rows), writing the last of NPARTS partials, beside
@@ -300,8 +311,9 @@ def _attn_fp_rows_kernel(q, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res
     if UPCAST:
         dt = tl.float32
     m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
-    m_i, l_i, acc = fp_rows(qt, m_i, l_i, acc, n_quant_ptr, f_idx, f_valid, f_k, f_v, r_k, r_v, res_len_ptr, logits, bh,
-                            offs_m, m_ok, offs_d, d_ok, S, R, K, D, T, M, dt, HAS_FETCH, DOT, BLOCK_F, SEL)
+    m_i, l_i, acc = fp_rows(qt, m_i, l_i, acc, n_quant_ptr, tl.load(row_start + bh // Hkv), f_idx, f_valid, f_k, f_v, r_k,
+                            r_v, res_len_ptr, logits, bh, offs_m, m_ok, offs_d, d_ok, S, R, K, D, T, M, dt, HAS_FETCH,
+                            DOT, BLOCK_F, SEL)
     store_partial(out_part, lse_part, (bh * NPARTS + NPARTS - 1) * M + offs_m, m_ok, offs_d, d_ok, D, acc, m_i, l_i)
 
 
@@ -405,8 +417,9 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     qk_scale = float(sm_scale) * LOG2E.value
     BLOCK_K = max(16, triton.next_power_of_2(max(K, 1)))
     decode = DECODE_LAUNCH if M <= 16 and q.dtype != torch.float32 else {}
-    fp = (c(store.n_quant), c(f.idx) if f else q, f.valid.contiguous().view(torch.uint8) if f else q, c(f.k) if f else q,
-          c(f.v) if f else q, c(residual.k), c(residual.v), c(residual.length))
+    fp = (c(store.n_quant), store.starts().contiguous(), c(f.idx) if f else q,
+          f.valid.contiguous().view(torch.uint8) if f else q, c(f.k) if f else q, c(f.v) if f else q, c(residual.k),
+          c(residual.v), c(residual.length))
     dims = dict(HAS_FETCH=f is not None, DOT=dot_precision(q.dtype), UPCAST=interpreter_upcast(q.dtype), BLOCK_D=BLOCK_D,
                 BLOCK_F=64, SEL=select)
     if gluon or quantized is not None:  # another kernel's quantized programs, then the fp rows' program alone
@@ -416,12 +429,12 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
         else:
             quantized(q, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS, BLOCK_M, BLOCK_K, select,
                       **{**decode, **launch})
-        _attn_fp_rows_kernel[(BH,)](q, *fp, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, NS,
+        _attn_fp_rows_kernel[(BH,)](q, *fp, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, Hkv, NS,
                                     BLOCK_M=max(16, triton.next_power_of_2(M)), **dims,
                                     **{**decode, **(FP_ROWS_LAUNCH if gluon else {}), **launch})
     else:
         quant = (q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero))
-        args = (*quant, *fp, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, split_len, NS)
+        args = (*quant, *fp, out_part, lse_part, logits, qk_scale, S, R, K, D, T, M, Hkv, split_len, NS)
         shape = dict(BITS=store.bits, GROUP_K=store.group_k, NGV=D // min(store.group_v, D), BLOCK_M=BLOCK_M,
                      BLOCK_K=BLOCK_K, **dims, **decode, **launch)
         if plane is not None:

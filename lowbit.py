@@ -39,6 +39,18 @@ class LowBitKV(NamedTuple):
     bits: int
     group_k: int
     group_v: int
+    # [B] int64: each row's first real slot (a left-padded batch); slots before it are padding, never attended
+    row_start: Optional[Tensor] = None
+
+    def starts(self) -> Tensor:
+        """row_start, or zeros (a batch without padding)."""
+        return self.row_start if self.row_start is not None else \
+            torch.zeros(self.k_codes.shape[0], dtype=torch.int64, device=self.k_codes.device)
+
+    def real_slots(self) -> Tensor:
+        """[B,1,S] bool: the slots at or after each row's start (what a row may attend)."""
+        S = self.k_codes.shape[2]
+        return torch.arange(S, device=self.k_codes.device) >= self.starts()[:, None, None]
 
     def codes(self, kv: str) -> Tensor:
         """Integer codes of the keys (kv="k") or values as fp32 [B,Hkv,S,D]."""
@@ -215,9 +227,9 @@ def op_inputs(store: LowBitKV, residual: Residual, fetched: Optional[Fetched]):
     f = fetched or Fetched(None, None, None, None)
     tensors = (store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero, store.n_quant,
                residual.k, residual.v, residual.length)
-    return tensors, (store.bits, store.group_k, store.group_v), (f.k, f.v, f.idx, f.valid)
+    return tensors, (store.bits, store.group_k, store.group_v), (f.k, f.v, f.idx, f.valid, store.row_start)
 
 
 def from_op_inputs(tensors, ints, optional):
-    store = LowBitKV(*tensors[:7], *ints[:3])
-    return store, Residual(*tensors[7:10]), (Fetched(*optional) if optional[0] is not None else None)
+    store = LowBitKV(*tensors[:7], *ints[:3], row_start=optional[4])
+    return store, Residual(*tensors[7:10]), (Fetched(*optional[:4]) if optional[0] is not None else None)

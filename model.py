@@ -125,9 +125,9 @@ def rope_table(args: ModelArgs, seq_len: int) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]), Meta-Llama layout. x: [B, T, H, D], rope: [T, D/2, 2]."""
+    """Rotate interleaved pairs (x[2i], x[2i+1]), Meta-Llama layout. x: [B, T, H, D], rope: [B or 1, T, D/2, 2]."""
     xp = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
     out = torch.stack([xp[..., 0] * cos - xp[..., 1] * sin, xp[..., 0] * sin + xp[..., 1] * cos], dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -187,15 +187,25 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args, args.max_seq_len), persistent=False)
+        self.register_buffer("row_start", torch.zeros(1, dtype=torch.int64), persistent=False)
 
-    def setup_caches(self, make_cache) -> list:
+    def setup_caches(self, make_cache, row_start: Optional[torch.Tensor] = None) -> list:
         """Give every attention layer its own cache: `make_cache(layer_idx)` returns an nn.Module
         with `forward(q, k, v, input_pos, mode)` (cache.setup_caches builds them). The rope table is
-        rebuilt on the model's device."""
+        rebuilt on the model's device. row_start [B]: a left-padded batch's first real slot per row (the
+        caches' own tensor: cache.register_row_start); each row's positions count from it (None: 0)."""
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = make_cache(i)
-        self.rope = rope_table(self.args, self.args.max_seq_len).to(self.tok_embeddings.weight.device)
+        self.fresh_buffers(self.tok_embeddings.weight.device)
+        if row_start is not None:
+            self.row_start = row_start
         return [layer.attention.kv_cache for layer in self.layers]
+
+    def fresh_buffers(self, device):
+        """The rope table and a batch without padding (row_start 0) on `device` (a model built on the meta device
+        gets them here)."""
+        self.rope = rope_table(self.args, self.args.max_seq_len).to(device)
+        self.row_start = torch.zeros(1, dtype=torch.int64, device=device)
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, mode: str = "decode",
                 all_logits: bool = False) -> torch.Tensor:
@@ -203,7 +213,7 @@ class Transformer(nn.Module):
         chunk only its last position's, [B, 1, vocab], unless all_logits (a whole chunk's logits at a 128k
         vocabulary are a GB a row). `mode` tells the caches what the step is (MODES: prefill, decode, predecode,
         draft, verify)."""
-        rope = self.rope[input_pos]
+        rope = self.rope[(input_pos[None, :] - self.row_start[:, None]).clamp(min=0)]  # [B or 1, T]: each row's own positions
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, rope, input_pos, mode)
@@ -250,7 +260,7 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32, max_seq_len: Optiona
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"checkpoint {ckpt_dir} does not match ModelArgs: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    model.rope = rope_table(args, args.max_seq_len).to(device)
+    model.fresh_buffers(device)
     return model.eval()
 
 
@@ -270,7 +280,7 @@ def random_weights(model: Transformer, device="cpu", dtype=torch.float32, seed=0
         key = f"{seed}/{name}" + (f"/rank{rank}" if split(name) else "")
         state[name] = t.normal_(0.0, 0.02, generator=torch.Generator(device=device).manual_seed(zlib.crc32(key.encode())))
     model.load_state_dict(state, strict=True, assign=True)
-    model.rope = rope_table(model.args, model.args.max_seq_len).to(device)
+    model.fresh_buffers(device)
     return model.eval()
 
 

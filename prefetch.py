@@ -47,8 +47,8 @@ from typing import Optional
 import torch
 
 from topk import Picked, Selection, select_counters, select_ref, select_triton
-from transfer import (keep_sink_rows, keep_sinks_triton, record_rows, rerank_rows_ref, rerank_rows_triton, rerank_scratch,
-                      transfer_rows_ref, transfer_rows_triton)
+from transfer import (held_selection, keep_sink_rows, keep_sinks_triton, record_rows, rerank_rows_ref, rerank_rows_triton,
+                      rerank_scratch, transfer_rows_ref, transfer_rows_triton)
 
 Tensor = torch.Tensor
 # The custom ops below run outside the graph and need the Prefetcher (its streams, events, staging).
@@ -74,14 +74,15 @@ def _owner(bufs: list[Tensor]) -> "Prefetcher":
 # fullgraph step; join mutates every layer's, so no fetch can be scheduled after it.
 @torch.library.custom_op("specache::select_fetch", mutates_args=("bufs",))
 def _select_fetch_op(bufs: list[Tensor], logits: Tensor, lse: Tensor, n_quant: Tensor, k: int, first: int,
-                     q_rows: Optional[Tensor], sm_scale: float, new_k: Optional[Tensor], new_v: Optional[Tensor],
-                     new_pos: Optional[Tensor], layer: int) -> None:
+                     row_start: Optional[Tensor], q_rows: Optional[Tensor], sm_scale: float, new_k: Optional[Tensor],
+                     new_v: Optional[Tensor], new_pos: Optional[Tensor], layer: int) -> None:
     rerank = (q_rows, lse, sm_scale) if q_rows is not None else None
-    _owner(bufs)._start_async(layer, bufs, Selection(logits, lse, n_quant, k, first, rerank), new_k, new_v, new_pos)
+    _owner(bufs)._start_async(layer, bufs, Selection(logits, lse, n_quant, k, first, rerank, row_start), new_k, new_v,
+                              new_pos)
 
 
 @_select_fetch_op.register_fake
-def _(bufs, logits, lse, n_quant, k, first, q_rows, sm_scale, new_k, new_v, new_pos, layer):
+def _(bufs, logits, lse, n_quant, k, first, row_start, q_rows, sm_scale, new_k, new_v, new_pos, layer):
     return None
 
 
@@ -122,12 +123,12 @@ def _(bufs):
 # A graph that wrote the ring itself would hand the transfer ops a functionalized copy of it
 # (the ring check refuses that), so on the async path this write is an op too.
 @torch.library.custom_op("specache::keep_sinks", mutates_args=("bufs",))
-def _keep_sinks_op(bufs: list[Tensor], k: Tensor, v: Tensor, first: Tensor, n: int) -> None:
-    (keep_sinks_triton if _owner(bufs).triton else keep_sink_rows)(bufs, k, v, first, n)
+def _keep_sinks_op(bufs: list[Tensor], k: Tensor, v: Tensor, row0: Tensor, n: int, row_start: Tensor) -> None:
+    (keep_sinks_triton if _owner(bufs).triton else keep_sink_rows)(bufs, k, v, row0, n, row_start)
 
 
 @_keep_sinks_op.register_fake
-def _(bufs, k, v, first, n):
+def _(bufs, k, v, row0, n, row_start):
     return None
 
 
@@ -136,7 +137,7 @@ def _(bufs, k, v, first, n):
 # =============================================================================================
 class Prefetcher:
     def __init__(self, n_layers, batch, n_kv_heads, max_seq_len, head_dim, k, dtype, device, impl="uva",
-                 join_each_step=True, async_ops=None, key_rows=None, select_rows=None, query_heads=None):
+                 join_each_step=True, async_ops=None, key_rows=None, select_rows=None, query_heads=None, row_start=None):
         if impl not in ("uva", "staged"):
             raise ValueError(f"unknown fetch impl {impl!r} (uva, staged)")
         device = torch.device(device)
@@ -145,6 +146,10 @@ class Prefetcher:
         self.select_rows = select_rows  # re-ranking: (query heads, tokens) of the selecting query, staged per layer
         self.query_heads = query_heads or n_kv_heads  # the model's (the selection reads G = query / kv heads rows)
         self.n_layers = n_layers
+        # [B] each row's first real slot (the caches' tensor: cache.register_row_start): where its sinks are
+        self.row_start = row_start if row_start is not None else torch.zeros(batch, dtype=torch.int64, device=device)
+        # [B] the rows whose ring a fetch leaves as it is (a resync's pre-decoding: the rows that guessed right)
+        self.keep_rows = torch.zeros(batch, dtype=torch.bool, device=device)
         self.on_cuda = device.type == "cuda"
         self.async_ops = self.on_cuda if async_ops is None else async_ops
         self.triton = self.on_cuda  # the selection's and the transfers' Triton kernels (True on CPU: interpreted, tests)
@@ -187,11 +192,12 @@ class Prefetcher:
 
     def new_ring(self, layer, sinks=0) -> list[Tensor]:
         """Layer `layer`'s ring, registered: [ring_k, ring_v [B, Hkv, sinks + k, D], fetch_idx, fetch_valid
-        [B, Hkv, sinks + k]]. Slots [0, sinks) hold the rows the cache keeps itself (positions 0..sinks-1,
-        valid once quantized: keep_sinks); the rest receive fetched rows (none valid yet)."""
+        [B, Hkv, sinks + k]]. Slots [0, sinks) hold the rows the cache keeps itself (each row's first sinks real
+        positions, row_start + 0..sinks-1, valid once quantized: keep_sinks); the rest receive fetched rows
+        (none valid yet)."""
         _, B, H, _, D = self.host_k.shape
         n, dev = sinks + self.k, self.device
-        idx = torch.arange(n, device=dev).clamp(max=sinks).expand(B, H, n).contiguous()
+        idx = (torch.arange(n, device=dev).clamp(max=sinks) + self.row_start[:, None, None]).expand(B, H, n).contiguous()
         bufs = [torch.zeros(B, H, n, D, dtype=self.host_k.dtype, device=dev) for _ in range(2)]
         bufs += [idx, torch.zeros(B, H, n, dtype=torch.bool, device=dev)]
         self.register_ring(layer, bufs[0], bufs[1], off=sinks, index_bufs=bufs[2:])
@@ -248,8 +254,8 @@ class Prefetcher:
         candidates, and the k whose fp keys score best for its query rows are fetched (transfer.rerank_rows)."""
         if self.async_ops and isinstance(pick, Selection):
             q_rows, _, sm_scale = pick.rerank or (None, None, 0.0)
-            torch.ops.specache.select_fetch(bufs, pick.logits, pick.lse, pick.n_quant, pick.k, pick.first, q_rows,
-                                            float(sm_scale), new_k, new_v, new_pos, layer)
+            torch.ops.specache.select_fetch(bufs, pick.logits, pick.lse, pick.n_quant, pick.k, pick.first, pick.row_start,
+                                            q_rows, float(sm_scale), new_k, new_v, new_pos, layer)
         elif self.async_ops:
             idx, valid, rerank = pick or (None, None, None)
             q_rows, lse_rows, sm_scale = rerank or (None, None, 0.0)
@@ -258,13 +264,20 @@ class Prefetcher:
         elif pick is None:
             self._transfer(layer, bufs[0], bufs[1], None, new_k, new_v, new_pos)
         else:
-            idx, valid = select_ref(*pick[:5]) if isinstance(pick, Selection) else pick[:2]
+            idx, valid = select_ref(*pick[:5], row_start=pick.row_start) if isinstance(pick, Selection) else pick[:2]
+            idx, valid = self._held(layer, bufs, idx, valid)
             if pick.rerank is not None:
                 self._rerank(layer, bufs, idx, valid, *pick.rerank, new_k, new_v, new_pos)
             else:
                 record = self._record(layer, bufs, valid)
                 rows = record_rows(idx, *record) if record is not None else idx
                 self._transfer(layer, bufs[0], bufs[1], rows, new_k, new_v, new_pos)
+
+    def _held(self, layer, bufs, idx, valid):
+        """The selection with the keep_rows rows replaced by what their ring holds (transfer.held_selection)."""
+        if len(bufs) < 4:
+            return idx, valid
+        return held_selection(idx, valid, bufs[2], bufs[3], self.ring_offs[layer], self.keep_rows)
 
     def _record(self, layer, bufs, valid):
         """record_rows' arguments after idx, or None when the ring keeps no record (bufs without index buffers)."""
@@ -276,12 +289,13 @@ class Prefetcher:
         if self.async_ops and (now or not self.join_each_step):
             torch.ops.specache.fetch_wait(bufs, layer)
 
-    def keep_sinks(self, bufs, k, v, first, n):
-        """The attention sinks' fp rows into the ring's first n slots (keep_sink_rows)."""
+    def keep_sinks(self, bufs, k, v, row0, n):
+        """The attention sinks' fp rows (each row's first n real tokens) of a block just quantized into slots
+        [row0, ...) into the ring's first n slots (keep_sink_rows)."""
         if self.async_ops:
-            torch.ops.specache.keep_sinks(bufs, k, v, first, n)
+            torch.ops.specache.keep_sinks(bufs, k, v, row0.reshape(()), n, self.row_start)
         else:
-            keep_sink_rows(bufs, k, v, first, n)
+            keep_sink_rows(bufs, k, v, row0, n, self.row_start)
 
     def end_step(self):
         """Called by the last layer: join the side stream (see the module docstring)."""
@@ -357,8 +371,9 @@ class Prefetcher:
         if isinstance(pick, Selection) and self.triton:
             record = None if slot_rows is None or len(bufs) < 4 else (bufs[2], bufs[3], self.ring_offs[layer], slot_rows)
             assert cand is not None or record is not None, "a selection without re-ranking needs the ring's record"
+            keep = (self.keep_rows, bufs[2], bufs[3], self.ring_offs[layer]) if len(bufs) > 3 else None
             select_triton(*pick[:5], out=cand, record=record, stage_q=(rerank[0], *cand_q) if rerank else None,
-                          token=token, counters=self.select_counters)
+                          token=token, counters=self.select_counters, row_start=pick.row_start, keep=keep)
         else:
             self._stage_torch(layer, bufs, pick, token, slot_rows, cand, cand_q)
         self.consumed[layer].record(self._main())
@@ -374,7 +389,8 @@ class Prefetcher:
         """The staging in torch: the oracle's rows and the token-only writes, and the CPU reference of
         select_triton's (the slot map, or re-ranking's candidates and query rows; the token)."""
         if pick is not None:
-            idx, valid = select_ref(*pick[:5]) if isinstance(pick, Selection) else pick[:2]
+            idx, valid = select_ref(*pick[:5], row_start=pick.row_start) if isinstance(pick, Selection) else pick[:2]
+            idx, valid = self._held(layer, bufs, idx, valid)
             if cand is not None:
                 cand[0].copy_(idx)
                 cand[1].copy_(valid)

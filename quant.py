@@ -96,20 +96,26 @@ def finite_fp32(x, meta_dtype):
     return torch.nan_to_num(x.float(), nan=0.0, posinf=big, neginf=-big).clamp(-big, big)
 
 
-def _lsq_refit(xg, axis, lo, hi, codes, s, z, bits, meta_dtype, iters=LSQ_ITERS):
+def _lsq_refit(xg, axis, lo, hi, codes, s, z, bits, meta_dtype, iters=LSQ_ITERS, weight=None):
     """Lloyd's iterations restricted to the uniform grid z + s * code: alternately the least-squares
     (z, s) for the codes (a line fit of x on the code) and the nearest code for (z, s). Neither step
     raises the squared error (up to the 16-bit rounding of the stored z, s); at 1 bit this is exactly
     2-means on each group. The min/max start wastes levels on the group's extremes (at 1 bit eq. 3 puts
     the levels at +-range/4, where most values are not); the refit may clip an outlier instead.
-    The sums run on x in units of the group's range [lo, hi] from its min, so they cannot overflow."""
+    The sums run on x in units of the group's range [lo, hi] from its min, so they cannot overflow.
+    weight (0 or 1, broadcast against xg): the rows that count (a left-padded row's padding counts 0)."""
     width = torch.where(hi > lo, hi - lo, 1.0)
     xn = (xg - lo) / width
     codes0, s0, z0 = codes, s, z
+    if weight is None:
+        mean = lambda x: x.mean(axis, keepdim=True)  # noqa: E731
+    else:
+        n = weight.sum(axis, keepdim=True).clamp(min=1)
+        mean = lambda x: (x * weight).sum(axis, keepdim=True) / n  # noqa: E731
     for _ in range(iters):
-        c_mean, x_mean = codes.mean(axis, keepdim=True), xn.mean(axis, keepdim=True)
-        var = ((codes - c_mean) ** 2).mean(axis, keepdim=True)
-        cov = ((codes - c_mean) * (xn - x_mean)).mean(axis, keepdim=True)
+        c_mean, x_mean = mean(codes), mean(xn)
+        var = mean((codes - c_mean) ** 2)
+        cov = mean((codes - c_mean) * (xn - x_mean))
         s_fit = cov / torch.where(var > 0, var, 1.0) * width
         s = torch.where((var > 0) & (s_fit > 0), s_fit, s)  # all codes equal: keep s, move z to the mean
         s = s.to(meta_dtype).float()
@@ -119,9 +125,12 @@ def _lsq_refit(xg, axis, lo, hi, codes, s, z, bits, meta_dtype, iters=LSQ_ITERS)
     return torch.where(ok, codes, codes0), torch.where(ok, s, s0), torch.where(ok, z, z0)
 
 
-def quantize_codes(x, bits, group, along, one_bit="improved", meta_dtype=torch.float16, fit="range", keep_range=None):
+def quantize_codes(x, bits, group, along, one_bit="improved", meta_dtype=torch.float16, fit="range", keep_range=None,
+                   real=None):
     """The core: x [B,H,T,D] -> (unpacked codes uint8 [B,H,T,D], scale, zero [meta shape]).
-    keep_range: optional bool [T//group] (keys): token groups that keep eq. 2/3 under fit="lsq"."""
+    keep_range: optional bool [T//group] or [B, T//group] (keys): token groups that keep eq. 2/3 under fit="lsq".
+    real: optional bool [B,T] (keys): the rows that are not padding; the least-squares fit weighs only them
+    (fill_padding has already made min/max theirs)."""
     assert 1 <= bits <= 8, bits  # any width: packed widths are BITS; others are split by their callers
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
@@ -131,9 +140,10 @@ def quantize_codes(x, bits, group, along, one_bit="improved", meta_dtype=torch.f
     s, z = scale.float(), zero.float()
     codes = round_clamp((xg - z) / torch.where(s == 0, 1.0, s), 0, 2**bits - 1)  # codes vs STORED s, z
     if fit == "lsq":
-        c_fit, s_fit, z_fit = _lsq_refit(xg, axis, lo, hi, codes, s, z, bits, meta_dtype)
+        weight = None if real is None else real.float().view(x.shape[0], 1, x.shape[2] // group, group, 1)
+        c_fit, s_fit, z_fit = _lsq_refit(xg, axis, lo, hi, codes, s, z, bits, meta_dtype, weight=weight)
         if keep_range is not None:
-            keep = keep_range.view(-1, 1, 1)  # [T//group, 1, 1] against [B, H, T//group, group, D]
+            keep = keep_range.view(-1, 1, keep_range.shape[-1], 1, 1)  # against [B, H, T//group, group, D]
             c_fit, s_fit, z_fit = torch.where(keep, codes, c_fit), torch.where(keep, s, s_fit), torch.where(keep, z, z_fit)
         codes, scale, zero = c_fit, s_fit.to(meta_dtype), z_fit.to(meta_dtype)
     return codes.to(torch.uint8).reshape(x.shape), scale.squeeze(axis), zero.squeeze(axis)
@@ -158,10 +168,28 @@ def value_group(group, head_dim):
 
 
 # ---- KIVI keys (per channel) and values (per token) ------------------------------------------------
-def quantize_keys(k, bits, group, one_bit="improved", meta_dtype=torch.float16, fit="range", keep_range=None):
+def fill_padding(k, pad, group):
+    """k [B,H,T,D] whose rows [0, pad[b]) are a left-padded row's padding ([B] int64) -> k with each padding row
+    replaced by its key group's first real row, so a group that straddles the padding quantizes (per channel, by
+    min/max) as if the padding were not there. A group of padding only keeps its rows (never attended)."""
+    T = k.shape[2]
+    i = torch.arange(T, device=k.device)
+    group_last = i // group * group + group - 1
+    src = torch.where(i < pad[:, None], torch.minimum(pad[:, None], group_last), i)  # [B, T]
+    return k.gather(2, src[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3]))
+
+
+def quantize_keys(k, bits, group, one_bit="improved", meta_dtype=torch.float16, fit="range", keep_range=None, pad=None):
     """k [B,H,T,D] -> codes uint8 [B,H,T,D*bits//8], scale/zero [B,H,T//group,D] (meta_dtype).
-    keep_range [T//group] bool: groups that keep min/max under fit="lsq" (the cache: the sinks' group)."""
-    codes, scale, zero = quantize_codes(k, bits, group, "tokens", one_bit, meta_dtype, fit, keep_range)
+    keep_range [T//group] or [B, T//group] bool: groups that keep min/max under fit="lsq" (the cache: the sinks'
+    group, each row's first).
+    pad [B] int64: each row's leading padding rows of this block (a left-padded batch): they never widen a
+    group's range or weigh in its fit (fill_padding); their own codes are garbage, never attended."""
+    real = None
+    if pad is not None:
+        k = fill_padding(k, pad, group)
+        real = torch.arange(k.shape[2], device=k.device) >= pad[:, None]
+    codes, scale, zero = quantize_codes(k, bits, group, "tokens", one_bit, meta_dtype, fit, keep_range, real)
     return pack_bits(codes, bits), scale, zero
 
 

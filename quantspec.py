@@ -186,8 +186,9 @@ class HierCache(LowBitCache):
     one_attn_path = "words"  # (attn_views has one kernel: the word path's)
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
-                 max_step_tokens=2, meter=None):
-        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens, meter)
+                 max_step_tokens=2, meter=None, row_start=None):
+        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens, meter,
+                         row_start)
         self.view_bits = config.bits
         self.zeros_buffer("k_codes_lo", self.k_codes.shape, dtype=torch.uint8)
         self.zeros_buffer("v_codes_lo", self.v_codes.shape, dtype=torch.uint8)
@@ -226,10 +227,10 @@ class QuantSpecCache(HierCache):
     counters are tensors: the draft, verify and accept steps are static-shape graphs."""
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig, gamma=4,
-                 meter=None):
+                 meter=None, row_start=None):
         # residual capacity: the two groups + one round's unverified tokens
         super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens=gamma + 1,
-                         meter=meter)
+                         meter=meter, row_start=row_start)
         self.gamma = gamma
         self.register_buffer("n_draft", torch.zeros((), dtype=torch.int64, device=self.k_codes.device), persistent=False)
 

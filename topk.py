@@ -37,13 +37,21 @@ def _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched: Fetched):
     return prob.scatter(-1, safe, torch.where(fetched.valid, exact, prob.gather(-1, safe)))
 
 
+def candidates(S: int, n_quant, first: int, row_start, device) -> Tensor:
+    """[B or 1, 1, S] bool: the positions a selection may pick, [first, n_quant) from each row's first real slot
+    (row_start [B], a left-padded batch's; None: 0). Below them: padding, and the rows kept in fp16 anyway."""
+    pos = torch.arange(S, device=device)
+    lo = first if row_start is None else first + row_start[:, None, None]
+    return (pos >= lo) & (pos < n_quant)
+
+
 def topk_lowbit_ref(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
                     first: int = 0):
     """score[p] = sum over the G query heads of kv head j of exp(sm_scale * q_g . k'_p - lse_g): the
     attention probability kv row p would get, summed over the heads that share it (one fetch per
     kv head serves all G heads); with several query tokens ([B,H,R,D]) the best of them. With
-    `fetched`, fetched positions score with their fp rows. Positions below `first` (rows kept in fp
-    anyway) or >= n_quant score -1 with index 0. Sorted descending."""
+    `fetched`, fetched positions score with their fp rows. Positions that are no `candidates` (below `first`
+    from the row's start: padding, rows kept in fp anyway; >= n_quant) score -1 with index 0. Sorted descending."""
     q_rows, lse_rows = as_rows(q_row, lse_row)
     B, H, R, D = q_rows.shape
     Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
@@ -51,13 +59,12 @@ def topk_lowbit_ref(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: 
     prob = row_scores(store.key_logits(q_rows.float().reshape(B, Hkv, G * R, D) * sm_scale), lse_rows, G, R)
     if fetched is not None:
         prob = _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched)
-    pos = torch.arange(S, device=q_row.device)
-    valid = (pos >= first) & (pos < store.n_quant)
+    valid = candidates(S, store.n_quant, first, store.row_start, q_row.device)
     score, idx = torch.where(valid, prob, -1.0).topk(k, dim=-1)
     return score, torch.where(score >= 0, idx, 0)
 
 
-def topk_exact(q_row, keys, n_quant, k, sm_scale, first: int = 0):
+def topk_exact(q_row, keys, n_quant, k, sm_scale, first: int = 0, row_start=None):
     """Top-k of quantized positions [first, n_quant) by exact fp attention of q_row [B,H,D] (or
     [B,H,R,D]: the best of R tokens) against full-precision keys [B,Hkv,S,D]: each query head's
     softmax over the quantized positions, summed over the kv head's query heads (the reduction of
@@ -68,9 +75,8 @@ def topk_exact(q_row, keys, n_quant, k, sm_scale, first: int = 0):
     G = H // Hkv
     qg = q_rows.float().reshape(B, Hkv, G * R, D)
     scores = (qg @ keys.float().transpose(-1, -2)) * sm_scale
-    pos = torch.arange(S, device=q_row.device)
-    valid = (pos >= first) & (pos < n_quant)
-    scores = scores.masked_fill(~valid, float("-inf"))
+    valid = candidates(S, n_quant, first, row_start, q_row.device)
+    scores = scores.masked_fill(~(valid[:, :, None] if valid.dim() == 3 else valid), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).view(B, Hkv, G, R, S).sum(2).amax(2)  # [B,Hkv,S]
     score, idx = torch.where(valid, probs, -1.0).topk(k, dim=-1)
     return score, torch.where(score >= 0, idx, 0)
@@ -90,6 +96,7 @@ class Selection(NamedTuple):
     k: int  # rows to pick (re-ranking: its N*k candidates)
     first: int = 0  # positions below it are kept in fp16 anyway (attention sinks)
     rerank: Optional[tuple] = None  # re-ranking: (q_rows [B,H,R,D], lse, sm_scale) score the candidates' fp keys
+    row_start: Optional[Tensor] = None  # [B] each row's first real slot: `first` counts from it (candidates)
 
 
 class Picked(NamedTuple):
@@ -109,14 +116,15 @@ def selection_scores(logits, lse_rows):
     return p.view(B, Hkv, GR // R, R, S).sum(2).amax(2)
 
 
-def select_ref(logits, lse_rows, n_quant, k: int, first: int = 0):
-    """-> (idx, valid) [B,Hkv,k]: the k positions of [first, n_quant) with the largest selection_scores, in
-    position order; of several positions with the k-th score the lowest get in (as the kernel decides:
-    deterministic). With fewer than k candidates the other slots are invalid (the lowest other positions)."""
+def select_ref(logits, lse_rows, n_quant, k: int, first: int = 0, row_start=None):
+    """-> (idx, valid) [B,Hkv,k]: the k `candidates` (positions [first, n_quant), first counted from each row's
+    start) with the largest selection_scores, in position order; of several positions with the k-th score the
+    lowest get in (as the kernel decides: deterministic). With fewer than k candidates the other slots are
+    invalid (the lowest other positions)."""
     score = selection_scores(logits, lse_rows)
     B, Hkv, S = score.shape
     pos = torch.arange(S, device=score.device)
-    score = torch.where((pos >= first) & (pos < n_quant), score, -1.0)
+    score = torch.where(candidates(S, n_quant, first, row_start, score.device), score, -1.0)
     kth = score.topk(k, -1).values[..., -1:]
     above, tie = score > kth, score == kth
     take = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
@@ -187,23 +195,26 @@ def _take_in_order(key, inn, prefix, shift, need, K):
 
 
 @triton.jit
-def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, cand_key, cand_pos, counters, where, work, sel_idx,
-                   sel_ok, S, N_SLICES, K, FIRST, G, Hkv, BH, fetch_idx, fetch_valid, slot_rows, RING, OFF,
+def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, row_start, cand_key, cand_pos, counters, where, work, sel_idx,
+                   sel_ok, S, N_SLICES, K, FIRST, G, Hkv, BH, fetch_idx, fetch_valid, slot_rows, RING, OFF, keep_rows,
                    q, q_sb, q_sh, q_sr, q_sd, s_q, s_lse, new_k, new_v, n_sb, n_sh, n_sd, new_pos, s_k, s_v, s_pos, D,
                    R: tl.constexpr, RS: tl.constexpr, RECORD: tl.constexpr, STAGE_Q: tl.constexpr,
-                   HAS_NEW: tl.constexpr, SLICE: tl.constexpr, N_CAND: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HAS_NEW: tl.constexpr, HAS_KEEP: tl.constexpr, SLICE: tl.constexpr, N_CAND: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (N_SLICES, B*Hkv): the k rows of kv head bh that the next step fetches, and what the transfer needs,
     in one launch. Program (s, bh), for a live slice (one that starts below n_quant; slice 0 always): the keys of
     positions [s*SLICE, (s+1)*SLICE) from the logits the attention wrote (score = max_r sum_g 2^(logit - lse),
-    select_ref), its K largest in position order to cand_key/cand_pos. Every program then takes a ticket; the
+    select_ref; candidates from FIRST past the row's first real slot, row_start[b]), its K largest in position
+    order to cand_key/cand_pos. Every program then takes a ticket; the
     head's last: the K largest of the live slices' candidates, in position order, to sel_idx/sel_ok, and then
     RECORD (the plain transfer): lay them out in the ring as transfer.record_rows does (a row the ring holds keeps
     its slot; the others take the freed slots in order) into fetch_idx/fetch_valid [.., RING] from slot OFF, and
     give the transfer its host row per ring slot, slot_rows (-1: keep); `where` [BH, S] is its scratch. STAGE_Q
     (re-ranking, whose candidates are sel_idx/sel_ok): the query rows and their lse, RS rows a head from the R
     tokens, into s_q/s_lse. HAS_NEW: the step's token new_k/new_v and new_pos into s_k/s_v/s_pos. The staged
-    inputs are what the side stream reads: the step's own tensors are graph temporaries.
+    inputs are what the side stream reads: the step's own tensors are graph temporaries. HAS_KEEP: a batch row
+    with keep_rows[b] set selects what its ring's slots [OFF, RING) hold (transfer.held_selection), so its ring
+    stays as it is.
     counters [2, BH]: row 0 the tickets, zero between launches (the last program resets its head's); row 1 counts
     the launches in which a head's tickets were not exactly its N_SLICES (a counter found non-zero or lost)."""
     sl = tl.program_id(0)
@@ -214,7 +225,7 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, cand_key, cand_po
     heads_cand = bh * N_SLICES * K
     if sl < n_live:
         pos = sl * SLICE + tl.arange(0, SLICE)
-        ok = (pos >= FIRST) & (pos < hi)
+        ok = (pos >= FIRST + tl.load(row_start + b)) & (pos < hi)
         row = logits + bh * G * R * S + pos
         best = tl.zeros([SLICE], tl.float32)
         for r in tl.static_range(R):  # the best of the R selecting tokens of the sum over the G query heads
@@ -246,6 +257,15 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, cand_key, cand_po
         if tl.atomic_xchg(counters + bh, 0) != N_SLICES:  # (tickets drawn this launch, before the reset)
             tl.atomic_add(counters + BH + bh, 1)
         offs_k = tl.arange(0, BLOCK_K)
+        if HAS_KEEP:
+            if tl.load(keep_rows + b) != 0:
+                tl.debug_barrier()  # (after the merge's stores to the same entries)
+                c_ok = offs_k < K
+                held = c_ok & (offs_k < RING - OFF)
+                tl.store(sel_idx + bh * K + offs_k, tl.load(fetch_idx + bh * RING + OFF + offs_k, mask=held, other=0),
+                         mask=c_ok)
+                tl.store(sel_ok + bh * K + offs_k, tl.load(fetch_valid + bh * RING + OFF + offs_k, mask=held, other=0),
+                         mask=c_ok)
         if RECORD:
             _record(where + bh * S, work + bh * 2 * BLOCK_K, sel_idx + bh * K, sel_ok + bh * K,
                     fetch_idx + bh * RING + OFF, fetch_valid + bh * RING + OFF, slot_rows + bh * K, offs_k, K, S)
@@ -325,13 +345,14 @@ def slices(S: int, k: int, slice_len: Optional[int] = None) -> tuple[int, int]:
 
 
 def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, record=None, stage_q=None, token=None,
-                  counters=None, slice_len: Optional[int] = None):
+                  counters=None, slice_len: Optional[int] = None, row_start=None, keep=None):
     """select_ref in one launch (_select_kernel), -> (idx, valid) [B,Hkv,k]; `out`: where to write them
     (re-ranking: its staged candidates). record = (fetch_idx, fetch_valid, off, slot_rows): lay the rows out in
     the ring and give the transfer its host rows (record_rows); stage_q = (q_rows [B,H,R',D], s_q [B,H,RS,D],
     s_lse [B,H,RS]); token = (new_k, new_v, new_pos, s_k, s_v, s_pos). Strided inputs are read in place.
     counters: select_counters' buffer for this batch (None: a fresh one, for a launch no graph replays).
-    slice_len: positions a program scans (default: slices')."""
+    slice_len: positions a program scans (default: slices'). row_start [B]: each row's first real slot (None: 0).
+    keep = (keep_rows [B] bool, fetch_idx, fetch_valid, off): the rows whose ring stays (held_selection)."""
     B, Hkv, GR, S = logits.shape
     H, R = lse_rows.shape[1:]
     G, BH, dev = H // Hkv, B * Hkv, logits.device
@@ -342,6 +363,8 @@ def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, r
     BLOCK_K = triton.next_power_of_2(k)
     if counters is None:
         counters = select_counters(B, Hkv, dev)
+    if row_start is None:
+        row_start = torch.zeros(B, dtype=torch.int64, device=dev)
     assert counters.shape == (2, BH) and counters.dtype == torch.int32 and counters.is_contiguous()
     cand_key = torch.empty(BH, n_slices * k, dtype=torch.int32, device=dev)
     cand_pos = torch.empty(BH, n_slices * k, dtype=torch.int32, device=dev)
@@ -350,10 +373,17 @@ def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, r
     assert idx.is_contiguous() and ok.is_contiguous() and idx.shape == ok.shape == (B, Hkv, k)
     any_t = cand_key  # absent inputs: any valid pointer
     fetch_idx, fetch_valid, off, slot_rows = record if record is not None else (any_t, any_t, 0, any_t)
+    keep_rows = any_t
+    if keep is not None:
+        keep_rows, k_idx, k_valid, k_off = keep
+        assert record is None or (k_idx is fetch_idx and k_off == off)
+        fetch_idx, fetch_valid, off, keep_rows = k_idx, k_valid, k_off, keep_rows.view(torch.int8)
     where, work = any_t, any_t
-    if record is not None:
-        assert fetch_idx.is_contiguous() and fetch_valid.is_contiguous() and slot_rows.shape == (B, Hkv, k)
+    if keep is not None or record is not None:
+        assert fetch_idx.is_contiguous() and fetch_valid.is_contiguous()
         fetch_valid = fetch_valid.view(torch.int8)
+    if record is not None:
+        assert slot_rows.shape == (B, Hkv, k)
         where = torch.empty(BH, S, dtype=torch.int32, device=dev)
         work = torch.empty(BH, 2, BLOCK_K, dtype=torch.int32, device=dev)
     q, s_q, s_lse = stage_q if stage_q is not None else (any_t, any_t, any_t)
@@ -363,11 +393,12 @@ def select_triton(logits, lse_rows, n_quant, k: int, first: int = 0, out=None, r
     assert token is None or new_v.stride() == new_k.stride()
     D = s_k.shape[-1] if token is not None else s_q.shape[-1] if stage_q is not None else 1
     _select_kernel[(n_slices, BH)](
-        logits, lse_rows, *lse_rows.stride(), n_quant, cand_key, cand_pos, counters, where, work, idx,
+        logits, lse_rows, *lse_rows.stride(), n_quant, row_start, cand_key, cand_pos, counters, where, work, idx,
         ok.view(torch.int8), S, n_slices, k, first, G, Hkv, BH, fetch_idx, fetch_valid, slot_rows,
-        fetch_idx.shape[-1] if record is not None else 0, off,
+        fetch_idx.shape[-1] if record is not None or keep is not None else 0, off, keep_rows,
         q, *q_strides, s_q, s_lse, new_k, new_v, *new_strides, new_pos, s_k, s_v, s_pos, D,
-        R=R, RS=RS, RECORD=record is not None, STAGE_Q=stage_q is not None, HAS_NEW=token is not None, SLICE=length,
+        R=R, RS=RS, RECORD=record is not None, STAGE_Q=stage_q is not None, HAS_NEW=token is not None,
+        HAS_KEEP=keep is not None, SLICE=length,
         N_CAND=triton.next_power_of_2(n_slices * k), BLOCK_K=BLOCK_K, BLOCK_M=max(2, triton.next_power_of_2(G * RS)),
         BLOCK_D=triton.next_power_of_2(D), num_warps=select_warps(length))
     return idx, ok

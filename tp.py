@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import ModelArgs, Transformer, read_config, rope_table
+from model import ModelArgs, Transformer, read_config
 
 # Per collective: a rank that died or hangs turns into an error after this long, not a hang.
 TIMEOUT_S = float(os.environ.get("SPECACHE_DIST_TIMEOUT_S", "1800"))
@@ -172,7 +172,7 @@ def shard_model(model: Transformer, r: int | None = None, n: int | None = None) 
         d = split_dim(name, model.args, n)
         state[name] = t if d is None else t[(slice(None),) * d + (_slice(t.shape, d, r, n),)].clone()
     local.load_state_dict(state, strict=True, assign=True)
-    local.rope = rope_table(local.args, local.args.max_seq_len).to(model.rope.device)
+    local.fresh_buffers(model.rope.device)
     return local.eval()
 
 
@@ -229,7 +229,7 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32, max_seq_len=None) ->
                 t = part[:] if d is None else part[(slice(None),) * d + (_slice(want[name].shape, d, r, n),)]
                 state[name] = t.to(device=device, dtype=dtype)
     local.load_state_dict(state, strict=True, assign=True)
-    local.rope = rope_table(local.args, local.args.max_seq_len).to(device)
+    local.fresh_buffers(device)
     return local.eval()
 
 

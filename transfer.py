@@ -41,6 +41,18 @@ def record_rows(idx, valid, fetch_idx, fetch_valid, off):
     return torch.where(got, row, -1)
 
 
+def held_selection(idx, valid, fetch_idx, fetch_valid, off, keep):
+    """(idx, valid) [B,Hkv,C] with the batch rows `keep` [B] bool replaced by what their ring's slots [off, ..)
+    hold now (then invalid entries), so that record_rows, or re-ranking's layout, leaves their ring as it is:
+    a resync's pre-decoding fetches again only for the rows whose speculative token was wrong."""
+    cur_i, cur_v = fetch_idx[:, :, off:], fetch_valid[:, :, off:]
+    n = min(idx.shape[-1], cur_i.shape[-1])
+    held_i = torch.cat([cur_i[..., :n], idx.new_zeros(*idx.shape[:2], idx.shape[-1] - n)], -1)
+    held_v = torch.cat([cur_v[..., :n], valid.new_zeros(*valid.shape[:2], valid.shape[-1] - n)], -1)
+    k = keep[:, None, None]
+    return torch.where(k, held_i, idx), torch.where(k, held_v, valid)
+
+
 @triton.jit
 def record_rows_tile(fetch_idx, fetch_valid, slots, slot_ok, rows, row_ok, rank, BY_RANK: tl.constexpr):
     """record_rows for one kv head, in Triton: the selected rows [N] (row_ok) into the ring slots at
@@ -97,36 +109,42 @@ def transfer_rows_ref(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, n
 # =============================================================================================
 # the attention sinks: their fp rows kept in the ring's first slots once the first block is quantized
 # =============================================================================================
-def keep_sink_rows(bufs, k, v, first, n: int) -> None:
-    """Where `first` (0-d bool: the first block was just quantized), copy the first n rows of
-    k, v [B,H,>=n,D] into ring slots [0, n) and mark them valid. bufs: [ring_k, ring_v, fetch_valid]."""
+def keep_sink_rows(bufs, k, v, row0, n: int, row_start) -> None:
+    """A block k, v [B,H,nb,D] was just quantized into slots [row0, row0 + nb) (row0 a 0-d tensor): each row's
+    first n real tokens (slots row_start[b] + i, [B] int64) that lie in it are copied into ring slots [0, n) and
+    marked valid. bufs: [ring_k, ring_v, fetch_valid]."""
     ring_k, ring_v, valid = bufs
+    rel = row_start[:, None] + torch.arange(n, device=k.device) - row0  # [B, n]: each sink's row of the block
+    inside = (rel >= 0) & (rel < k.shape[2])
+    at = rel.clamp(0, k.shape[2] - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
     for ring, x in ((ring_k, k), (ring_v, v)):
-        ring[:, :, :n] = torch.where(first, x[:, :, :n].to(ring.dtype), ring[:, :, :n])
-    valid[:, :, :n] |= first
+        ring[:, :, :n] = torch.where(inside[:, None, :, None], x.gather(2, at).to(ring.dtype), ring[:, :, :n])
+    valid[:, :, :n] |= inside[:, None, :]
 
 
 @triton.jit
-def _keep_sinks_kernel(k, v, sb, sh, sn, sd, first, ring_k, ring_v, valid, H, N, RING, D, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
-    """Grid (B*Hkv,): keep_sink_rows in one launch (a decode step calls it every step; `first` holds once)."""
+def _keep_sinks_kernel(k, v, sb, sh, sn, sd, row0_ptr, row_start, ring_k, ring_v, valid, H, N, NB, RING, D,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B*Hkv,): keep_sink_rows in one launch (a decode step calls it every step; a row's sinks land once)."""
     bh = tl.program_id(0).to(tl.int64)
-    if tl.load(first) != 0:
-        offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
-        ok = (offs_n < N)[:, None] & (offs_d < D)[None, :]
-        src = (bh // H) * sb + (bh % H) * sh + offs_n[:, None] * sn + offs_d[None, :] * sd
-        dst = (bh * RING + offs_n)[:, None] * D + offs_d[None, :]
-        tl.store(ring_k + dst, tl.load(k + src, mask=ok).to(ring_k.dtype.element_ty), mask=ok)
-        tl.store(ring_v + dst, tl.load(v + src, mask=ok).to(ring_v.dtype.element_ty), mask=ok)
-        tl.store(valid + bh * RING + offs_n, (offs_n >= 0).to(tl.int8), mask=offs_n < N)
+    offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    rel = tl.load(row_start + bh // H) + offs_n - tl.load(row0_ptr)  # each sink's row of the block
+    n_ok = (offs_n < N) & (rel >= 0) & (rel < NB)
+    ok = n_ok[:, None] & (offs_d < D)[None, :]
+    src = (bh // H) * sb + (bh % H) * sh + rel[:, None] * sn + offs_d[None, :] * sd
+    dst = (bh * RING + offs_n)[:, None] * D + offs_d[None, :]
+    tl.store(ring_k + dst, tl.load(k + src, mask=ok).to(ring_k.dtype.element_ty), mask=ok)
+    tl.store(ring_v + dst, tl.load(v + src, mask=ok).to(ring_v.dtype.element_ty), mask=ok)
+    tl.store(valid + bh * RING + offs_n, (offs_n >= 0).to(tl.int8), mask=n_ok)
 
 
-def keep_sinks_triton(bufs, k, v, first, n: int) -> None:
+def keep_sinks_triton(bufs, k, v, row0, n: int, row_start) -> None:
     ring_k, ring_v, valid = bufs
     B, H, RING, D = ring_k.shape
     assert ring_k.is_contiguous() and ring_v.is_contiguous() and valid.is_contiguous() and v.stride() == k.stride()
-    _keep_sinks_kernel[(B * H,)](k, v, *k.stride(), first.view(torch.uint8), ring_k, ring_v, valid.view(torch.int8), H, n, RING, D,
-                                 BLOCK_N=triton.next_power_of_2(n), BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+    _keep_sinks_kernel[(B * H,)](k, v, *k.stride(), row0, row_start, ring_k, ring_v, valid.view(torch.int8), H, n,
+                                 k.shape[2], RING, D, BLOCK_N=triton.next_power_of_2(n),
+                                 BLOCK_D=triton.next_power_of_2(D), num_warps=1)
 
 
 # (masks are `offs < limit` with a scalar limit: block & scalar-bool masks break the interpreter)

@@ -141,8 +141,9 @@ class ZipCache(LowBitCache):
     one_attn_path = "words"  # (attn_views has one kernel: the word path's)
 
     def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config: CacheConfig,
-                 max_step_tokens=2, meter=None):
-        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens, meter)
+                 max_step_tokens=2, meter=None, row_start=None):
+        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, max_step_tokens, meter,
+                         row_start)
         B, H, D, n_slots = batch, n_kv_heads, head_dim, self.k_codes.shape[2]
         self.zeros_buffer("v_chan_scale", (B, H, D), dtype=self.k_scale.dtype)
         self.mixed = config.salient > 0

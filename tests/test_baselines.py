@@ -28,7 +28,7 @@ def gemma_270m_shape():
     args = ModelArgs(name="gemma-3-270m", dim=640, n_layers=18, n_heads=4, n_kv_heads=1, head_dim=256, max_seq_len=32768,
                      layer_windows=((512,) * 5 + (None,)) * 3)
     model = SimpleNamespace(args=args, tok_embeddings=SimpleNamespace(weight=torch.empty(0)))
-    model.setup_caches = lambda make: [make(i) for i in range(args.n_layers)]
+    model.setup_caches = lambda make, row_start=None: [make(i) for i in range(args.n_layers)]
     return model
 
 

@@ -116,6 +116,46 @@ def test_batched_tokens_are_a_list_per_row(ckpt, capsys):
     assert len(r["tokens"]) == 2 and r["tokens"][0] == r["tokens"][1]
 
 
+def prompts_file(tmp_path, data: bytes):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize("data,message", [
+    (b'"one"\n\n"three"\n', "line 2 is empty"),
+    (b'"one"\n{"text": "two"\n', "line 2 is not valid JSON"),
+    (b'"one"\n"\xff\xfe"\n', "line 2 is not valid UTF-8"),
+    (b'"one"\n' + b'"' + b"word " * 9000 + b'"\n', "line 2: the prompt ("),
+    (b'{"role": "system", "content": "x"}\n', 'line 1: a prompt is a JSON string'),
+    (b'"  "\n', "line 1: the prompt is empty"),
+    (b"", "holds no prompt"),
+])
+def test_a_bad_prompts_file_is_one_line_naming_the_line(ckpt, tmp_path, capsys, data, message):
+    with pytest.raises(SystemExit) as e:
+        main(["--checkpoint", ckpt, "--prompts-file", prompts_file(tmp_path, data), "--max-new-tokens", "4"])
+    assert message in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("error: ")
+    assert capsys.readouterr().out == ""  # (nothing generated)
+
+
+def test_a_prompts_file_is_one_batch_with_an_output_per_prompt(ckpt, tmp_path, capsys):
+    """Three different prompts (text, a chat turn, text under --chat's absence) in one left-padded batch: --json
+    gives each its text, tokens and prompt length; with the fp cache each row is its prompt's output alone."""
+    lines = ['"The capital of France is"', '{"role": "user", "content": "Name three colors."}',
+             '{"text": "' + "The quick brown fox jumps over the lazy dog. " * 12 + 'Then it"}']
+    path = prompts_file(tmp_path, ("\n".join(lines) + "\n").encode())
+    r = run_json(ckpt, capsys, "--prompts-file", path, "--cache", "full")
+    assert len(r["texts"]) == len(r["tokens"]) == len(r["prompt_tokens"]) == 3 and r["text"] == r["texts"][0]
+    assert len(set(r["prompt_tokens"])) == 3
+    alone = [run_json(ckpt, capsys, "--prompt", "The capital of France is", "--cache", "full"),
+             run_json(ckpt, capsys, "--prompt", "Name three colors.", "--chat", "--cache", "full")]
+    assert r["tokens"][:2] == [a["tokens"] for a in alone]
+    with pytest.raises(SystemExit, match="--prompts-file: the batch is its prompts"):
+        main(["--checkpoint", ckpt, "--prompts-file", path, "--batch-size", "2"])
+    with pytest.raises(SystemExit, match="runs a batch of one prompt length only"):
+        main(["--checkpoint", ckpt, "--prompts-file", path, "--cache", "kivi", "--quant", "zipcache", "--bits", "2"])
+
+
 def test_streams_text_and_summary(ckpt, capsys):
     main(["--checkpoint", ckpt, "--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "8"])
     out = capsys.readouterr().out

@@ -176,19 +176,27 @@ def test_triton_transfer_matches_reference(with_idx, with_new, programs):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("first", [True, False])
-def test_the_sinks_launch_is_keep_sink_rows(first):
-    """The attention sinks' rows into the ring's first slots (one launch a step; it writes only when the first
-    block was just quantized), from a strided slice of the residual, as the torch reference does."""
+@pytest.mark.parametrize("row0,starts", [(0, [0, 0]), (64, [0, 0]), (32, [30, 60])])
+def test_the_sinks_launch_is_keep_sink_rows(row0, starts):
+    """The attention sinks' rows into the ring's first slots (one launch a step; it writes a row's sinks from the
+    block that holds its first real tokens: the first block without padding; a left-padded row's sinks may
+    straddle two blocks), from a strided slice of the residual, as the torch reference does."""
     g = torch.Generator().manual_seed(0)
     res_k, res_v = torch.randn(2, 3, 34, 40, generator=g), torch.randn(2, 3, 34, 40, generator=g)
     bufs = [torch.randn(2, 3, 12, 40, generator=g), torch.randn(2, 3, 12, 40, generator=g),
             torch.rand(2, 3, 12, generator=g) > 0.5]
-    want = [t.clone() for t in bufs]
-    transfer.keep_sink_rows(want, res_k[:, :, :32], res_v[:, :, :32], torch.tensor(first), 4)
-    transfer.keep_sinks_triton(bufs, res_k[:, :, :32], res_v[:, :, :32], torch.tensor(first), 4)
+    want, before = [t.clone() for t in bufs], [t.clone() for t in bufs]
+    row0, starts = torch.tensor(row0), torch.tensor(starts)
+    transfer.keep_sink_rows(want, res_k[:, :, :32], res_v[:, :, :32], row0, 4, starts)
+    transfer.keep_sinks_triton(bufs, res_k[:, :, :32], res_v[:, :, :32], row0, 4, starts)
     assert all(torch.equal(a, b) for a, b in zip(bufs, want))
-    assert torch.equal(bufs[0][:, :, :4], res_k[:, :, :4]) == first
+    for b in range(2):  # sink i of row b: slot starts[b] + i, row starts[b] + i - row0 of the block when it is in it
+        for i in range(4):
+            rel = int(starts[b]) + i - int(row0)
+            if 0 <= rel < 32:
+                assert torch.equal(bufs[0][b, :, i], res_k[b, :, rel]) and bufs[2][b, :, i].all()
+            else:
+                assert torch.equal(bufs[0][b, :, i], before[0][b, :, i]) and torch.equal(bufs[2][b, :, i], before[2][b, :, i])
 
 
 def test_record_rows_keeps_held_rows_in_place():
