@@ -20,10 +20,11 @@ How the pieces fit (transformers >= 5.23, < 6):
               CPU). It finds the cache through its attention module, which HFModel points at the layer's
               slot. The caches mask by position (causal, sliding windows), so the mask function builds
               nothing; it refuses a padding mask on a forward HFModel did not announce.
-  padding     a left-padded batch (transformers' attention mask, `left_padding`) gives each row caches of
-              its own (RowCaches; `HFModel.setup_rows`): a row's positions count from its first real
-              token, so its quantization groups, rings, top-k and fetches are those of the prompt alone,
-              and the padding is never stored. The rows share every other op of the forward.
+  padding     a left-padded batch (transformers' attention mask, `left_padding`) runs through the batched
+              caches with each row's first real slot (cache.setup_caches' row_start): the caches and their
+              kernels never attend, select or fetch the padding, and a row's positions (RoPE) count from
+              its first real token. The rows share the quantization groups and the residual window, so a
+              low-bit row decodes as its prompt alone where its padding is a multiple of the window.
   HFModel     the transformers model seen through model.Transformer's interface (`args`, `layers[i]
               .attention.kv_cache`, `setup_caches`, `forward(idx, input_pos, mode)`): cache.setup_caches
               and generate.py's prefill / pre_decode / decode_step / generate run on it unchanged:
@@ -127,18 +128,17 @@ def _cache_class():
         def __init__(self, slots, capacity):
             super().__init__(layers=[_CacheLayer(s, capacity) for s in slots])
             self.mode = self.input_pos = None
-            self.row_pos = None  # [B, T] each row's own positions in a padded batch (HFModel.setup_rows)
             self.stored = None  # (input_pos, kept) of the last forward that stored tokens: input_pos[:kept]
             self.inferred = None  # tokens of a forward whose step update() inferred (ends after the last layer)
             self.pending = None  # (layer, key) of the last update(): the attention call that belongs to it
 
-        def begin(self, mode, input_pos, row_pos=None):
-            self.mode, self.input_pos, self.row_pos = mode, input_pos, row_pos
+        def begin(self, mode, input_pos):
+            self.mode, self.input_pos = mode, input_pos
 
         def end(self, kept):
             if kept:
                 self.stored = (self.input_pos, kept)
-            self.mode = self.input_pos = self.row_pos = None
+            self.mode = self.input_pos = None
 
         def seen(self) -> int:
             return 0 if self.stored is None else int(self.stored[0][self.stored[1] - 1]) + 1
@@ -176,18 +176,18 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     D = query.shape[-1]
     if scaling is not None and abs(scaling * D ** 0.5 - 1) > 1e-6:
         query = query * (scaling * D ** 0.5)  # the caches scale by 1/sqrt(D)
-    pos = cache.input_pos if cache.row_pos is None else cache.row_pos
-    out = cache.layers[layer_idx].slot.kv_cache(query, key, value, pos, cache.mode)
+    out = cache.layers[layer_idx].slot.kv_cache(query, key, value, cache.input_pos, cache.mode)
     cache.after_layer(layer_idx)
     return out.transpose(1, 2).contiguous(), None
 
 
 def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
-    """The caches mask by position themselves; a padded batch's rows get caches of their own, set up
-    before the forward (HFModel.setup_rows), which then passes no mask."""
+    """The caches mask by position themselves, a padded batch's padding by the rows' first real slots given
+    when they are set up (setup_caches' row_start), so the forward passes no mask."""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise HFError("a padded batch runs with caches per row: generate with custom_generate=generate.hf_generate "
-                      "and attention_mask=, or set them up with HFModel.setup_rows")
+        raise HFError("a padded batch's caches are set up with its rows' starts: generate with "
+                      "custom_generate=generate.hf_generate and attention_mask=, or set them up with "
+                      "setup_caches(..., row_start=hf.left_padding(mask, B, P))")
     return None
 
 
@@ -215,33 +215,6 @@ def left_padding(attention_mask, batch: int, length: int):
         raise HFError(f"attention_mask: row {b} is " + ("right-padded: pad on the left (tokenizer.padding_side = 'left')"
                                                           if right else "not contiguous (a hole inside the prompt)"))
     return (length - n).to(torch.int64)
-
-
-class RowCaches(nn.Module):
-    """One layer's caches of a padded batch: one batch-1 cache per row (as setup_caches builds them),
-    fed the row's own positions (HFModel.forward: the column minus the row's padding). Prefill gives a
-    row only its real tokens (positions >= 0); its padding's output is zeros. A decode step runs
-    every row at its own positions: a loop over the batch, unrolled in a compiled step."""
-
-    def __init__(self, rows):
-        super().__init__()
-        self.rows = nn.ModuleList(rows)
-        self.policy = rows[0].policy  # what the decode loop reads (cache.fetch_policy)
-
-    def forward(self, q, k, v, row_pos, mode="decode"):
-        outs = []
-        for b, cache in enumerate(self.rows):
-            one = slice(b, b + 1)
-            if mode != "prefill":
-                outs.append(cache(q[one], k[one], v[one], row_pos[b], mode))
-                continue
-            first = int((row_pos[b] < 0).sum())  # the chunk's padding columns (prefill is eager)
-            out = q.new_zeros(q[one].shape)
-            if first < q.shape[2]:
-                out[:, :, first:] = cache(q[one, :, first:], k[one, :, first:], v[one, :, first:], row_pos[b, first:],
-                                          mode)
-            outs.append(out)
-        return torch.cat(outs)
 
 
 # transformers is optional: its subclasses are made, and the attention registered with it (a registry:
@@ -303,7 +276,7 @@ class HFModel(nn.Module):
         check_model_type(hf_model.config.model_type)
         self.hf = hf_model
         self.args = model_args(hf_model.config)
-        self.pad = None  # [B] each row's left padding, for caches set up per row (setup_rows)
+        self.row_start = None  # [B] a left-padded batch's first real slot per row (the caches', setup_caches)
         if hf_model.config._attn_implementation != NAME:
             hf_model.set_attn_implementation(NAME)
         self._new_layers()
@@ -327,35 +300,22 @@ class HFModel(nn.Module):
     def tok_embeddings(self):
         return self.hf.get_input_embeddings()
 
-    def setup_caches(self, make_cache) -> list:
-        """make_cache(i) per layer (model.Transformer.setup_caches): caches of the batch's rows together,
-        every row at the same positions."""
+    def setup_caches(self, make_cache, row_start=None) -> list:
+        """make_cache(i) per layer (model.Transformer.setup_caches): caches of the batch's rows together, at the
+        same slots; row_start [B]: each row's first real slot (a left-padded batch), its positions counted from it."""
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = make_cache(i)
-        self.cache.stored, self.pad = None, None
+        self.cache.stored, self.row_start = None, row_start
         return [layer.attention.kv_cache for layer in self.layers]
-
-    def setup_rows(self, setup_row, pad) -> "RowKVCaches":
-        """A left-padded batch: every row caches of its own. setup_row() sets up batch-1 caches on this
-        model (methods.setup_caches(view, config, 1, max_seq_len)) and returns them; pad [B]: each
-        row's left padding (left_padding). The loop's positions then count columns of the padded
-        batch; a row's own positions are the column minus its padding."""
-        rows = [setup_row() for _ in range(len(pad))]
-        for i, layer in enumerate(self.layers):
-            layer.attention.kv_cache = RowCaches([r[i] for r in rows])
-        self.cache.stored, self.pad = None, pad.to(self.tok_embeddings.weight.device)
-        return RowKVCaches([layer.attention.kv_cache for layer in self.layers], rows)
 
     def forward(self, idx, input_pos, mode="decode"):
         B, T = idx.shape
-        row_pos = None
-        if self.pad is not None:
-            if len(self.pad) != B:
-                raise HFError(f"the caches were set up for a padded batch of {len(self.pad)} rows, not {B}")
-            row_pos = input_pos[None] - self.pad[:, None]  # each row's own positions; its padding < 0
-        self.cache.begin(mode, input_pos, row_pos)
-        try:
-            out = self.hf(input_ids=idx, position_ids=input_pos[None].expand(B, T) if row_pos is None else row_pos.clamp(min=0),
+        if self.row_start is not None and len(self.row_start) != B:
+            raise HFError(f"the caches were set up for a batch of {len(self.row_start)} rows, not {B}")
+        row_start = self.row_start if self.row_start is not None else input_pos.new_zeros(1)
+        self.cache.begin(mode, input_pos)
+        try:  # (each row's positions count from its first real slot)
+            out = self.hf(input_ids=idx, position_ids=(input_pos[None] - row_start[:, None]).clamp(min=0).expand(B, T),
                           past_key_values=self.cache, use_cache=True, logits_to_keep=1 if mode == "prefill" else 0)
         finally:
             self.cache.end({"prefill": T, "decode": 1}.get(mode, 0))
@@ -382,27 +342,6 @@ class HFModel(nn.Module):
         draft._modules = dict(self._modules, hf=swap(self.hf))
         draft._new_layers()
         return draft
-
-
-class RowKVCaches(list):
-    """What setup_rows set up: the layers' RowCaches, with the rows' caches.KVCaches (`rows`) and their
-    byte accounting summed over the rows."""
-
-    def __init__(self, layers, rows):
-        super().__init__(layers)
-        self.rows, self.config, self.meter = rows, rows[0].config, rows[0].meter
-
-    def device_bytes(self) -> int:
-        return sum(r.device_bytes() for r in self.rows)
-
-    def host_bytes(self) -> int:
-        return sum(r.host_bytes() for r in self.rows)
-
-    def read_bytes(self, step_tokens: int) -> int:
-        return sum(r.read_bytes(step_tokens) for r in self.rows)
-
-    def fetch_bytes_per_step(self, deployed: bool = False) -> int:
-        return sum(r.fetch_bytes_per_step(deployed) for r in self.rows)
 
 
 class _Biased(nn.Module):

@@ -139,15 +139,22 @@ def padded_batch(prompts, pad_id: int):
     return ids, torch.tensor([P - p.shape[1] for p in prompts])
 
 
-def replayed(recordings, logits):
-    """A Steps.prefill that stores each row's recording in its caches (a RowCaches' rows, or batch 1's)."""
-    import hf
-
+def replayed(recordings, logits, pad=None):
+    """A Steps.prefill that stores each row's recording (its prompt prefilled alone: per layer (k, v, pos, q))
+    at the row's slots of the batch's caches, past its left padding pad [B] (zeros there: padding is never
+    attended, and the quantizer fills it from the row's first real row)."""
     def fill(view, prompt):
+        P = prompt.shape[1]
+        starts = pad.tolist() if pad is not None else [0] * len(recordings)
         for i, layer in enumerate(view.layers):
-            c = layer.attention.kv_cache
-            for row, rec in zip(c.rows if isinstance(c, hf.RowCaches) else [c], recordings):
-                row.append_prefill(*rec[i])
+            parts = [rec[i] for rec in recordings]
+            lo = min(int(pos[0]) + s for (_, _, pos, _), s in zip(parts, starts))  # (a window's ring: its last rows)
+            k = parts[0][0].new_zeros(len(parts), parts[0][0].shape[1], P - lo, parts[0][0].shape[3])
+            v = torch.zeros_like(k)
+            for b, ((kb, vb, pos, _), s) in enumerate(zip(parts, starts)):
+                at = pos + s - lo
+                k[b, :, at], v[b, :, at] = kb[0], vb[0]
+            layer.attention.kv_cache.append_prefill(k, v, torch.arange(lo, P, device=k.device))
         return logits
     return fill
 
@@ -172,17 +179,14 @@ def side_by_side(a, view, tok, n: int) -> list[dict]:
         for batch in (1, a.batch) if name in a.batch_caches.split(",") and a.batch > 1 else (1,):
             use = recs[:batch]
             ids, pad = padded_batch([r[0] for r in use], pad_id=0)
-            fill = replayed([r[1] for r in use], torch.cat([r[2] for r in use]))
+            fill = replayed([r[1] for r in use], torch.cat([r[2] for r in use]), pad)
             tokens = {}
             for compiled in (False, True):
                 torch._dynamo.reset()
                 steps = generate.Steps(prefill=fill)
                 if compiled:
                     steps = steps.compiled(device, pre_decode=CacheConfig.from_name(name).policy.resync)
-                if batch == 1:
-                    methods.setup_caches(view, name, 1, ids.shape[1] + n_new + 2)
-                else:
-                    view.setup_rows(lambda: methods.setup_caches(view, name, 1, ids.shape[1] + n_new + 2), pad)
+                methods.setup_caches(view, name, batch, ids.shape[1] + n_new + 2, row_start=pad)
                 marks, t0 = measure.StepMarks(device), time.perf_counter()
                 with torch.no_grad():
                     out, _ = generate.generate(view, ids, generate.Decoding(n_new), steps, lambda *_: marks.mark())
