@@ -390,6 +390,49 @@ def test_prefill_replay_equals_prefilling_each_cache():
             "infllm-p8-k32-r16-sink4-repr2", "kivi-2bit-zipcache-s40-hi4")] == [False, False, True, True]
 
 
+def test_a_batch_of_prompts_decodes_each_prompts_answer():
+    """Runner.generate_rows decodes prompts of 100, 68 and 36 tokens together (left-padded by 0, 32 and 64, multiples
+    of the caches' residual windows): each row's answer is its prompt's alone, prefilled per cache and replayed
+    from one recording of the padded batch."""
+    import random
+    from config import CacheConfig
+
+    r = tiny_runner()
+    rows = [[random.Random(seed).randrange(256) for _ in range(n)] for seed, n in ((3, 100), (4, 68), (5, 36))]
+    for name in ("full", "kivi-2bit-g16-r32", "specache-1bit-k8-g16-r16", "specache-1bit-k8-g16-r16-resync-sink4"):
+        m = CacheConfig.from_name(name)
+        r.replay = None
+        alone = [r.generate(m, ids, 12)[0] for ids in rows]
+        assert r.generate_rows(m, rows, 12)[0] == alone, name
+        r.replay = PrefillReplay(2048, [m])
+        assert r.generate_rows(m, rows, 12)[0] == alone, name
+        assert r.generate_rows(m, rows, 12)[0] == alone, name  # (the recording replayed)
+
+
+def test_niah_batch_groups_prompts_by_method(tmp_path):
+    """cmd_niah --batch 2 on a tiny model: the cells of two prompts at a time and one method make a batch; the
+    fp cache's answers are the batch-1 run's."""
+    import zlib
+    from types import SimpleNamespace
+
+    r = tiny_runner()
+    r.tok = HashTokenizer()
+    r.encode_prompt = lambda text: [zlib.crc32(w.encode()) % 256 for w in text.split()]
+    a = SimpleNamespace(checkpoint=Path("tiny"), lengths=[200, 300], depths=[0.5], max_new_tokens=3,
+                        prompt_form="chat", needles=[0], batch=1)
+    rows = {}
+    for batch in (1, 2):
+        a.batch = batch
+        results = ev.Results(tmp_path / f"batch{batch}")
+        ev.cmd_niah(a, r, ev.expand_methods("full,kivi-1bit-g16-r16"), results)
+        rows[batch] = {(x["method"], x["length"]): x for x in results.of("niah")}
+    assert rows[1].keys() == rows[2].keys() and len(rows[1]) == 4
+    assert all(rows[2][k].get("batch") == 2 for k in rows[2])
+    assert [rows[1][k]["output"] for k in rows[1] if k[0] == "full"] == [rows[2][k]["output"] for k in rows[1] if k[0] == "full"]
+    cells = [(dict(method=m, length=L), None) for L in (1, 2, 3) for m in "ab"]
+    assert [len(g) for g in eval_report.batches(cells, 2)] == [2, 2, 1, 1]
+
+
 # ---- method names ---------------------------------------------------------------------------------------
 def test_method_parsing():
     from config import CacheConfig as C

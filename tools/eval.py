@@ -27,7 +27,6 @@ records it as prompt_form.
 import argparse
 import os
 import sys
-import time
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch  # noqa: E402
 
 import tp  # noqa: E402
 from config import CacheConfig  # noqa: E402
-from tools.eval_report import (Results, begin_cells, end_cells, init_cells, mean, my_cells,  # noqa: E402
+from tools.eval_report import (Results, init_cells, mean, run_cells,  # noqa: E402
                                 write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
                                 write_ruler_report, write_saliency_report)
 from tools.replay import PrefillReplay, Recorder  # noqa: E402
@@ -115,13 +114,14 @@ class Runner:
         self.fixed_len = a.cache_len if a.compile else None
         self.steps = generate.Steps().compiled(self.device) if a.compile else generate.Steps()
 
-    def setup(self, m: CacheConfig, seq_len: int):
-        """Fresh caches for one prompt (kept in self.caches); one error line for a cache this prompt cannot hold
-        (an InfLLM budget below its smallest layout), the rows before it kept."""
+    def setup(self, m: CacheConfig, seq_len: int, row_start=None):
+        """Fresh caches for one prompt, or a left-padded batch of several (row_start: each row's first real slot;
+        kept in self.caches); one error line for a cache this prompt cannot hold (an InfLLM budget below its
+        smallest layout, a sibling's cache and padding), the rows before it kept."""
         from methods import setup_caches
         seq_len = self.fixed_len or seq_len
         try:
-            self.caches = setup_caches(self.model, m, 1, seq_len)
+            self.caches = setup_caches(self.model, m, 1 if row_start is None else len(row_start), seq_len, row_start)
         except ValueError as e:
             raise SystemExit(f"error: {e} (a sequence of {seq_len} positions)")
 
@@ -146,6 +146,23 @@ class Runner:
         row = [int(t) for t in out[0]]
         ends = [i for i, t in enumerate(row) if t in self.tok.eos_ids]
         return self.tok.decode(row[:ends[0]] if ends else row), stats
+
+    def generate_rows(self, m: CacheConfig, rows: list, max_new: int):
+        """Greedy answers (cut at the first EOS) to several prompts decoded together, left-padded to the longest
+        (the caches' row_start), and the batch's stats."""
+        if len(rows) == 1:
+            text, stats = self.generate(m, rows[0], max_new)
+            return [text], stats
+        from cli import left_padded
+        prompt, starts = left_padded(rows, 0, self.device)  # (the padding is never attended: any id)
+        self.setup(m, prompt.shape[1] + max_new + 2, starts)
+        decoding = self.gen.Decoding(max_new, eos_ids=frozenset(self.tok.eos_ids))
+        out, stats = self.gen.generate(self.model, prompt, decoding, replace(self.steps, prefill=self.prefill_step()))
+        texts = []
+        for row in out.tolist():
+            ends = [i for i, t in enumerate(row) if t in self.tok.eos_ids]
+            texts.append(self.tok.decode(row[:ends[0]] if ends else row))
+        return texts, stats
 
     def nll_decode_path(self, m: CacheConfig, ids: list[int], n_eval: int) -> list[float]:
         """Teacher-forced NLL of the last n_eval tokens through the decode path: prefill ids[:L-n_eval-1],
@@ -194,21 +211,6 @@ class Runner:
 
 
 # ==== subcommands ===================================================================================================
-def run_cells(cells, results: Results, fn, desc: str):
-    """cells: [(key fields, payload)]; fn(fields, payload) -> record. Skips cells already in the results."""
-    from tqdm import tqdm
-
-    todo = [(f, p) for f, p in cells if Results.key(f) not in results.done]
-    if len(todo) < len(cells):
-        print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {results.path}: skipped", file=sys.stderr)
-    begin_cells(results)  # under torchrun: each rank takes a share and appends to its own file
-    for fields, payload in tqdm(my_cells(todo), desc=desc, unit="cell", dynamic_ncols=True):
-        t0 = time.perf_counter()
-        record = fn(fields, payload)
-        results.add(Results.key(fields), dict(fields, **record, seconds=round(time.perf_counter() - t0, 2)))
-    end_cells(results)  # rank 0 folds the ranks' files into the one results file; the others end here
-
-
 def base_fields(cmd, a, m: CacheConfig) -> dict:
     return dict(cmd=cmd, model=a.checkpoint.name, method=m.name)
 
@@ -219,14 +221,16 @@ def form_fields(a) -> dict:
     return {} if a.prompt_form == "chat" else dict(prompt_form=a.prompt_form)
 
 
-def answer(runner: Runner, m: CacheConfig, sample, max_new: int) -> dict:
-    """Greedy answer to a task sample: the fields every generation cell records (plus the text)."""
-    ids = runner.encode_prompt(render(runner.tok, sample))
-    text, stats = runner.generate(m, ids, max_new)
-    return dict(output=text, prompt_tokens=len(ids), spec_exact_hit_rate=stats["spec_exact_hit_rate"],
-                prefill_s=round(stats["prefill_s"], 2), resyncs=stats["resyncs"], decode_steps=stats["decode_steps"],
-                decode_tok_s=round(stats["decode_tok_s"], 2),
-                bits=m.bits_per_value(runner.model.args.head_dim, runner.model.args.n_heads // runner.model.args.n_kv_heads))
+def answer(runner: Runner, m: CacheConfig, samples, max_new: int) -> list[dict]:
+    """Greedy answers to task samples, decoded together (a left-padded batch) when there are several: the
+    fields every generation cell records (plus the text; the stats are the batch's, `batch` its rows)."""
+    rows = [runner.encode_prompt(render(runner.tok, s)) for s in samples]
+    texts, stats = runner.generate_rows(m, rows, max_new)
+    common = dict(spec_exact_hit_rate=stats["spec_exact_hit_rate"], prefill_s=round(stats["prefill_s"], 2),
+                  resyncs=stats["resyncs"], decode_steps=stats["decode_steps"], decode_tok_s=round(stats["decode_tok_s"], 2),
+                  bits=m.bits_per_value(runner.model.args.head_dim, runner.model.args.n_heads // runner.model.args.n_kv_heads),
+                  **({"batch": len(rows)} if len(rows) > 1 else {}))
+    return [dict(output=text, prompt_tokens=len(ids), **common) for text, ids in zip(texts, rows)]
 
 
 def cmd_niah(a, runner, methods, results):
@@ -235,13 +239,16 @@ def cmd_niah(a, runner, methods, results):
              for L in a.lengths for n in a.needles for d in a.depths for m in methods]  # prompt-major: a prefill each
     sample = lru_cache(1)(lambda L, d, n: niah(runner.tok, L, d, a.prompt_form, n))
 
-    def run(f, m):
-        s = sample(f["length"], f["depth"], f.get("needle", 0))
-        out = answer(runner, m, s, f["max_new"])
-        return dict(label=m.name, score=niah_score(out["output"], s.answers), **out, prompt_form=s.form,
-                    needle_depth=round(s.meta["needle_char"] / max(1, s.meta["context_chars"]), 4))
+    def run(group):
+        m = group[0][1]
+        ss = [niah(runner.tok, f["length"], f["depth"], a.prompt_form, f.get("needle", 0)) if len(group) > 1 else
+              sample(f["length"], f["depth"], f.get("needle", 0)) for f, _ in group]
+        return [dict(label=m.name, score=niah_score(out["output"], s.answers), **out, prompt_form=s.form,
+                     needle_depth=round(s.meta["needle_char"] / max(1, s.meta["context_chars"]), 4))
+                for s, out in zip(ss, answer(runner, m, ss, group[0][0]["max_new"]))]
 
-    run_cells(cells, results, run, "niah")
+    batch = getattr(a, "batch", 1)
+    run_cells(cells, results, run if batch > 1 else lambda f, m: run([(f, m)])[0], "niah", batch)
     write_niah_report(results)
 
 
@@ -257,13 +264,16 @@ def cmd_ruler(a, runner, methods, results):
     cells.sort(key=lambda c: (c[0]["length"], c[0]["task"], c[0]["sample"]))
     sample = lru_cache(1)(lambda t, L, i: ruler_sample(runner.tok, t, L, i, seed=a.seed, form=a.prompt_form))
 
-    def run(f, m):
-        s = sample(f["task"], f["length"], f["sample"])
-        out = answer(runner, m, s, f["max_new"])
-        return dict(label=m.name, score=ruler_score(f["task"], out["output"], s.answers),
-                    answers=s.answers, **out, prompt_form=s.form)
+    def run(group):
+        m = group[0][1]
+        ss = [ruler_sample(runner.tok, f["task"], f["length"], f["sample"], seed=a.seed, form=a.prompt_form)
+              if len(group) > 1 else sample(f["task"], f["length"], f["sample"]) for f, _ in group]
+        return [dict(label=m.name, score=ruler_score(f["task"], out["output"], s.answers), answers=s.answers, **out,
+                     prompt_form=s.form)
+                for (f, _), s, out in zip(group, ss, answer(runner, m, ss, max(f["max_new"] for f, _ in group)))]
 
-    run_cells(cells, results, run, "ruler")
+    batch = getattr(a, "batch", 1)
+    run_cells(cells, results, run if batch > 1 else lambda f, m: run([(f, m)])[0], "ruler", batch)
     write_ruler_report(results)
 
 
@@ -436,6 +446,8 @@ DEFAULTS = {
     "saliency": dict(methods="full", lengths="2000,4000", samples=2),
 }
 HIT_PROMPTS = ("essay", "needle", "qa_squad", "qa_hotpot")
+BATCH_HELP = ("decode this many prompts of a cache together, one left-padded batch (the same rows as alone where "
+              "the paddings are multiples of the residual window; the rows' stats are the batch's)")
 PROMPT_FORM_HELP = ("chat (default): the question in the model's chat template (instruct models); completion: "
                     "text that a base model continues (tools/tasks.py)")
 SUBCOMMANDS = {  # name: (help, its own options)
@@ -443,12 +455,14 @@ SUBCOMMANDS = {  # name: (help, its own options)
         ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
         ("--depths", dict(default=None, help="needle depths in [0, 1]")),
         ("--needles", dict(default="0", help="which needles (tools/tasks.py NEEDLES; 0: Kamradt's)")),
-        ("--max-new-tokens", dict(type=int, default=32))]),
+        ("--max-new-tokens", dict(type=int, default=32)),
+        ("--batch", dict(type=int, default=1, help=BATCH_HELP))]),
     "ruler": ("RULER-style tasks", [
         ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
         ("--tasks", dict(default=None, help=f"comma list of: {', '.join(RULER_TASKS)} (default all)")),
         ("--samples", dict(type=int, default=None)),
-        ("--max-new-tokens", dict(type=int, default=None, help="default per task (32-64)"))]),
+        ("--max-new-tokens", dict(type=int, default=None, help="default per task (32-64)")),
+        ("--batch", dict(type=int, default=1, help=BATCH_HELP))]),
     "ppl": ("perplexity through the decode path", [
         ("--n-eval", dict(type=int, default=None, help="scored tokens at the end of each window")),
         ("--windows", dict(type=int, default=None, help="windows per length")),
@@ -529,7 +543,7 @@ def parse_args(argv=None):
         a.group_list = parse_int_list(a.group or "64", "group")
         if not 0 < a.salient_ratio <= 1:
             raise SystemExit(f"error: --salient-ratio must be in (0, 1], got {a.salient_ratio}")
-    for flag in ("samples", "steps", "n_eval", "windows", "max_new_tokens", "threads", "prefill_chunk", "stride"):
+    for flag in ("samples", "steps", "n_eval", "windows", "max_new_tokens", "threads", "prefill_chunk", "stride", "batch"):
         value = getattr(a, flag, None)
         if value is not None and value < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1, got {value}")

@@ -1,9 +1,12 @@
 """tools/eval.py's results and tables: the results file (one JSON line per finished cell, resumable; under
-torchrun the cells spread over the ranks, one file each, folded into one), the markdown report of
+torchrun the cells spread over the ranks, one file each, folded into one; `run_cells` runs them, a batch of
+prompts at a time if asked), the markdown report of
 each subcommand and its plots (NIAH heatmap, per-layer hit rates)."""
 import json
 import math
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -85,6 +88,41 @@ def fold_rank_files(results_path: Path):
             out.write("".join(ln + "\n" for ln in lines))
     for part in parts:
         part.unlink()
+
+
+def run_cells(cells, results: Results, fn, desc: str, batch: int = 1):
+    """cells: [(key fields, payload)]; fn(fields, payload) -> record. Skips cells already in the results.
+    batch > 1: fn([(fields, payload)]) -> [record] for the cells of up to `batch` prompts and one method at a
+    time (cells with the same fields but the method's and the prompt's: `batches`)."""
+    from tqdm import tqdm
+
+    todo = [(f, p) for f, p in cells if Results.key(f) not in results.done]
+    if len(todo) < len(cells):
+        print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {results.path}: skipped", file=sys.stderr)
+    begin_cells(results)  # under torchrun: each rank takes a share and appends to its own file
+    groups = batches(my_cells(todo), batch) if batch > 1 else [[c] for c in my_cells(todo)]
+    for group in tqdm(groups, desc=desc, unit="cell" if batch == 1 else "batch", dynamic_ncols=True):
+        t0 = time.perf_counter()
+        records = fn(group) if batch > 1 else [fn(*group[0])]
+        for (fields, _), record in zip(group, records):
+            results.add(Results.key(fields), dict(fields, **record, seconds=round(time.perf_counter() - t0, 2)))
+    end_cells(results)  # rank 0 folds the ranks' files into the one results file; the others end here
+
+
+def batches(todo, n: int) -> list:
+    """The cells of each `n` consecutive prompts (a prompt: the cells' fields but the method), one method at a
+    time in the cells' order: what one left-padded batch decodes."""
+    prompt = lambda f: Results.key({k: v for k, v in f.items() if k not in ("method",)})  # noqa: E731
+    order = list(dict.fromkeys(prompt(f) for f, _ in todo))
+    out = []
+    for i in range(0, len(order), n):
+        chunk = set(order[i:i + n])
+        by_method = {}  # (and by answer length: a batch decodes one length)
+        for f, m in todo:
+            if prompt(f) in chunk:
+                by_method.setdefault((f["method"], f.get("max_new")), []).append((f, m))
+        out += list(by_method.values())
+    return out
 
 
 def begin_cells(results):
