@@ -27,10 +27,12 @@ ruler() {  # LENGTH SAMPLES: one call per task and sample
     done
   done
 }
+QA_BASELINE=infllm@specache-1bit-best  # InfLLM-style retrieval at the 1-bit preset's 16-bit bytes, on the same prefill
 qa() {  # LENGTH SAMPLES: RULER's two QA tasks over real documents, one call per sample and task (alternating)
   for i in $(seq 1 $2); do
     for t in qa_squad qa_hotpot; do
-      $E ruler --checkpoint $M --threads 2 --lengths $1 --samples $i --tasks $t --methods $CACHES --out $R/qa16k
+      $E ruler --checkpoint $M --threads 2 --lengths $1 --samples $i --tasks $t --methods $CACHES,$QA_BASELINE \
+         --out $R/qa16k
     done
   done
 }
