@@ -1,7 +1,6 @@
-"""tools/bench.py on a tiny random Llama: fields, byte accounting, the budget search. No timing assertions."""
+"""tools/bench.py on a tiny random Llama: fields, byte accounting, the report. No timing assertions (Table 3:
+tests/test_table3.py; tools/gpu_check.py: tests/test_gpu_check.py)."""
 import json
-import os
-import sys
 from argparse import Namespace
 from dataclasses import asdict
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 import quant
-from cache import KVCaches, setup_caches
+from cache import KVCaches
 from tests.helpers import setup, tiny_model
 from tools import bench, bench_report, measure
 
@@ -95,49 +94,6 @@ def test_read_bytes_full_and_lowbit(model):
             expect += L * B * Hkv * (8 * fp_row + 128 * key_tok)
             assert pf.bytes_per_step() == L * B * Hkv * 8 * fp_row
         assert caches.read_bytes(2) == expect
-
-
-@pytest.mark.parametrize("cache", ["full", "kivi", "specache"])
-def test_budget_lines_are_linear_in_the_batch(model, cache):
-    a = opts()
-    n = bench.cache_len(100, a)
-    fixed, per_row, host_row = bench.kv_bytes_linear(model, cache, n, a)
-    cfg, _ = bench.bench_config(cache, a)
-    caches = setup_caches(model, cfg, 3, n)
-    assert caches.device_bytes() == fixed + 3 * per_row
-    assert caches.host_bytes() == 3 * host_row
-
-
-def test_budget_section_caps_and_fixed_batch(model):
-    a = opts(kv_budget_gb=None, max_run_batch=2)
-    ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(1)).tolist()
-    caches = ["full", "kivi", "specache"]
-    n = bench.cache_len(64, a)
-    lines = {c: bench.kv_bytes_linear(model, c, n, a) for c in caches}
-    fixed, per_row, _ = lines["full"]
-    a.kv_budget_gb = (fixed + 3.5 * per_row) / 1e9  # full fits 3; the low-bit caches fit more
-    runner = bench.Runner(model, ids, a, BW)
-    out = bench.budget_section(runner, caches, [64], a)
-    rows = {r["cache"]: r for r in out["rows"]}
-    for c in caches:
-        r = rows[c]
-        f, p, h = lines[c]
-        assert f + p * r["max_batch"] <= a.kv_budget_gb * 1e9 < f + p * (r["max_batch"] + 1)
-        assert r["run_batch"] == min(r["max_batch"], 2) and r["capped"] == (r["max_batch"] > 2)
-        measured = runner.rows[(c, 64, r["run_batch"])]
-        assert measured["kv_device_bytes"] == f + p * r["run_batch"]
-    assert rows["full"]["max_batch"] == 3
-    assert rows["kivi"]["max_batch"] > 3 and rows["specache"]["max_batch"] > 3
-    assert rows["full"]["speedup_vs_full"] == 1.0
-    # host memory is the second limit: SpeCache keeps an fp16 copy of every row there
-    a.host_budget_gb = 2.5 * lines["specache"][2] / 1e9
-    limited = {r["cache"]: r for r in bench.budget_section(runner, caches, [64], a)["rows"]}
-    assert limited["specache"]["max_batch"] == 2 and limited["kivi"]["max_batch"] == rows["kivi"]["max_batch"]
-    # Q6: one batch for all (min of the max batches, capped), ratios against full and kivi
-    assert {r["batch"] for r in out["fixed"]} == {2}
-    fx = {r["cache"]: r for r in out["fixed"]}
-    assert fx["full"]["vs_full"] == 1.0 and fx["kivi"]["vs_kivi"] == 1.0
-    assert fx["specache"]["vs_kivi"] == pytest.approx(fx["specache"]["tok_s"] / fx["kivi"]["tok_s"])
 
 
 def test_overlap_stats():
@@ -360,119 +316,6 @@ def test_layers_and_attention_path_are_run_and_recorded(tmp_path):
             bench.parse_args(bad)
 
 
-def test_table3_run_cap_and_host_budget_defaults(model):
-    """Without --max-run-batch a CPU run caps at 4 and CUDA at what its free memory holds; the pinned
-    host budget defaults to half the memory available now, not all of RAM."""
-    import os
-    a = bench.parse_args([])
-    assert a.max_run_batch == 4 and bench.run_batch_cap(model, 0, 1, a) == 4
-    assert bench.run_batch_cap(model, 0, 1, opts(max_run_batch=None)) is None  # (CPU, no cap asked)
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 1e9
-    assert 0 < a.host_budget_gb <= 0.5 * available * 1.1
-
-
-# ---- tools/gpu_check.py (make gpu-check) --------------------------------------------------------------------
-def test_gpu_check_without_cuda_says_so_in_one_line():
-    import subprocess
-    import sys
-    from tests.helpers import ROOT
-    r = subprocess.run([sys.executable, "tools/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.count("\n") == 1 and "no CUDA device" in r.stdout, r.stdout + r.stderr
-
-
-def test_gpu_check_reports_failures_budget_cuts_and_skipped_runs(tmp_path, monkeypatch, capsys):
-    """The summary's statuses and exit code, with the sub-runs faked (20 s each; the background tests 50 s
-    of simulated time): a failing test fails the check; a step the timeout cuts is "cut" and, once too
-    little budget is left, later ones "not run", neither a failure; a step that ends while the background
-    tests run says so; after every step the summary is packed into at most MAX_FILES files."""
-    import threading
-    from tools import gpu_check
-    clock, packed = [0.0], []
-    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(gpu_check, "EXPECTED_S", {k: 50 if k == "tests-rest" else 0 for k in gpu_check.EXPECTED_S})
-
-    def fake_run(cmd, timeout, log, env=None, fail_test=False):
-        if threading.current_thread() is threading.main_thread():  # (the main thread packs)
-            assert len(list(tmp_path.iterdir())) <= gpu_check.MAX_FILES, list(tmp_path.iterdir())
-            if (tmp_path / "summary.json").exists():
-                packed.append(len(json.loads((tmp_path / "summary.json").read_text())["steps"]))
-        clock[0] += 20.0
-        log.write_text("progress\n")
-        if "--collect-only" in cmd:
-            return 0, "".join(f"tests/test_cuda.py::{t}\n" for t in ("test_gluon_a", "test_fused_selection_b", "test_c")), 20.0
-        if "--stub" not in cmd:  # the imports, and the one real toy bench run
-            if "--json" in cmd:
-                out = cmd[cmd.index("--json") + 1]
-                open(out, "w").write(json.dumps({"grid": [{"label": "full", "step_ms_median": 2.0, "n_layers": 1}]}))
-            return 0, "", 20.0
-        spec = json.loads(cmd[cmd.index("--stub") + 1])
-        if spec["xml"]:
-            bad = '<failure message="AssertionError: off"/>' if fail_test else ""
-            with open(spec["xml"], "w") as f:
-                f.write(f'<testsuite><testcase name="{spec["tests"][0].split("::")[1]}" time="1.0">{bad}</testcase>'
-                        '</testsuite>')
-            return (1 if fail_test else 0), "", 20.0
-        if "--attn-path words" in spec["cmd"] and "--caches specache " in spec["cmd"]:  # cut by its timeout
-            return None, "progress\n", 20.0
-        gpu_check.stub(spec)
-        return 0, "progress\n", 20.0
-
-    monkeypatch.setattr(gpu_check, "run", fake_run)
-    # 100 s to the tests in the background; 4- and 8-layer steps, Table 3 and the word path's steps of 20 s each
-    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "350"]) == 0
-    rows = {r["step"]: r for r in json.loads((tmp_path / "summary.json").read_text())["steps"]}
-    tests = {t["check"]: t["status"] for t in json.loads((tmp_path / "summary.json").read_text())["tests"]}
-    assert tests == {"test_gluon_a": "pass", "test_fused_selection_b": "pass", "test_c": "pass"}
-    assert rows["fp16 step, fp16, 32k, 4 layers"]["status"] == "pass"
-    assert rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["status"] == "pass"
-    assert "2.00x the fp16 step" in rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["note"]  # (4 ms of 4 layers vs 2)
-    # the background tests start at 100 s with 50 s of simulated time: the fp16 step ends at 140 s, the next at 160
-    assert rows["fp16 step, fp16, 32k, 4 layers"]["beside"] == "CUDA tests running"
-    assert rows["KIVI 1-bit step, gluon, 32k, 4 layers"]["beside"] == ""
-    assert rows["preset without resync step, gluon, 32k, 4 layers"]["status"] == "pass"
-    assert rows["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "pass"
-    # full depth on the line through 4 and 8 layers: fp16 2 + (8 - 2) * 7 (this fake's 4-layer JSON, the stub's
-    # 8-layer one), SpeCache 4 + (8 - 4) * 7
-    assert rows["SpeCache 1-bit paper step, gluon, 32k, 8 layers"]["note"].endswith(
-        "at 32 layers (a line through 4 and 8): 32.00 ms, 0.73x the fp16 step's 44.00")
-    assert rows["fp16 step, full depth, 32k"]["status"] == "not run"  # (200 s to start)
-    assert rows["SpeCache 1-bit paper step, words, 32k, 4 layers"]["status"] == "cut"
-    assert packed == sorted(packed) and len(set(packed)) > 10  # packed again after every step
-    assert "0 failed" in capsys.readouterr().out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.txt", "results.json", "summary.json", "summary.md"]
-    assert "===== SpeCache 1-bit paper step, words, 32k, 4 layers (cut, 20 s) =====" in (tmp_path / "logs.txt").read_text()
-
-    monkeypatch.setattr(gpu_check, "run", lambda *a, **k: fake_run(*a, **k, fail_test=True))
-    clock[0] = 0.0
-    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path), "--budget-s", "150"]) == 1
-    rows = {r["step"]: r["status"] for r in json.loads((tmp_path / "summary.json").read_text())["steps"]}
-    assert rows["CUDA tests: Gluon and bit-plane paths"] == "FAIL"
-    assert rows["fp16 step, fp16, 32k, 4 layers"] == "pass"  # 30 s left: just enough
-    assert rows["KIVI 1-bit step, words, 32k, 4 layers"] == "not run"  # the budget is spent
-
-
-def test_gpu_check_dry_run_walks_every_step(tmp_path):
-    """`--dry-run-cpu`: the imports, the CUDA tests' collection and one toy bench run are real, the GPU work
-    stubbed and its time simulated: one summary row per step, at most MAX_FILES files, and a real call's budget
-    runs the 4- and 8-layer steps and Table 3, then what fits of the preset's and the word path's, and leaves the
-    full-depth steps out."""
-    from tools import gpu_check
-    assert gpu_check.main(["--dry-run-cpu", "--out", str(tmp_path)]) == 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    steps = {r["step"]: r for r in summary["steps"]}
-    assert list(steps)[:3] == ["environment", "imports", "collect the CUDA tests"]
-    assert len(summary["steps"]) == 3 + len(gpu_check.plan(sys.executable, tmp_path, tmp_path, {}))
-    later = [name for name in steps if "full depth" in name]
-    words = [name for name in steps if "words" in name or "preset" in name]
-    assert later and all(steps[name]["status"] == "not run" for name in later)
-    assert {steps[name]["status"] for name in words} <= {"pass", "not run"}
-    assert all(r["status"] == "pass" for name, r in steps.items() if name not in later + words)
-    assert steps["Table 3: batch on a 4 GB KV budget, 32k, 4 layers"]["status"] == "pass"
-    assert len(summary["tests"]) > 60 and {t["status"] for t in summary["tests"]} == {"pass"}
-    assert len(list(tmp_path.iterdir())) <= gpu_check.MAX_FILES
-    assert "| fp16 step, fp16, 32k, 4 layers | pass |" in (tmp_path / "summary.md").read_text()
-
-
 def gpu_doc_commands() -> list[tuple[str, list]]:
     """(script, argv) of every `python[3] SCRIPT ...` in docs/gpu.md, inline (across line breaks) or in a code block."""
     import re
@@ -506,32 +349,6 @@ def test_every_gpu_doc_command_parses_as_written():
             raise AssertionError(f"docs/gpu.md: `{script} {' '.join(argv)}` does not parse") from e
         if script == "tools/bench.py":
             assert a.model or a.sweep or a.floors, f"docs/gpu.md: `{script} {' '.join(argv)}` needs a checkpoint"
-
-
-def test_per_test_alarm_fails_a_slow_test_and_goes_on(tmp_path):
-    """SPECACHE_TEST_TIMEOUT_S (tests/conftest.py): the slow test fails with TimeoutError, the next one runs."""
-    import subprocess
-    from tests.helpers import ROOT
-    (tmp_path / "test_probe.py").write_text("import time\n\ndef test_slow():\n    time.sleep(30)\n\n"
-                                            "def test_fast():\n    pass\n")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "tests.conftest", "--rootdir",
-                        str(tmp_path), str(tmp_path / "test_probe.py")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "SPECACHE_TEST_TIMEOUT_S": "1"})
-    assert "1 failed, 1 passed" in r.stdout and "TimeoutError: over SPECACHE_TEST_TIMEOUT_S=1 s" in r.stdout, r.stdout
-
-
-def test_gpu_check_run_keeps_the_output_of_a_cut_run(tmp_path):
-    """A sub-run the timeout kills leaves what it printed in its log (on the H100 a buffered pytest run
-    cut by an outer limit once left nothing)."""
-    import sys
-    from tools import gpu_check
-    log = tmp_path / "x.log"
-    code, out, secs = gpu_check.run([sys.executable, "-c", "import sys, time; print('first line', flush=True); "
-                                     "print('to stderr', file=sys.stderr, flush=True); time.sleep(60)"], 3, log)
-    assert code is None and secs < 30 and "first line" in out and "to stderr" in out
-    assert log.read_text() == out
-    code, out, _ = gpu_check.run([sys.executable, "-c", "raise SystemExit(3)"], 30, log)
-    assert code == 3 and out == ""
 
 
 def test_the_presets_resync_forwards_are_run_and_counted(model):

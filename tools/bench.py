@@ -22,7 +22,9 @@ hook (CUDA events on CUDA). Bytes: "KV device"/"host" are the caches' own accoun
 floor: valid fp K/V for the full cache; codes, scales, residual, fetched rows and the top-k key pass
 for the low-bit ones). "achieved GB/s" = read/step / median step time, next to the copy bandwidth
 measured at start-up. --kernels times each kernel alone against its byte floor, at the measured
-bandwidth and at an H100 SXM's 3.35 TB/s.
+bandwidth and at an H100 SXM's 3.35 TB/s. --kv-budget-gb runs Table 3 (tools/table3.py); as the paper
+runs it, at 4 layers: `--layers 4 --contexts 32768 --caches full,specache,specache-2bit --kv-budget-gb 4
+--no-grid --no-fixed-batch --prefill-one-row` (tools/gpu_check.py's).
 """
 import argparse
 import functools
@@ -41,7 +43,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor
 
 import torch  # noqa: E402
 
-from tools import bench_hf, bench_kernels  # noqa: E402
+from tools import bench_hf, bench_kernels, table3  # noqa: E402
 import generate  # noqa: E402
 from tools import measure  # noqa: E402
 from tools.bench_report import md_table, mb, report  # noqa: E402
@@ -204,6 +206,15 @@ class Runner:
     def __init__(self, model, ids, a, bw):
         self.model, self.ids, self.a, self.bw, self.rows = model, ids, a, bw, {}
 
+    def config(self, cache) -> CacheConfig:  # (tools/table3.py builds each cache by name through these)
+        return bench_config(cache, self.a)[0]
+
+    def label(self, cache) -> str:
+        return label(cache, self.a)
+
+    def cache_len(self, context) -> int:
+        return cache_len(context, self.a)
+
     def __call__(self, cache, context, batch):
         key = (cache, context, batch)
         if key not in self.rows:
@@ -278,7 +289,7 @@ def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
         weights = weight_bytes((Transformer(args) if n == 1 else tp.build_rank_model(args, 0, n)).to(dtype))
     one = SimpleNamespace(args=replace(tp.rank_args(args, n), n_layers=1, max_seq_len=context + 8),
                           tok_embeddings=SimpleNamespace(weight=torch.empty(0, dtype=dtype)),
-                          setup_caches=lambda make: [make(0)])
+                          setup_caches=lambda make, row_start=None: [make(0)])
     rows = []
     for name in names:
         cfg, T = bench_config(name, a)
@@ -298,71 +309,6 @@ def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
                          floor_ms=1e3 * (weights + kv) / (H100_GBS * 1e9), kv_floor_us=1e6 * kv / (H100_GBS * 1e9),
                          pcie_us=1e6 * pcie / (PCIE_GBS * 1e9), comm_bytes=tp.comm_bytes(args, n, batch, T)))
     return rows
-
-
-# ---- Table 3: batch on a KV budget -----------------------------------------------------------------------
-def kv_bytes_linear(model, name: str, length: int, a) -> tuple[int, int, int]:
-    """(fixed, device per row, host per row): the buffers are linear in the batch, so builds at
-    batch 1 and 2 give the lines."""
-    cfg, _ = bench_config(name, a)
-    d, h = [], []
-    for b in (1, 2):
-        caches = setup_caches(model, cfg, b, length)
-        d.append(caches.device_bytes())
-        h.append(caches.host_bytes())
-    return d[0] - (d[1] - d[0]), d[1] - d[0], h[1] - h[0]
-
-
-def run_batch_cap(model, fixed: int, per_row: int, a) -> int | None:
-    """The largest batch actually run: --max-run-batch, else on CUDA what 80% of the free device memory holds
-    beside the weights (the caches' bytes; prefill's activations take the rest), else no cap."""
-    if a.max_run_batch:
-        return a.max_run_batch
-    device = model.tok_embeddings.weight.device
-    if device.type != "cuda":
-        return None
-    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(1, int((0.8 * free - fixed) // per_row))
-
-
-def budget_section(runner, names, contexts, a) -> dict:
-    """Largest batch whose device KV fits --kv-budget-gb and whose host copy fits --host-budget-gb;
-    run at min(that, the run cap: run_batch_cap). The PCIe bytes a SpeCache step moves are reported with it."""
-    out = {"budget_gb": a.kv_budget_gb, "host_budget_gb": a.host_budget_gb, "max_run_batch": a.max_run_batch,
-           "rows": []}
-    caps = []  # each row's run cap
-    for ctx in contexts:
-        for name in names:
-            fixed, per_row, host_row = kv_bytes_linear(runner.model, name, cache_len(ctx, runner.a), a)
-            b = max(0, int((a.kv_budget_gb * 1e9 - fixed) // per_row))
-            if host_row:
-                b = min(b, int(a.host_budget_gb * 1e9 // host_row))
-            row = {"context": ctx, "cache": name, "label": label(name, a), "max_batch": b, "kv_bytes_per_row": per_row,
-                   "host_bytes_per_row": host_row}
-            cap = run_batch_cap(runner.model, fixed, per_row, a)
-            caps.append(cap or max(1, b))
-            if b:
-                run_b = min(b, cap) if cap else b
-                r = runner(name, ctx, run_b)
-                row.update(run_batch=run_b, capped=run_b < b, step_ms=r["step_ms_median"], tok_s=r["tok_s"],
-                           fetch_bytes_per_step=r["fetch_bytes_per_step"])
-            out["rows"].append(row)
-        mine = [r for r in out["rows"] if r["context"] == ctx]
-        full = next((r for r in mine if r["label"] == "full" and r.get("tok_s")), None)
-        for r in mine:
-            if r.get("tok_s") and full:
-                r["speedup_vs_full"] = r["tok_s"] / full["tok_s"]
-        # reviewers' Q6: every cache at one batch (the largest every cache fits, capped)
-        fb = min(min(max(1, r["max_batch"]) for r in mine), min(caps[-len(mine):]))
-        fixed = {r["cache"]: runner(r["cache"], ctx, fb) for r in mine}
-        ref = {lb: next((x for x in fixed.values() if x["label"].startswith(lb)), None) for lb in ("full", "kivi")}
-        for name, r in fixed.items():
-            out.setdefault("fixed", []).append(
-                {"context": ctx, "batch": fb, "cache": name, "label": r["label"], "step_ms": r["step_ms_median"],
-                 "tok_s": r["tok_s"], "kv_device_bytes": r["kv_device_bytes"],
-                 "vs_full": r["tok_s"] / ref["full"]["tok_s"] if ref["full"] else None,
-                 "vs_kivi": r["tok_s"] / ref["kivi"]["tok_s"] if ref["kivi"] else None})
-    return out
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------
@@ -413,12 +359,17 @@ def parse_args(argv=None):
                    help="--sweep: every launch configuration, or the launcher's choice alone (a quick pass)")
     p.add_argument("--kernel-bits", type=int_list, default=[1, 2])
     p.add_argument("--kernel-reps", type=int, default=20)
-    p.add_argument("--kv-budget-gb", type=float, default=None, help="Table 3: largest batch whose device KV fits")
-    p.add_argument("--host-budget-gb", type=float, default=None, help="Table 3: host memory for SpeCache's fp16 copy "
-                   "(default: half the memory available now; pinned on CUDA)")
+    p.add_argument("--kv-budget-gb", type=float, default=None, help="Table 3 (tools/table3.py): each cache at the "
+                   "largest batch whose device KV fits")
+    p.add_argument("--host-budget-gb", type=float, default=None, help="Table 3: host memory for SpeCache's fp16 store "
+                   f"(default: {100 * table3.HOST_SHARE:.0f}%% of MemAvailable; pinned on CUDA, each of its two tensors "
+                   "rounded up to a power of two)")
     p.add_argument("--budget-contexts", type=int_list, default=None, help="default: --contexts")
     p.add_argument("--max-run-batch", type=int, default=None, help="cap the batch actually run (default 4 on CPU; on "
-                   "CUDA what 80%% of the free device memory holds beside the weights)")
+                   f"CUDA what {100 * table3.RUN_SHARE:.0f}%% of the free device memory holds beside the weights)")
+    p.add_argument("--no-fixed-batch", action="store_true", help="Table 3 without the run of every cache at one batch")
+    p.add_argument("--prefill-one-row", action="store_true", help="prefill one row of the prompt and store it into "
+                   "every row of the batch (they share it; prefill_s is the replay's): Table 3's batches of 32k tokens")
     p.add_argument("--hf", action="store_true", help="side by side with transformers generate() (batch 1)")
     p.add_argument("--hf-context", type=int, default=4096)
     p.add_argument("--no-grid", action="store_true", help="only the budget / HF / kernel / QuantSpec sections")
@@ -470,7 +421,7 @@ def parse_args(argv=None):
     if a.max_run_batch is None and not a.device.startswith("cuda"):
         a.max_run_batch = 4
     if a.host_budget_gb is None:  # (pinning all of RAM would take the machine down with it)
-        a.host_budget_gb = 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 1e9
+        a.host_budget_gb = table3.default_host_budget_gb()
     return a
 
 
@@ -558,9 +509,9 @@ def main(argv=None):
     print(f"# copy {res['bandwidth']['copy_gbs']:.1f} GB/s, read {res['bandwidth']['read_gbs']:.1f} GB/s, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     runner = Runner(model, ids, a, res["bandwidth"])
-    if a.shared_prefill:
+    if a.shared_prefill or a.prefill_one_row:
         from tools.replay import PrefillReplay
-        a.replay = PrefillReplay(a.prefill_chunk, [bench_config(c, a)[0] for c in a.caches])
+        a.replay = PrefillReplay(a.prefill_chunk, [bench_config(c, a)[0] for c in a.caches], one_row=a.prefill_one_row)
     if a.kernels:
         res["kernels"] = [row for ctx in a.contexts for row in bench_kernels.kernel_rows(model, ctx, a, res["bandwidth"])]
     if a.quantspec:
@@ -571,7 +522,12 @@ def main(argv=None):
                 for c in a.caches:
                     runner(c, ctx, b)
     if a.kv_budget_gb:
-        res["budget"] = budget_section(runner, [c for c in a.caches if not c.endswith("+2tok")], budget_contexts, a)
+        def keep(budget):  # the JSON after every row: a run cut later keeps what it measured
+            if a.json and tp.rank() == 0:
+                a.json.parent.mkdir(parents=True, exist_ok=True)
+                a.json.write_text(json.dumps(dict(res, budget=budget, grid=list(runner.rows.values())), indent=1, default=str))
+        res["budget"] = table3.budget_section(runner, [c for c in a.caches if not c.endswith("+2tok")], budget_contexts,
+                                              a, on_row=keep)
     if a.hf:
         for c in ("full", "kivi", "specache"):
             runner(c, a.hf_context, 1)

@@ -1,5 +1,6 @@
 """tools/bench.py's markdown report: decode steps, step-time ratios, the CUDA profile, kernels alone,
-Table 3 on a KV budget, QuantSpec and the transformers side by side."""
+Table 3 on a KV budget (and in one line: tools/gpu_check.py's summary row), QuantSpec and the transformers
+side by side."""
 
 
 def md_table(header, rows) -> str:
@@ -51,15 +52,15 @@ def report(res: dict) -> str:
         from tools import measure
         classes = [c for c, _ in measure.KERNEL_CLASSES] + ["other"]
         md += ["## CUDA profile of the timed steps (torch.profiler; kernels by name, us per step)", ""]
-        md.append(md_table(["cache", "context", "busy ms/step", "launches/step", *classes, "transfer overlapped"],
-                           [[r["label"], r["context"], f"{r['profile']['busy_ms_per_step']:.3f}",
+        md.append(md_table(["cache", "context", "batch", "busy ms/step", "launches/step", *classes, "transfer overlapped"],
+                           [[r["label"], r["context"], r["batch"], f"{r['profile']['busy_ms_per_step']:.3f}",
                              f"{r['profile']['launches_per_step']:.0f}",
                              *(f"{r['profile']['class_us_per_step'].get(c, 0):.1f}" for c in classes),
                              "-" if r["profile"]["transfer_overlapped_frac"] is None
                              else f"{100 * r['profile']['transfer_overlapped_frac']:.0f}%"] for r in prof]))
         md.append("")
         for r in prof:
-            md += [f"### Top kernels: {r['label']}, {r['context']} ({len(r['profile']['kernels'])} by time)", ""]
+            md += [f"### Top kernels: {r['label']}, {r['context']}, batch {r['batch']} ({len(r['profile']['kernels'])} by time)", ""]
             md.append(md_table(["kernel", "class", "us/step", "calls/step"],
                                [[k["name"], k["cls"], f"{k['us_per_step']:.1f}", f"{k['calls_per_step']:g}"]
                                 for k in r["profile"]["kernels"]]))
@@ -76,21 +77,28 @@ def report(res: dict) -> str:
         md.append("")
     b = res.get("budget")
     if b:
-        md += [f"## Table 3: largest batch whose device KV fits {b['budget_gb']} GB and host copy {b['host_budget_gb']} GB "
-               f"(runs capped at batch {b['max_run_batch']})", ""]
-        md.append(md_table(["context", "cache", "KV MiB/row", "host MiB/row", "max batch", "run batch", "step ms", "tok/s",
-                            "vs full", "PCIe MiB/step"],
+        cap = f"runs capped at batch {b['max_run_batch']}" if b["max_run_batch"] else "the run cap: what the device holds"
+        md += [f"## Table 3: each cache at the largest batch whose device KV fits {b['budget_gb']} GB and host store "
+               f"{b['host_budget_gb']:.1f} GB{' (pinned)' if b.get('host_pinned') else ''}; {cap}", ""]
+        md.append(md_table(["context", "cache", "KV MiB/row", "host MiB/row", "budget batch", "host batch", "run cap",
+                            "run batch", "bound", "step ms", "tok/s", "vs full", "PCIe MiB/step"],
                            [[r["context"], r["label"], mb(r["kv_bytes_per_row"]), mb(r["host_bytes_per_row"]), r["max_batch"],
-                             f"{r.get('run_batch', '-')}" + (" (capped)" if r.get("capped") else ""),
+                             "-" if r.get("host_batch") is None else r["host_batch"],
+                             "-" if r.get("run_cap") is None else r["run_cap"], r.get("run_batch", "-"),
+                             r.get("error") or r.get("note") or r.get("bound", "-"),
                              f"{r['step_ms']:.2f}" if "step_ms" in r else "-", f"{r['tok_s']:.1f}" if "tok_s" in r else "-",
                              f"{r['speedup_vs_full']:.2f}x" if "speedup_vs_full" in r else "-",
                              mb(r.get("fetch_bytes_per_step"))] for r in b["rows"]]))
-        md += ["", "### Same batch for every cache (reviewers' Q6)", ""]
-        md.append(md_table(["context", "batch", "cache", "step ms", "tok/s", "vs full", "vs kivi", "KV device MiB"],
-                           [[r["context"], r["batch"], r["label"], f"{r['step_ms']:.2f}", f"{r['tok_s']:.1f}",
-                             f"{r['vs_full']:.2f}x" if r["vs_full"] else "-", f"{r['vs_kivi']:.2f}x" if r["vs_kivi"] else "-",
-                             mb(r["kv_device_bytes"])] for r in b.get("fixed", [])]))
-        md.append("")
+        md += ["", "vs full: tokens/s over the fp16 cache's at its own batch (the paper's Table 3 at 32k: 4.6x for "
+               "1-bit SpeCache, 3.4x for 2-bit). Each run's kernels by name: the CUDA profile above.", "",
+               table3_headline(b), ""]
+        if b.get("fixed"):
+            md += ["### Same batch for every cache (reviewers' Q6)", ""]
+            md.append(md_table(["context", "batch", "cache", "step ms", "tok/s", "vs full", "vs kivi", "KV device MiB"],
+                               [[r["context"], r["batch"], r["label"], f"{r['step_ms']:.2f}", f"{r['tok_s']:.1f}",
+                                 f"{r['vs_full']:.2f}x" if r["vs_full"] else "-", f"{r['vs_kivi']:.2f}x" if r["vs_kivi"] else "-",
+                                 mb(r["kv_device_bytes"])] for r in b["fixed"]]))
+            md.append("")
     if res.get("quantspec"):
         md += ["## QuantSpec vs autoregressive decoding (batch 1, greedy)", ""]
         md.append(md_table(["method", "context", "acceptance", "tokens/round", "tok/s", "read MiB/token",
@@ -127,3 +135,41 @@ def ratio_rows(grid) -> list[dict]:
                         "vs_kivi": f(kivi), "attn_path": r.get("attn_path"), "layers": r.get("n_layers", "-"),
                         "ms_per_layer": per_layer(r), "full_ms_per_layer": per_layer(full)})
     return out
+
+
+# ---- Table 3 in one line (tools/gpu_check.py's summary row) -------------------------------------------------------
+PAPER_SPEEDUP = {"specache-1bit": 4.6, "specache-2bit": 3.4}  # specache.txt Table 3 at 32k: tokens/s over fp16's
+
+
+def profile_growth(prof: dict, base: dict | None, n: int = 3) -> str:
+    """Where a Table 3 run's step time went: the kernel classes that grew most from a batch-1 step of the same
+    cache (`base`'s profile; kernel names change with the batch, their classes do not), and its top kernels."""
+    now, parts = prof.get("class_us_per_step", {}), []
+    if base and base.get("class_us_per_step"):
+        was = base["class_us_per_step"]
+        grown = sorted(now, key=lambda c: was.get(c, 0.0) - now[c])[:n]
+        parts.append("from batch 1: " + ", ".join(f"{c} {was.get(c, 0):,.0f} -> {now[c]:,.0f}" for c in grown))
+    parts.append("top: " + ", ".join(f"{k['name'][:32]} {k['us_per_step']:,.0f}" for k in prof.get("kernels", [])[:n]))
+    return " us/step; ".join(parts) + " us/step"
+
+
+def table3_headline(budget: dict, batch1: dict | None = None) -> str:
+    """Each cache's batch and what bound it, its tokens/s and their ratio to fp16's at its own batch (beside the
+    paper's), and where its step time went (batch1: cache name -> the profile of its batch-1 step)."""
+    rows, parts = budget["rows"], []
+    several = len({r["context"] for r in rows}) > 1
+    for r in rows:
+        full = next((x for x in rows if x["label"] == "full" and x.get("tok_s") and x["context"] == r["context"]), None)
+        at = f" at {r['context']}" if several else ""
+        head = f"{r['label']}{at} batch {r.get('run_batch', 0)} ({r.get('note') or r.get('bound', '?')})"
+        if "tok_s" not in r:
+            parts.append(f"{head}: {r.get('error') or 'not run'}")
+            continue
+        s = f"{head} {r['tok_s']:,.0f} tok/s"
+        if full and r is not full:
+            target = next((t for name, t in PAPER_SPEEDUP.items() if r["label"].startswith(name)), None)
+            s += f", {r['tok_s'] / full['tok_s']:.2f}x fp16's" + (f" (target >= {target}x)" if target else "")
+        if r.get("profile") and "kernels" in r["profile"]:
+            s += f" [{profile_growth(r['profile'], (batch1 or {}).get(r['cache']))}]"
+        parts.append(s)
+    return "; ".join(parts)

@@ -5,28 +5,32 @@
 
 0. the device, torch/Triton/CUDA versions, the commit (or a digest of the tree); one line and a stop if
    the method's modules do not import (attn_gluon alone failing fails the Gluon rows only);
-1. correctness: tests/test_cuda.py with TRITON_INTERPRET=0 (tests/conftest.py sets 1 otherwise and the
-   module skips) in three pytest processes: the Gluon and bit-plane cases, then the word kernels, radix
-   top-k and missing-rows transfer, then the rest (policies, compiled steps, the default model when it
-   is converted), each test under SPECACHE_TEST_TIMEOUT_S (conftest's alarm) and each process under
-   its own timeout. The third runs in the background, beside step 2's compiles;
-2. whole decode steps at 32k on Llama-3.1-8B shapes with the first --layers decoder layers (random
-   bf16 weights, compiled, CUDA graph, the kernels profiled by name; tools/bench.py --layers): fp16, KIVI
-   1-bit and SpeCache 1-bit (paper) on the Gluon attention path (the GPU default where a launch fits it,
-   docs/gpu.md), one process each;
-3. fp16 and SpeCache 1-bit at twice the layers: with the first steps, a line through both depths estimates the
-   full-depth step without compiling 32 layers;
-4. Table 3 (batch on a KV budget, 32k, --layers): fp16 and SpeCache 1-bit, runs capped at batch 8; then the
-   preset timed without resync (random weights guess wrong nearly every step: its resync rate is measured on
-   a real model on CPU, docs/policies.md);
-5. if time is left: fp16 and SpeCache 1-bit at full depth, then SpeCache 1-bit and KIVI 1-bit on the word
-   path (the same run's comparison for the default path's choice).
-Each step runs under its own timeout and is skipped ("not run") when less of the budget is left than
-it needs. After every step the summary and the raw outputs are packed into at most MAX_FILES files in
-the output folder (default $OUT, else .cache/gpu-check): summary.md, summary.json, logs.txt (every
-sub-run's output), results.json (every bench JSON), sweep.json, and while a step runs its live log
-(running.log, running-bg.log), so a call cut at any point keeps what it did. A timing taken while the
-background tests ran is marked in the summary's "beside" column.
+1. correctness: tests/test_cuda.py with TRITON_INTERPRET=0 (tests/conftest.py sets 1 otherwise and the module
+   skips). First, alone, the selection's race test and the fresh-process compiled run of `--preset best`; then
+   the attention kernels (every path), the selection and the transfers, in several pytest processes at once
+   (TEST_WORKERS), while the rest (policies, compiled steps, the default model when it is converted) runs in
+   the background, on into step 2. Each test under SPECACHE_TEST_TIMEOUT_S (conftest's alarm), each process
+   under its step's timeout;
+2. whole decode steps at 32k on Llama-3.1-8B shapes with the first LAYERS decoder layers (random bf16 weights,
+   compiled, CUDA graph, the kernels profiled by name; tools/bench.py --layers): fp16, KIVI 1-bit and SpeCache
+   1-bit (paper) on the Gluon attention path (the GPU default where a launch fits it, docs/gpu.md), one process
+   each;
+3. Table 3 as the paper runs it (tools/table3.py), at LAYERS layers on a KV_BUDGET_GB device budget, one
+   process: fp16, SpeCache 1-bit and 2-bit, each at the largest batch its budget holds, bounded by the host
+   memory its fp16 store pins and by what the device runs (each row says which bound it), each run profiled by
+   kernel name; tokens/s against fp16's at its own batch (the paper's: 4.6x at 1 bit, 3.4x at 2);
+4. fp16 and SpeCache 1-bit at twice the layers, one process: with step 2's, a line through both depths
+   estimates the full-depth step without compiling 32 layers;
+5. if time is left: the preset timed without resync (random weights guess wrong nearly every step: its resync
+   rate is measured on a real model on CPU, docs/policies.md), fp16 and SpeCache 1-bit at full depth, then
+   SpeCache 1-bit and KIVI 1-bit on the word path (the same run's comparison for the default path's choice).
+Each step runs under its own timeout and is skipped ("not run") when less of the budget is left than it needs
+(EXPECTED_S: what each takes; the dry run spends it). After every step the summary and the raw outputs are
+packed into at most MAX_FILES files in the output folder (default $OUT, else .cache/gpu-check): summary.md,
+summary.json, logs.txt (every sub-run's output), results.json (every bench JSON), and while a step runs its
+live log (running.log, running-bg.log; of a test step, its first pytest process's), so a call cut at any
+point keeps what it did. A timing taken while the background tests ran is marked in the summary's "beside"
+column.
 
 Needs only the machine's Python with torch and Triton: no network, no installs, no virtual environment.
 """
@@ -47,23 +51,34 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # (run as a script: tools/ comes first)
+from tools.bench_report import table3_headline  # noqa: E402 - no torch: this script says so in one line without it
+
 BUDGET_S = 520  # one call of about nine minutes: 10 minutes a call, 15 of device time with the machine's start
 MAX_FILES = 8  # what comes back from the device machine's $OUT
 PER_TEST_TIMEOUT_S = 90
 RESERVE_S = 8  # kept back for the last packing
 MODEL, CONTEXT, LAYERS = "Llama-3.1-8B", 32768, 4
 MODEL_LAYERS = 32  # Llama-3.1-8B's depth (model.py's configs): what the full-depth estimate extends to
+KV_BUDGET_GB = 4  # the paper's A6000: 48 GB less 16 of weights, 32 GB of KV at 32 layers, 4 at LAYERS
 STEP_CACHES = [("fp16", "full", None), ("KIVI 1-bit", "kivi", "gluon"), ("SpeCache 1-bit paper", "specache", "gluon")]
 DEPTH_CACHES = ("full", "specache")  # also at twice the layers
-PRESET = ("preset without resync", "specache-1bit-speculative-best", "gluon")  # after Table 3
+TABLE3_CACHES = ("full", "specache", "specache-2bit")
+PRESET = ("preset without resync", "specache-1bit-speculative-best", "gluon")  # when time is left
 WORD_PATH = [("SpeCache 1-bit paper", "specache"), ("KIVI 1-bit", "kivi")]  # last: the default path's comparison
-# Seconds each step is expected to take on an H100/H200 (docs/gpu.md: gpu-check on an H200, 2026-11-28: the three
-# test processes 103, 72 and 145 s, 4-layer steps 33-50 s, the preset's 56 s, Table 3 of fp16 and SpeCache to
-# batch 8 102 s; on an H100, 2026-11-26: the sweep 46 of 54 rows in 44 s; earlier: a full-depth 8B step at 32k
-# 210-240 s to its first step, nearly all compile). The dry run spends these.
-EXPECTED_S = {"environment": 5, "imports": 10, "collect": 10, "tests-planes": 100, "tests-kernels": 75, "tests-rest": 150,
-              "step": 35, "step-preset": 60, "step8": 45, "sweep": 55, "table3": 105,
-              "full-depth": 240}
+TEST_WORKERS = {"tests-kernels": 5, "tests-rest": 2}  # pytest processes at once (the tests are mostly compiles)
+# Seconds each step takes on an H100/H200 (the dry run spends these). Measured on an H200 (2026-11-28, docs/gpu.md):
+# the imports 9 s, the collection 8; the 4-layer steps 33 (fp16), 38 (KIVI) and 50 s (SpeCache), each beside a
+# test process; the preset's 56; the word path's 37 each; the test processes 103 + 72 s (attention, selection,
+# transfers: 191 s of tests once the 14 that failed at once pass; five processes take the slowest fifth, 41 s, and
+# their start) and 145 s (the rest: two take 73 s and their start). Estimated: the race and fresh-process tests 90 s;
+# Table 3's process 125 (start and report 15; fp16 at batch 7 compiled in 11 s there; SpeCache 1-bit at batch 75:
+# 64 GiB pinned, one row's prefill stored into 75 rows, its compile 21 s at batch 8 there; 2-bit at batch 46
+# alike); the 8-layer process 90 and a full-depth step 120 (2026-11-22's 32-layer steps took 88-99 s to their first
+# step, nearly all compile).
+EXPECTED_S = {"environment": 1, "imports": 10, "collect": 8, "tests-first": 90, "tests-kernels": 60, "tests-rest": 100,
+              "step-full": 33, "step-kivi": 38, "step-specache": 50, "table3": 125, "step8": 90, "preset": 56,
+              "full-depth": 120, "words": 37}
 
 
 # ---- sub-runs --------------------------------------------------------------------------------------------------
@@ -100,18 +115,19 @@ def pytest_rows(xml_path: Path) -> list[dict]:
 
 
 def test_group(nodeid: str) -> str:
-    """Which of the three test runs a CUDA test belongs to (the newest code first)."""
+    """Which test run a CUDA test belongs to: the race and fresh-process tests first and alone, then the kernels
+    (attention on every path, the selection, the transfers), then the rest."""
     name = nodeid.split("::")[-1]
-    if "gluon" in name or "planes" in name:
-        return "tests-planes"
-    if any(k in name for k in ("attention_kernel", "selection", "transfer", "rerank")):
+    if "selection_race" in name or "fresh_process" in name:
+        return "tests-first"
+    if any(k in name for k in ("attention_kernel", "gluon", "planes", "selection", "transfer", "rerank")):
         return "tests-kernels"
     return "tests-rest"
 
 
-TEST_STEPS = {"tests-planes": "CUDA tests: Gluon and bit-plane paths",
-              "tests-kernels": "CUDA tests: word kernels, the fused selection, the transfers",
-              "tests-rest": "CUDA tests: policies, compiled steps, default model"}
+TEST_STEPS = {"tests-first": "CUDA tests: the selection race, the fresh-process compiled run",
+              "tests-rest": "CUDA tests: policies, compiled steps, default model",
+              "tests-kernels": "CUDA tests: attention kernels, the selection, the transfers"}
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------------
@@ -125,6 +141,7 @@ class Step:
     json: Optional[Path] = None  # what a bench run writes
     background: bool = False
     tests: list = field(default_factory=list)
+    workers: int = 1  # pytest processes at once
 
 
 def bench_cmd(py, *args):
@@ -132,58 +149,73 @@ def bench_cmd(py, *args):
 
 
 def plan(py, work: Path, out: Path, tests: dict) -> list[Step]:
-    """The steps in priority order (each bench run one process: a slow compile costs one row)."""
-    steps = [Step(k, TEST_STEPS[k], [], need_s=30, timeout_s={"tests-rest": 300}.get(k, 180),
-                  background=k == "tests-rest", tests=tests.get(k, [])) for k in TEST_STEPS]
-    timed = ["--warmup", "5", "--steps", "20"]
+    """The steps in priority order (each bench run one process, but Table 3's and the 8-layer pair's: a slow
+    compile costs one row). The background tests start beside the kernel tests and end beside step 2."""
+    steps = [Step(k, TEST_STEPS[k], [], need_s=30, timeout_s={"tests-rest": 240, "tests-kernels": 150}.get(k, 180),
+                  background=k == "tests-rest", tests=tests.get(k, []), workers=TEST_WORKERS.get(k, 1))
+             for k in TEST_STEPS]
+    timed, ctx = ["--warmup", "5", "--steps", "20"], ["--contexts", str(CONTEXT)]
 
-    def layer_step(label, cache, path, layers=LAYERS):
-        fname = work / f"step-{cache}-{path or 'fp'}{'' if layers == LAYERS else f'-{layers}l'}.json"
-        return Step("step-preset" if cache.endswith("best") else "step" if layers == LAYERS else "step8",
-                    f"{label} step, {path or 'fp16'}, {CONTEXT // 1024}k, {layers} layers",
-                    bench_cmd(py, "--layers", str(layers), "--compile", "--contexts", str(CONTEXT), "--caches", cache,
-                              *(["--attn-path", path] if path else []), *timed, "--json", str(fname)),
-                    need_s=30 if layers == LAYERS else 45, timeout_s=150, json=fname)
-    steps += [layer_step(label, cache, path) for label, cache, path in STEP_CACHES]
-    # the same at twice the layers: a line through the two depths estimates full depth without its compile
-    steps += [layer_step(label, cache, path, 2 * LAYERS) for label, cache, path in STEP_CACHES if cache in DEPTH_CACHES]
-    steps.append(Step("table3", f"Table 3: batch on a 4 GB KV budget, {CONTEXT // 1024}k, {LAYERS} layers",
-                      bench_cmd(py, "--layers", str(LAYERS), "--compile", "--contexts", str(CONTEXT), "--caches",
-                                "full,specache", "--attn-path", "gluon", "--kv-budget-gb", "4", "--max-run-batch",
-                                "8", "--no-grid", "--warmup", "3", "--steps", "10", "--profile-steps", "0", "--json",
-                                str(work / "table3.json")),
-                      need_s=110, timeout_s=200, json=work / "table3.json"))
-    steps.append(layer_step(*PRESET))
+    def layer_step(key, label, caches, path, layers=LAYERS, *extra, need_s=30, timeout_s=150):
+        fname = work / f"{key}-{caches.replace(',', '-')}-{path or 'fp'}-{layers}l.json"
+        return Step(key, f"{label} step, {path or 'fp16'}, {CONTEXT // 1024}k, {layers} layers",
+                    bench_cmd(py, "--layers", str(layers), "--compile", *ctx, "--caches", caches,
+                              *(["--attn-path", path] if path else []), *timed, *extra, "--json", str(fname)),
+                    need_s=need_s, timeout_s=timeout_s, json=fname)
+    steps += [layer_step(f"step-{cache}", label, cache, path) for label, cache, path in STEP_CACHES]
+    steps.append(Step("table3", f"Table 3: each cache at its batch on a {KV_BUDGET_GB} GB KV budget, {CONTEXT // 1024}k, "
+                      f"{LAYERS} layers",
+                      bench_cmd(py, "--layers", str(LAYERS), "--compile", *ctx, "--caches", ",".join(TABLE3_CACHES),
+                                "--attn-path", "gluon", "--kv-budget-gb", str(KV_BUDGET_GB), "--no-grid", "--no-fixed-batch",
+                                "--prefill-one-row", "--warmup", "3", "--steps", "10", "--profile-steps", "3",
+                                "--json", str(work / "table3.json")),
+                      need_s=90, timeout_s=240, json=work / "table3.json"))
+    steps.append(layer_step("step8", "fp16 and SpeCache 1-bit paper", ",".join(DEPTH_CACHES), "gluon", 2 * LAYERS,
+                            "--profile-steps", "0", need_s=60, timeout_s=180))
+    steps.append(layer_step("preset", *PRESET, need_s=40))
     for label, cache, path in (("fp16", "full", None), ("SpeCache 1-bit paper", "specache", "gluon")):
         fname = work / f"full-depth-{cache}.json"
         steps.append(Step("full-depth", f"{label} step, full depth, {CONTEXT // 1024}k",
-                          bench_cmd(py, "--compile", "--contexts", str(CONTEXT), "--caches", cache,
-                                    *(["--attn-path", path] if path else []), *timed, "--json", str(fname)),
-                          need_s=200, timeout_s=330, json=fname))
-    steps += [layer_step(label, cache, "words") for label, cache in WORD_PATH]
+                          bench_cmd(py, "--compile", *ctx, "--caches", cache, *(["--attn-path", path] if path else []),
+                                    *timed, "--json", str(fname)),
+                          need_s=100, timeout_s=240, json=fname))
+    steps += [layer_step("words", label, cache, "words") for label, cache in WORD_PATH]
     return steps
 
 
 # ---- what a row says ---------------------------------------------------------------------------------------------
-def step_note(res: dict) -> str:
-    """The headline of a bench JSON: each grid row's step time, ms per layer and path; the sweep's row count."""
-    if "sweep" in res:
-        ok = [r for r in res["sweep"] if "us" in r]
-        best = {}
-        for r in ok:
-            if r["context"] == CONTEXT and r["config"] == "launcher's choice":
-                best[(r["kernel"], r["bits"], r["group"])] = r["us"]
-        head = "; ".join(f"{k} {b}-bit g{g} {us:.1f} us" for (k, b, g), us in sorted(best.items())[:6])
-        return f"{len(ok)} rows{' (complete)' if res.get('complete') else ' (cut)'}; at {CONTEXT // 1024}k: {head}"
+def step_note(res: dict, batch1: Optional[dict] = None) -> str:
+    """The headline of a bench JSON: each grid row's step time, ms per layer and path; Table 3's rows
+    (bench_report.table3_headline: batches, bounds, tokens/s against fp16's, where the time went)."""
     if res.get("budget"):
-        rows = [r for r in res["budget"]["rows"] if "tok_s" in r]
-        return "; ".join(f"{r['label']} batch {r['run_batch']} {r['tok_s']:.0f} tok/s" for r in rows)
+        return table3_headline(res["budget"], batch1 or {})
     parts = []
     for r in res.get("grid", []):
         per_layer = r.get("step_ms_per_layer", r["step_ms_median"] / max(1, r.get("n_layers") or 1))
         parts.append(f"{r['label']} {r['step_ms_median']:.2f} ms ({per_layer:.3f} ms/layer"
                      f"{', ' + r['attn_path'] if r.get('attn_path') else ''})")
     return "; ".join(parts)
+
+
+def depth_note(grid: list, layers: int, path: Optional[str], ms: dict) -> str:
+    """Each grid row against the fp16 step at its depth and, at twice LAYERS, full depth on the line through
+    both depths (`ms`: (cache, layers, path) -> step ms of the steps so far, this one's added)."""
+    key = lambda c, n: (c, n, None if c == "full" else path)  # noqa: E731
+    for r in grid:
+        ms[key(r["cache"], layers)] = r["step_ms_median"]
+    note = ""
+    for r in grid:
+        c = r["cache"]
+        if c != "full" and key("full", layers) in ms:
+            note += f"; {c} {ms[key(c, layers)] / ms[key('full', layers)]:.2f}x the fp16 step"
+    if layers == 2 * LAYERS:
+        est = {c: ms[key(c, LAYERS)] + (ms[key(c, layers)] - ms[key(c, LAYERS)]) * (MODEL_LAYERS - LAYERS) / LAYERS
+               for c in {r["cache"] for r in grid} if key(c, LAYERS) in ms}
+        for c in sorted(est, key=lambda c: c != "full"):
+            note += f"; {c} at {MODEL_LAYERS} layers (a line through {LAYERS} and {layers}): {est[c]:.2f} ms"
+            if c != "full" and "full" in est:
+                note += f", {est[c] / est['full']:.2f}x the fp16 step's {est['full']:.2f}"
+    return note
 
 
 class Report:
@@ -269,15 +301,18 @@ def environment(torch, dry: bool, commit: Optional[str]) -> dict:
 
 # ---- the dry run's stand-ins -------------------------------------------------------------------------------------------
 # A stubbed sub-run is this script's `--stub` mode in a subprocess: it writes what the real run would (JUnit XML
-# with every selected test, a bench JSON with toy numbers, the sweep's rows one by one) and prints the command.
-def stub_cmd(step: Step, xml: Optional[Path]) -> list:
-    spec = dict(name=step.name, tests=step.tests, xml=str(xml) if xml else None, json=str(step.json) if step.json else None)
+# with every selected test, a bench JSON with toy numbers and the fields a real one has) and prints the command.
+def stub_cmd(step: Step, xml: Optional[Path], tests: Optional[list] = None) -> list:
+    spec = dict(name=step.name, tests=step.tests if tests is None else tests, xml=str(xml) if xml else None,
+                json=str(step.json) if step.json else None)
     if step.cmd:  # the real command must parse (tools/bench.py's parser, here in this process)
         sys.path.insert(0, str(ROOT)) if str(ROOT) not in sys.path else None
         from tools import bench
         b = bench.parse_args(step.cmd[2:])
-        spec.update(cmd=" ".join(step.cmd[1:]), sweep=b.sweep, budget=bool(b.kv_budget_gb), caches=b.caches,
-                    layers=b.layers or MODEL_LAYERS, attn_path=b.attn_path)
+        spec.update(cmd=" ".join(step.cmd[1:]), budget=bool(b.kv_budget_gb), caches=b.caches,
+                    labels=[bench.label(c, b) for c in b.caches], layers=b.layers or MODEL_LAYERS, attn_path=b.attn_path,
+                    fixed_batch=not b.no_fixed_batch, one_row=b.prefill_one_row,
+                    profile=b.profile_steps if "--profile-steps" in step.cmd else 3)  # (3: the CUDA default)
     return [sys.executable, str(Path(__file__).resolve()), "--stub", json.dumps(spec)]
 
 
@@ -287,27 +322,35 @@ def stub(spec: dict) -> int:
         cases = "".join(f'<testcase name="{t.split("::")[-1]}" time="0.0"/>' for t in spec["tests"])
         Path(spec["xml"]).write_text(f"<testsuite>{cases}</testsuite>")
     if spec["json"]:
-        if spec["sweep"]:  # rows one by one, as the real sweep writes them
-            res = dict(sweep=[], complete=False)
-            for path in ("words", "planes", "gluon"):
-                res["sweep"].append(dict(kernel=path, gluon=path == "gluon", bits=1, group=64, context=CONTEXT,
-                                         config="launcher's choice", us=1.0))
-                Path(spec["json"]).write_text(json.dumps(res))
-            res["complete"] = True
-        elif spec["budget"]:
-            res = dict(budget=dict(rows=[dict(label=c, run_batch=1, tok_s=1.0) for c in spec["caches"]]))
+        toy = lambda c, b: dict(kernels=[dict(name=f"{c}_kernel", cls="other", us_per_step=float(b), calls_per_step=1.0)],  # noqa: E731
+                                class_us_per_step={"other": float(b)}) if spec["profile"] else None
+        if spec["budget"]:  # a host-bound low-bit row, as the real one says it
+            rows = []
+            for c, lb in zip(spec["caches"], spec["labels"]):
+                host = c != "full"
+                rows.append(dict(context=CONTEXT, cache=c, label=lb, max_batch=2, host_batch=1 if host else None,
+                                 run_cap=None, run_batch=1 if host else 2, bound="host memory" if host else "device budget",
+                                 capped=False, tok_s=2.0, step_ms=1.0, **({"note": "host-bound: batch 1 of the budget's 2"}
+                                                                           if host else {})))
+                if toy(c, 2):
+                    rows[-1]["profile"] = toy(c, rows[-1]["run_batch"])
+            res = dict(budget=dict(budget_gb=KV_BUDGET_GB, rows=rows), grid=[])
+            if spec["fixed_batch"]:
+                res["budget"]["fixed"] = [dict(context=CONTEXT, batch=1, cache=c, label=lb) for c, lb in
+                                          zip(spec["caches"], spec["labels"])]
         else:
-            res = dict(grid=[dict(label=c, step_ms_median=float(spec["layers"]), n_layers=spec["layers"], step_ms_per_layer=1.0,
-                                  attn_path=None if c == "full" else spec["attn_path"] or "words") for c in spec["caches"]])
+            res = dict(grid=[dict(cache=c, label=lb, step_ms_median=float(spec["layers"]), n_layers=spec["layers"],
+                                  step_ms_per_layer=1.0, batch=1, attn_path=None if c == "full" else spec["attn_path"] or "words",
+                                  **({"profile": toy(c, 1)} if toy(c, 1) else {}))
+                             for c, lb in zip(spec["caches"], spec["labels"])])
         Path(spec["json"]).write_text(json.dumps(res))
-        if not spec["sweep"]:
-            Path(spec["json"]).with_suffix(".md").write_text(f"(dry run: {spec['name']})\n")
+        Path(spec["json"]).with_suffix(".md").write_text(f"(dry run: {spec['name']})\n")
     return 0
 
 
 # ---- the run -------------------------------------------------------------------------------------------------------
 class Clock:
-    """Seconds since the start; the dry run adds each step's expected H100 seconds (EXPECTED_S) to show
+    """Seconds since the start; the dry run adds each step's expected H100/H200 seconds (EXPECTED_S) to show
     what a real call would run and skip."""
 
     def __init__(self, simulate: bool):
@@ -402,24 +445,50 @@ def main(argv=None):
         report.add("collect the CUDA tests", "pass", secs, ", ".join(f"{TEST_STEPS[k].split(': ')[1]} {len(v)}"
                                                                      for k, v in tests.items()))
 
-    state = {}  # the background step (thread, step, started, its result once done), the fp16 step's time
+    # the background step (thread, step, started, its result once done), the steps' times and profiles so far
+    state = {"ms": {}, "batch1": {}}
+
+    def run_tests(step: Step, live: Path, timeout: float):
+        """The step's tests in step.workers pytest processes at once, round-robin shares; the first one's
+        output is the live log. Returns (exit code: None if any timed out, output, seconds, test rows)."""
+        n = max(1, min(step.workers, len(step.tests)))
+        shares, results = [step.tests[i::n] for i in range(n)], [None] * n
+
+        def one(i):
+            xml, log = work / f"{step.key}-{i}.xml", live if i == 0 else work / f"{step.key}-{i}.log"
+            # (-o addopts=: pytest.ini's -q would cancel -v, which names each test in the log as it ends)
+            cmd = stub_cmd(step, xml, shares[i]) if a.dry_run_cpu else [
+                py, "-m", "pytest", "-o", "addopts=", "-m", "cuda", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}",
+                *shares[i]]
+            try:
+                code, text, secs = run(cmd, timeout, log, env)
+                results[i] = (code, text, secs, pytest_rows(xml) if xml.exists() else [])
+            except Exception as e:  # (a worker thread's error is the step's, not an unseen traceback)
+                results[i] = (1, f"error: {type(e).__name__}: {e}", 0.0, [])
+        others = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(1, n)]
+        for th in others:
+            th.start()
+        one(0)
+        for th in others:
+            th.join()
+        codes = [r[0] for r in results]
+        code = None if None in codes else next((c for c in codes if c not in (0, 5)), 0)
+        text = "\n".join(r[1] if n == 1 else f"----- pytest process {i + 1} of {n} -----\n{r[1]}" for i, r in enumerate(results))
+        return code, text, max(r[2] for r in results), None, [row for r in results for row in r[3]]
 
     def execute(step: Step, live: Path):
-        xml = work / f"{step.key}.xml" if step.tests else None
-        if a.dry_run_cpu and not (step.key == "step" and "full" in step.cmd and not state.get("toy_done")):
-            cmd = stub_cmd(step, xml)
+        timeout = min(step.timeout_s, max(1.0, left() - RESERVE_S))
+        if step.tests:
+            return run_tests(step, live, timeout)
+        if a.dry_run_cpu and not (step.key == "step-full" and not state.get("toy_done")):
+            cmd = stub_cmd(step, None)
         elif a.dry_run_cpu:  # one bench run for real at toy size: the plumbing end to end
             state["toy_done"] = True
             cmd = [py, "tools/bench.py", "--model", "SmolLM2-135M", "--random-weights", "--layers", "1", "--contexts", "64",
                    "--caches", "full", "--warmup", "1", "--steps", "1", "--device", "cpu", "--bandwidth-mb", "8",
                    "--json", str(step.json)]
-        elif step.tests:
-            # (-o addopts=: pytest.ini's -q would cancel -v, which names each test in the log as it ends)
-            cmd = [py, "-m", "pytest", "-o", "addopts=", "-m", "cuda", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                   *step.tests]
         else:
             cmd = step.cmd
-        timeout = min(step.timeout_s, max(1.0, left() - RESERVE_S))
         code, text, secs = run(cmd, timeout, live, env)
         result = None
         if step.json and step.json.exists():
@@ -430,8 +499,7 @@ def main(argv=None):
             md = step.json.with_suffix(".md")
             if result is not None and md.exists() and md != step.json:
                 result["md"] = md.read_text().strip()
-        test_rows = pytest_rows(xml) if xml and xml.exists() else []
-        return code, text, secs, result, test_rows
+        return code, text, secs, result, []
 
     def record(step: Step, code, text, secs, result, test_rows, beside=""):
         """One summary row (each whole step also against the fp16 step at the same depth)."""
@@ -439,28 +507,22 @@ def main(argv=None):
             counts = {s: sum(r["status"] == s for r in test_rows) for s in ("pass", "FAIL", "skip", "cut")}
             status = "FAIL" if counts["FAIL"] or code not in (0, 5, None) else "cut" if code is None or counts["cut"] else "pass"
             failed = [r["check"] for r in test_rows if r["status"] in ("FAIL", "cut")]
+            procs = f" in {min(step.workers, len(step.tests))} processes" if step.workers > 1 else ""
             note = (f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped, {counts['cut']} over "
-                    f"{PER_TEST_TIMEOUT_S} s, {len(step.tests) - len(test_rows)} not reached"
+                    f"{PER_TEST_TIMEOUT_S} s, {len(step.tests) - len(test_rows)} not reached{procs}"
                     + (f"; {', '.join(failed[:3])}" if failed else "") + ("; timed out" if code is None else ""))
             report.add(step.name, status, secs, note, beside, text, tests=test_rows)
             return
         ok = code == 0 and result is not None
         status = "pass" if ok else "cut" if code is None else "FAIL"
-        note = step_note(result) if result else ""
+        note = step_note(result, state["batch1"]) if result else ""
         grid = (result or {}).get("grid") or []
-        if step.key.startswith("step") and grid:
-            layers = int(step.cmd[step.cmd.index("--layers") + 1])
-            cache = step.cmd[step.cmd.index("--caches") + 1]
-            ms = state.setdefault("ms", {})
-            ms[cache, layers] = grid[0]["step_ms_median"]
-            if cache != "full" and ("full", layers) in ms:
-                note += f"; {ms[cache, layers] / ms['full', layers]:.2f}x the fp16 step"
-            if layers == 2 * LAYERS and (cache, LAYERS) in ms:  # full depth on the line through both depths
-                est = {c: ms[c, LAYERS] + (ms[c, layers] - ms[c, LAYERS]) * (MODEL_LAYERS - LAYERS) / LAYERS
-                       for c in (cache, "full") if (c, LAYERS) in ms and (c, layers) in ms}
-                note += f"; at {MODEL_LAYERS} layers (a line through {LAYERS} and {layers}): {est[cache]:.2f} ms"
-                if cache != "full" and "full" in est:
-                    note += f", {est[cache] / est['full']:.2f}x the fp16 step's {est['full']:.2f}"
+        if grid and not result.get("budget"):
+            layers = int(step.cmd[step.cmd.index("--layers") + 1]) if "--layers" in step.cmd else MODEL_LAYERS
+            path = step.cmd[step.cmd.index("--attn-path") + 1] if "--attn-path" in step.cmd else None
+            note += depth_note(grid, layers, path, state["ms"])
+            if step.key.startswith("step-"):  # step 2's profiles at batch 1: what Table 3's grow from
+                state["batch1"].update({r["cache"]: r["profile"] for r in grid if r.get("profile")})
         if not ok:
             last = (text.strip().splitlines() or [""])[-1][:160]
             note = (note + "; " if note else "") + ("timed out" if code is None else last)
@@ -488,11 +550,11 @@ def main(argv=None):
         if step.tests == [] and step.key.startswith("tests"):
             report.add(step.name, "skip", 0.0, "no tests selected")
             continue
-        if step.key in ("sweep", "table3", "full-depth"):  # timings: not beside the background tests
+        if not step.key.startswith(("tests", "step-")):  # Table 3 and what follows: not beside the background tests
             join_background()
         if left() < step.need_s:
             report.add(step.name, "not run", 0.0, f"needs {step.need_s:.0f} s to start (~{EXPECTED_S[step.key]} s on an "
-                       f"H100), {max(0, left()):.0f} s left")
+                       f"H100/H200), {max(0, left()):.0f} s left")
             continue
         if step.background:
             def work_bg(s=step):
@@ -501,9 +563,10 @@ def main(argv=None):
             state["thread"].start()
             continue
         print(f"# {step.name} ({left():.0f} s left)", flush=True)
+        busy = background_busy()
         code, text, secs, result, test_rows = execute(step, out / "running.log")
         clock.spend(step.key, secs)
-        beside = "CUDA tests running" if background_busy() else ""
+        beside = "CUDA tests running" if busy or background_busy() else ""
         record(step, code, text, secs, result, test_rows, beside)
         (out / "running.log").unlink(missing_ok=True)
         if state.get("thread") is not None and not background_busy():  # its rows into the summary now
@@ -514,8 +577,8 @@ def main(argv=None):
     counts = {s: sum(r["status"] == s for r in report.rows) for s in ("pass", "FAIL", "skip", "not run", "cut")}
     print("\n" + report.table())
     print(f"\n# {counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped, "
-          f"{counts['not run'] + counts['cut']} not run or cut by the budget in {clock.elapsed():.0f} s on "
-          f"{report.env['device']}; files in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+          f"{counts['not run'] + counts['cut']} not run or cut by the budget in {clock.elapsed():.0f} s of "
+          f"{a.budget_s:.0f} on {report.env['device']}; files in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 1 if counts["FAIL"] else 0
 
 
