@@ -20,7 +20,7 @@ BW = {"copy_gbs": 10.0, "read_gbs": 20.0}
 def opts(**kw):
     a = dict(bits=1, group=16, residual=32, k=8, one_bit=None, fit=None, quant=None, warmup=1, steps=2, profile_steps=0,
              prefill_chunk=64, compile=False, max_run_batch=None, host_budget_gb=64.0, attn_path=None, kv_budget_gb=None,
-             no_fixed_batch=False, prefill_one_row=False)
+             no_fixed_batch=False, prefill_one_row=False, different_prompts=False)
     a.update(kw)
     return Namespace(**a)
 
@@ -182,3 +182,17 @@ def test_the_cli_runs_table3_as_the_paper_does(tmp_path, model):
     assert rows["specache"]["run_batch"] > rows["full"]["run_batch"] >= 1 and "speedup_vs_full" in rows["specache"]
     md = out.with_suffix(".md").read_text()
     assert "## Table 3" in md and "reviewers' Q6" not in md and "| bound |" in md
+
+
+def test_each_batch_also_as_different_prompts(model):
+    """--different-prompts: each cache's batch runs again as different prompts (rotations of the text cut to lengths
+    from the context down to half of it, left-padded and prefilled for real), beside the replicated prompt."""
+    rows = bench.different_prompts(ids(200), 64, 5)
+    assert len({tuple(r) for r in rows}) == 5 and all(32 <= len(r) <= 64 for r in rows) and len(rows[0]) == 64
+    a = opts(max_run_batch=3, no_fixed_batch=True, different_prompts=True)
+    a.kv_budget_gb = 1.0
+    runner = bench.Runner(model, ids(), a, BW)
+    out = table3.budget_section(runner, ["full", "specache"], [64], a)
+    for r in out["rows"]:
+        assert r["run_batch"] == 3 and r["different_prompts"]["tok_s"] > 0
+        assert (r["cache"], 64, 3, "different prompts") in runner.rows

@@ -116,17 +116,31 @@ def cache_len(context: int, a) -> int:
 
 # ---- one measurement ------------------------------------------------------------------------------------
 @torch.no_grad()
-def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw: dict) -> dict:
+def different_prompts(ids: list[int], context: int, batch: int) -> list[list[int]]:
+    """`batch` different prompts from the text's ids: row i a rotation of the context's ids by i x 7,919 tokens,
+    cut to a length from the context down to half of it (a batch of real prompts of different lengths)."""
+    base = ids[:context]
+    return [(base[i * 7919 % context:] + base[:i * 7919 % context])[:context - (i % 8) * context // 16]
+            for i in range(batch)]
+
+
+def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw: dict, ragged: bool = False) -> dict:
+    """One (cache, context, batch) measured; ragged: the batch's rows are different prompts (different_prompts),
+    left-padded, each prefilled for real (no shared or one-row prefill)."""
     device = model.tok_embeddings.weight.device
     cfg, T = bench_config(name, a)
     # the policy's own loop (resync: its extra pre-decoding forwards fall between two steps' marks,
     # so the step times include them); NAME+2tok: a one-token cache fed the speculative loop's two tokens
     policy = cfg.policy if T == cfg.policy.step_tokens else replace(cfg.policy, step_tokens=2, pre_decode=True)
-    steps = generate.Steps(prefill=getattr(a, "replay", None) or functools.partial(generate.prefill, chunk=a.prefill_chunk))
+    steps = generate.Steps(prefill=(None if ragged else getattr(a, "replay", None))
+                           or functools.partial(generate.prefill, chunk=a.prefill_chunk))
     if a.compile:
         torch._dynamo.reset()  # one graph per configuration; also keeps under the recompile limit
         steps = steps.compiled(device, pre_decode=cfg.policy.resync)
-    prompt = torch.tensor([ids[:context]] * batch, device=device)
+    prompt, row_start = torch.tensor([ids[:context]] * batch, device=device), None
+    if ragged:
+        from cli import left_padded
+        prompt, row_start = left_padded(different_prompts(ids, context, batch), 0, device)
     marks, timed = measure.StepMarks(device), a.warmup + a.steps
     profile = {}
 
@@ -142,7 +156,7 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
             profile["p"].start()
 
     with measure.PeakMemory(device) as mem:  # the cache buffers are allocated inside, as in HF's generate()
-        caches = setup_caches(model, cfg, batch, cache_len(context, a))
+        caches = setup_caches(model, cfg, batch, cache_len(context, a), row_start=row_start)
         n_new = timed + (a.profile_steps if device.type == "cuda" else 0) + 1
         if policy != cfg.policy:  # NAME+2tok: the loop feeds two tokens to caches configured for one
             for c in caches:
@@ -215,11 +229,12 @@ class Runner:
     def cache_len(self, context) -> int:
         return cache_len(context, self.a)
 
-    def __call__(self, cache, context, batch):
-        key = (cache, context, batch)
+    def __call__(self, cache, context, batch, ragged=False):
+        key = (cache, context, batch) + (("different prompts",) if ragged else ())
         if key not in self.rows:
-            print(f"# {label(cache, self.a)} context={context} batch={batch} ...", file=sys.stderr, flush=True)
-            self.rows[key] = r = run_config(self.model, cache, context, batch, self.ids, self.a, self.bw)
+            kind = " of different prompts" if ragged else ""
+            print(f"# {label(cache, self.a)} context={context} batch={batch}{kind} ...", file=sys.stderr, flush=True)
+            self.rows[key] = r = run_config(self.model, cache, context, batch, self.ids, self.a, self.bw, ragged)
             print(f"#   prefill {r['prefill_s']:.2f} s, step {r['step_ms_median']:.2f} ms, {r['tok_s']:.1f} tok/s",
                   file=sys.stderr, flush=True)
         return self.rows[key]
@@ -368,6 +383,8 @@ def parse_args(argv=None):
     p.add_argument("--max-run-batch", type=int, default=None, help="cap the batch actually run (default 4 on CPU; on "
                    f"CUDA what {100 * table3.RUN_SHARE:.0f}%% of the free device memory holds beside the weights)")
     p.add_argument("--no-fixed-batch", action="store_true", help="Table 3 without the run of every cache at one batch")
+    p.add_argument("--different-prompts", action="store_true", help="Table 3: each cache's batch also as different "
+                   "prompts (lengths from the context down to half of it, left-padded, prefilled for real)")
     p.add_argument("--prefill-one-row", action="store_true", help="prefill one row of the prompt and store it into "
                    "every row of the batch (they share it; prefill_s is the replay's): Table 3's batches of 32k tokens")
     p.add_argument("--hf", action="store_true", help="side by side with transformers generate() (batch 1)")

@@ -92,6 +92,13 @@ def report(res: dict) -> str:
         md += ["", "vs full: tokens/s over the fp16 cache's at its own batch (the paper's Table 3 at 32k: 4.6x for "
                "1-bit SpeCache, 3.4x for 2-bit). Each run's kernels by name: the CUDA profile above.", "",
                table3_headline(b), ""]
+        other = [r for r in b["rows"] if "different_prompts" in r]
+        if other:  # (--different-prompts)
+            md += ["Each cache's batch as different prompts (lengths from the context down to half of it, left-padded):",
+                   "", md_table(["context", "cache", "run batch", "step ms", "tok/s", "vs the replicated prompt"],
+                                [[r["context"], r["label"], r["run_batch"], f"{r['different_prompts']['step_ms']:.2f}",
+                                  f"{r['different_prompts']['tok_s']:.1f}",
+                                  f"{r['different_prompts']['tok_s'] / r['tok_s']:.2f}x"] for r in other]), ""]
         if b.get("fixed"):
             md += ["### Same batch for every cache (reviewers' Q6)", ""]
             md.append(md_table(["context", "batch", "cache", "step ms", "tok/s", "vs full", "vs kivi", "KV device MiB"],

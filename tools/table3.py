@@ -153,6 +153,10 @@ def budget_section(runner, names, contexts, a, on_row=None) -> dict:
                                fetch_bytes_per_step=r["fetch_bytes_per_step"], kv_device_bytes=r["kv_device_bytes"])
                     if "profile" in r:
                         row["profile"] = r["profile"]
+                    if getattr(a, "different_prompts", False):  # beside the replicated prompt: a batch of real ones
+                        d = runner(name, ctx, run_b, ragged=True)
+                        row["different_prompts"] = dict(step_ms=d["step_ms_median"], tok_s=d["tok_s"],
+                                                        prefill_s=d["prefill_s"])
             out["rows"].append(row)
             mine.append(row)
             if on_row:

@@ -46,10 +46,11 @@ hit() {  # LENGTH "SAMPLES": needle prompts, 64 decode steps, one call per sampl
        --lengths $1 --samples $s --steps 64 --prompts needle --out $R/hitrate
   done
 }
-ppldocs() {  # LENGTH: ppl's window and caches over the text of RULER's QA documents, SQuAD's then HotpotQA's
-  for t in squad hotpot; do
+ppldocs() {  # LENGTH: ppl's window and caches over the essays again (the rows now keep every token's NLL, for the
+  # intervals) and over the text of RULER's QA documents, SQuAD's then HotpotQA's; into ppl-tokens/
+  for t in essays squad hotpot; do
     $E ppl --checkpoint $M --threads 2 --methods full,kivi-1bit,specache-1bit,specache-1bit-best,specache-2bit-best \
-       --lengths $1 --n-eval 1000 --windows 1 --text $t --out $R/ppl
+       --lengths $1 --n-eval 1000 --windows 1 --text $t --out $R/ppl-tokens
   done
 }
 hitqa() {  # LENGTH SAMPLES: RULER's QA prompts (qa's, the same seed), 64 decode steps, one call per sample and task
