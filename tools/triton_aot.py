@@ -332,15 +332,19 @@ def cases(quick=False):
                   torch.zeros((), dtype=torch.long))
         new = (step[:, :, :1], step[:, :, :1], torch.tensor(5), *staged) if token else None
         n = cfg.k * cfg.rerank
+        ring = (torch.zeros(B, Hkv, cfg.sinks + cfg.k, dtype=torch.long),
+                torch.zeros(B, Hkv, cfg.sinks + cfg.k, dtype=torch.bool))
+        keep = (torch.zeros(B, dtype=torch.bool), *ring, cfg.sinks)  # the rows whose ring a resync holds
+        row_start = torch.zeros(B, dtype=torch.long)
         if cfg.rerank > 1:  # the candidates, and the query rows re-ranking scores them by
             out = (torch.zeros(B, Hkv, n, dtype=torch.long), torch.zeros(B, Hkv, n, dtype=torch.bool))
             s_q = (q[:, :, -R:], torch.zeros(B, Hkv * G, R, D, dtype=q.dtype), torch.zeros(B, Hkv * G, R))
-            topk.select_triton(logits, lse, c.n_quant, n, cfg.sinks, out=out, stage_q=s_q, token=new)
+            topk.select_triton(logits, lse, c.n_quant, n, cfg.sinks, out=out, stage_q=s_q, token=new,
+                               row_start=row_start, keep=keep)
         else:
-            record = (torch.zeros(B, Hkv, cfg.sinks + n, dtype=torch.long),
-                      torch.zeros(B, Hkv, cfg.sinks + n, dtype=torch.bool), cfg.sinks,
-                      torch.zeros(B, Hkv, n, dtype=torch.long))
-            topk.select_triton(logits, lse, c.n_quant, n, cfg.sinks, record=record, token=new)
+            record = (*ring, cfg.sinks, torch.zeros(B, Hkv, n, dtype=torch.long))
+            topk.select_triton(logits, lse, c.n_quant, n, cfg.sinks, record=record, token=new,
+                               row_start=row_start, keep=keep)
 
     def step_case(name, dtype, D, G=4, T=2, S=1024):
         def run():  # (S > 8192: the top-k merges its chunks' candidates in two rounds)
@@ -390,7 +394,8 @@ def cases(quick=False):
                                             ring_off=4)
             # the sinks' launch (a decode step's commit: the residual's first rows, read through its strides)
             res = torch.zeros(1, 2, 66, D, dtype=dtype)
-            transfer.keep_sinks_triton(fetch[:2] + [fetch[3]], res[:, :, :64], res[:, :, :64], torch.tensor(True), 4)
+            transfer.keep_sinks_triton(fetch[:2] + [fetch[3]], res[:, :, :64], res[:, :, :64], torch.tensor(0), 4,
+                                       torch.zeros(1, dtype=torch.long))
             # union's pre-decoding with re-ranking: one selecting token staged into two rows per head
             q1, lse1 = torch.zeros(1, 8, 1, D, dtype=dtype), torch.zeros(1, 8, 1)
             out = (torch.zeros(1, 2, 128, dtype=torch.long), torch.zeros(1, 2, 128, dtype=torch.bool))
