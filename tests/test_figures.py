@@ -62,6 +62,9 @@ def synthetic_results(root):
         [dict(panel="niah 16k", method=m, mib=mib, score=sc, lo=sc - 0.1, hi=min(1, sc + 0.1))
          for m, mib, sc in (("full", 54.5, 1.0), ("specache-1bit-best", 13.8, 0.9), ("snapkv@specache-1bit-best", 13.8, 0.3),
                             ("snapkv@1/8", 14.2, 0.5))]))
+    jsonl(root / figures.QA_DIR, [dict(method=m, task=t, sample=i, score=float((i + j) % 2))
+                                   for j, m in enumerate(figures.QA_NAMES) for t in ("qa_squad", "qa_hotpot")
+                                   for i in range(3)])
 
 
 def test_every_figure_is_a_non_empty_png(tmp_path):
@@ -96,7 +99,8 @@ def test_run_names_and_the_markdown_kernel_table(tmp_path):
                                           ("h100-kernels.png", "H100 kernel results"),
                                           ("niah.png", "results.jsonl"),
                                           ("hitrate-per-layer.png", "results.jsonl"),
-                                          ("baselines-score-vs-bytes.png", "summary.json")])
+                                          ("baselines-score-vs-bytes.png", "summary.json"),
+                                          ("qwen-qa.png", "results.jsonl")])
 def test_a_missing_input_is_one_clear_error(tmp_path, name, message):
     with pytest.raises(figures.MissingInput, match=message):
         figures.FIGURES[name](tmp_path, tmp_path / name)

@@ -3,7 +3,7 @@
     python tools/figures.py [--results results] [--out docs]
 
 Writes docs/h100-step-time.png, docs/h100-kernels.png, docs/niah.png, docs/hitrate-per-layer.png,
-docs/long-context-niah.png and docs/baselines-score-vs-bytes.png.
+docs/long-context-niah.png, docs/baselines-score-vs-bytes.png and docs/qwen-qa.png.
 Every number comes from a results file (JSON/JSONL; the 2026-11-22 kernel table exists only as markdown,
 so that one is parsed). A missing input ends with one `error:` line naming what is missing.
 """
@@ -271,9 +271,48 @@ def baselines(results: Path, out: Path):
     return out
 
 
+QA_DIR = "qwen/qa16k"  # RULER's question answering over real documents, Qwen2.5-Coder-1.5B-Instruct at 16k
+QA_NAMES = {"full": "fp16 cache", "kivi-1bit": "KIVI 1-bit", "kivi-2bit": "KIVI 2-bit",
+            "specache-1bit": "SpeCache 1-bit, paper", "specache-2bit": "SpeCache 2-bit, paper",
+            f"specache-1bit-{PRESET}": "SpeCache 1-bit, --preset best",
+            f"specache-2bit-{PRESET}": "SpeCache 2-bit, --preset best",
+            "infllm-p128-repr4@specache-1bit-best": "InfLLM-style at the 1-bit preset's bytes"}
+
+
+def qa(results: Path, out: Path):
+    """RULER qa_squad / qa_hotpot at 16k: each cache's share of answers holding a gold answer, Wilson's 95%
+    interval over the samples (n under each bar), one bar per task and cache."""
+    from tools.tasks import wilson
+    rows = read_jsonl(results / QA_DIR)
+    tasks = ("qa_squad", "qa_hotpot")
+    methods = [m for m in QA_NAMES if any(r["method"] == m for r in rows)]
+    if not methods:
+        raise ValueError(f"{results / QA_DIR}: no rows of the caches {sorted(QA_NAMES)}")
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    width = 0.8 / len(tasks)
+    for j, task in enumerate(tasks):
+        for i, m in enumerate(methods):
+            scores = [r["score"] for r in rows if r["method"] == m and r["task"] == task]
+            if not scores:
+                continue
+            p = sum(scores) / len(scores)
+            lo, hi = wilson(p, len(scores))
+            x = i + (j - (len(tasks) - 1) / 2) * width
+            ax.bar(x, 100 * p, width, color=f"C{j}", label=task if i == 0 else None)
+            ax.errorbar(x, 100 * p, yerr=[[100 * (p - lo)], [100 * (hi - p)]], color="k", capsize=3, lw=1)
+            ax.text(x, 2, f"n={len(scores)}", ha="center", fontsize=7, rotation=90, color="w")
+    ax.set_xticks(range(len(methods)), [QA_NAMES[m] for m in methods], rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("answers with a gold answer (%)")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=8)
+    ax.set_title("RULER QA at 16k, Qwen2.5-Coder-1.5B-Instruct (chat, greedy; CPU fp32); Wilson 95% intervals; "
+                 f"{run_date(results / QA_DIR / 'results.jsonl')}", fontsize=9)
+    return save(fig, out)
+
+
 FIGURES = {"h100-step-time.png": step_time, "h100-kernels.png": kernels, "niah.png": niah,
            "hitrate-per-layer.png": hitrate_per_layer, "long-context-niah.png": long_context_niah,
-           "baselines-score-vs-bytes.png": baselines}
+           "baselines-score-vs-bytes.png": baselines, "qwen-qa.png": qa}
 
 
 def main(argv=None):

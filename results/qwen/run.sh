@@ -27,11 +27,13 @@ ruler() {  # LENGTH SAMPLES: one call per task and sample
     done
   done
 }
-QA_BASELINE=infllm@specache-1bit-best  # InfLLM-style retrieval at the 1-bit preset's 16-bit bytes, on the same prefill
+# InfLLM-style retrieval at the 1-bit preset's 16-bit bytes, on the same prefill; QA_BASELINE= leaves it out (a
+# sample whose seven caches ran but not this one costs a whole prefill for it alone)
+QA_BASELINE=${QA_BASELINE-infllm@specache-1bit-best}
 qa() {  # LENGTH SAMPLES: RULER's two QA tasks over real documents, one call per sample and task (alternating)
   for i in $(seq 1 $2); do
     for t in qa_squad qa_hotpot; do
-      $E ruler --checkpoint $M --threads 2 --lengths $1 --samples $i --tasks $t --methods $CACHES,$QA_BASELINE \
+      $E ruler --checkpoint $M --threads 2 --lengths $1 --samples $i --tasks $t --methods $CACHES${QA_BASELINE:+,$QA_BASELINE} \
          --out $R/qa16k
     done
   done

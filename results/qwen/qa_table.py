@@ -1,0 +1,52 @@
+"""The QA table of docs/long-context.md from results/qwen/qa16k/results.jsonl: each cache's score per task and
+pooled (x100, Wilson's 95% interval, n answers), its answers paired with the fp cache's on the same samples (right
+where the fp cache is wrong / wrong where it is right), and its resyncs over its decode steps. Only samples the fp
+cache answered are paired. From the repository root:
+    python results/qwen/qa_table.py [results/qwen/qa16k/results.jsonl]"""
+import collections
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tools.tasks import wilson  # noqa: E402
+
+NAMES = {"full": "fp16 (fp32 here)", "kivi-1bit": "KIVI 1-bit", "kivi-2bit": "KIVI 2-bit",
+         "specache-1bit": "SpeCache 1-bit, paper", "specache-2bit": "SpeCache 2-bit, paper",
+         "specache-1bit-lsq-resync-rr2-g32-sink4": "SpeCache 1-bit, `--preset best`",
+         "specache-2bit-lsq-resync-rr2-g32-sink4": "SpeCache 2-bit, `--preset best`",
+         "infllm-p128-repr4@specache-1bit-best": "InfLLM-style at the 1-bit preset's bytes"}
+TASKS = ("qa_squad", "qa_hotpot")
+
+
+def cell(scores):
+    if not scores:
+        return "-"
+    p = sum(scores) / len(scores)
+    lo, hi = wilson(p, len(scores))
+    return f"{100 * p:.1f} [{100 * lo:.0f}, {100 * hi:.0f}] ({len(scores)})"
+
+
+def main(path):
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    by = {(r["method"], r["task"], r["sample"]): r for r in rows}
+    methods = [m for m in NAMES if any(r["method"] == m for r in rows)]
+    print("| cache | SQuAD | HotpotQA | pooled | right where fp is wrong / wrong where fp is right | resyncs / steps |")
+    print("|---|---|---|---|---|---|")
+    for m in methods:
+        per = {t: [r["score"] for (mm, tt, _), r in sorted(by.items()) if mm == m and tt == t] for t in TASKS}
+        keys = [k for k in by if k[0] == m]
+        pairs = [(by[k]["score"], by[("full", k[1], k[2])]["score"]) for k in keys if ("full", k[1], k[2]) in by]
+        gain = sum(1 for c, f in pairs if c > f)
+        loss = sum(1 for c, f in pairs if c < f)
+        res = sum(by[k].get("resyncs") or 0 for k in keys)
+        steps = sum(by[k].get("decode_steps") or 0 for k in keys)
+        paired = "" if m == "full" else f"{gain} / {loss} of {len(pairs)}"
+        print(f"| {NAMES[m]} | {cell(per['qa_squad'])} | {cell(per['qa_hotpot'])} | "
+              f"{cell(per['qa_squad'] + per['qa_hotpot'])} | {paired} | {res} / {steps} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ROOT / "results/qwen/qa16k/results.jsonl")
