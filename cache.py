@@ -7,10 +7,8 @@ config.CacheConfig; `setup_caches` gives every layer of a model its cache:
                quantized copies in attention (eq. 1), picked and moved by a fetch policy (§3.3)
 (Other quantizers subclass LowBitCache in their own files.) Byte accounting is exact: `device_bytes()`
 sums the tensors on the compute device as run, `deployed_bytes()` the same tensors in a 16-bit deployment
-(`deployed_nbytes`), `read_bytes(T)` is what a decode step of T tokens reads.
+(kvmemory.deployed_nbytes), `read_bytes(T)` is what a decode step of T tokens reads.
 """
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -21,14 +19,9 @@ import kernels
 import quant
 import topk
 from config import NO_FETCH, CacheConfig, FetchPolicy
+from kvmemory import MemoryMeter, deployed_nbytes
 from lowbit import Fetched, LowBitKV, Residual, check_attn_path
 from prefetch import Prefetcher
-
-def deployed_nbytes(*tensors) -> int:
-    """Bytes of the tensors in a 16-bit deployment, whatever dtype this run computes in: a floating-point
-    element is 2 bytes (fp32 on CPU stands in for fp16/bf16 on a GPU); codes, positions and counters as stored."""
-    return sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in tensors)
-
 
 def register_row_start(cache, row_start, batch: int, device):
     """The batch's [B] first real slot per row (a left-padded batch; zeros: none), one tensor that every cache
@@ -82,31 +75,6 @@ def prefill_chunk(cache, q, k, v, input_pos, held: int, earlier_kv):
                               row_start=getattr(cache, "row_start", None))  # (the baselines' caches: no padding)
         cache.append_prefill(k, v, input_pos, q=q)
     return out
-
-
-@dataclass
-class MemoryMeter:
-    """Device-side KV bytes over time, by the caches' own accounting (CPU has no allocator stats).
-    Prefill registers each layer's transient fp KV, so `peak` shows Algorithm 1's layer-by-layer bound."""
-    current: int = 0
-    peak: int = 0
-
-    def alloc(self, n: int):
-        self.current += n
-        self.peak = max(self.peak, self.current)
-
-    def free(self, n: int):
-        self.current -= n
-
-    @contextmanager
-    def holding(self, *tensors):
-        """The tensors' bytes count while the block runs (a layer's transient fp K/V during prefill)."""
-        n = sum(t.nbytes for t in tensors)
-        self.alloc(n)
-        try:
-            yield
-        finally:
-            self.free(n)
 
 
 class FullCache(nn.Module):
@@ -545,11 +513,6 @@ def hold_fetched(model, rows: Optional[torch.Tensor]):
                    if p is not None}
     for p in prefetchers.values():
         p.keep_rows.copy_(rows if rows is not None else torch.zeros_like(p.keep_rows))
-
-
-def kv_fp16_bytes(args, batch: int, seq_len: int) -> int:
-    """What a 16-bit cache of every layer would hold: the reference the low-bit caches are compared with."""
-    return 2 * args.n_layers * batch * args.n_kv_heads * seq_len * args.head_dim * 2
 
 
 class LayerPlan(NamedTuple):

@@ -30,9 +30,10 @@ import torch
 import cli
 import quantspec
 import tp
-from cache import fetch_policy, hold_fetched, kv_fp16_bytes
+from cache import fetch_policy, hold_fetched
 from config import CacheConfig
 from decoding import Decoding, compiled_step, prefill, sample  # noqa: F401 (generate.Decoding, generate.prefill)
+from kvmemory import kv_fp16_bytes
 from lowbit import DEFAULT_ATTN_PATH
 from methods import setup_caches
 
@@ -272,7 +273,7 @@ def run(a):
         "text": tok.decode(rows[0]), "tokens": rows[0] if a.batch_size == 1 and listed is None else rows,
         "prompt_tokens": len(ids) if listed is None else prompt_lens,
         "prefill_s": round(stats["prefill_s"], 4), "decode_tok_s": round(stats["decode_tok_s"], 3),
-        # device bytes in a 16-bit deployment (cache.deployed_nbytes), and as this run holds them
+        # device bytes in a 16-bit deployment (kvmemory.deployed_nbytes), and as this run holds them
         "kv_device_bytes": caches.deployed_bytes(), "kv_device_bytes_as_run": caches.device_bytes(),
         "kv_host_bytes": caches.host_bytes(),
         "kv_fp16_bytes": kv_fp16_bytes(model.args, a.batch_size, seq_len),

@@ -46,8 +46,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cache as kv
-from cache import FullCache, KVCaches, MemoryMeter, deployed_nbytes, plan_layers, prefill_chunk
+from cache import FullCache, KVCaches, plan_layers, prefill_chunk
 from config import NO_FETCH, CacheConfig
+from kvmemory import MemoryMeter, deployed_nbytes
 from prefetch import Prefetcher
 from topk import Picked
 
@@ -290,7 +291,7 @@ class InfLLMCache(nn.Module):
         return sum(b.nbytes for b in self.buffers())
 
     def deployed_bytes(self) -> int:
-        """device_bytes in a 16-bit deployment (cache.deployed_nbytes)."""
+        """device_bytes in a 16-bit deployment (kvmemory.deployed_nbytes)."""
         return deployed_nbytes(*self.buffers())
 
     def host_bytes(self) -> int:

@@ -36,8 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import FullCache, KVCaches, MemoryMeter, deployed_nbytes, plan_layers, prefill_chunk
+from cache import FullCache, KVCaches, plan_layers, prefill_chunk
 from config import NO_FETCH, CacheConfig
+from kvmemory import MemoryMeter, deployed_nbytes
 from prefetch import Prefetcher
 from topk import Picked
 

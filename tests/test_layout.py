@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import ROOT
 
 METHOD = {"attn_gluon", "attn_views", "cache", "cli", "config", "convert_hf", "decoding", "generate", "hf", "infllm",
-          "kernels", "lowbit", "methods", "model", "prefetch", "quant", "quantspec", "quest", "tiles", "tokenizer", "topk",
+          "kernels", "kvmemory", "lowbit", "methods", "model", "prefetch", "quant", "quantspec", "quest", "tiles", "tokenizer", "topk",
           "tp", "transfer", "zipcache"}
 
 

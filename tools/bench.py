@@ -48,7 +48,7 @@ import generate  # noqa: E402
 from tools import measure  # noqa: E402
 from tools.bench_report import md_table, mb, report  # noqa: E402
 import quant  # noqa: E402
-from cache import kv_fp16_bytes  # noqa: E402
+from kvmemory import kv_fp16_bytes  # noqa: E402
 from methods import setup_caches  # noqa: E402
 from config import ATTN_PATHS, CacheConfig  # noqa: E402
 from tools.measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402

@@ -3,7 +3,7 @@ pooled (x100, Wilson's 95% interval, n answers), its answers paired with the fp 
 where the fp cache is wrong / wrong where it is right), and its resyncs over its decode steps. Only samples the fp
 cache answered are paired. From the repository root:
     python results/qwen/qa_table.py [results/qwen/qa16k/results.jsonl]"""
-import collections
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -49,4 +49,6 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ROOT / "results/qwen/qa16k/results.jsonl")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("rows", nargs="?", type=Path, default=ROOT / "results/qwen/qa16k/results.jsonl")
+    main(p.parse_args().rows)
