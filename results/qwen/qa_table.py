@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tools.tasks import wilson  # noqa: E402
+from tools.tasks import fmt_interval, wilson  # noqa: E402
 
 NAMES = {"full": "fp16 (fp32 here)", "kivi-1bit": "KIVI 1-bit", "kivi-2bit": "KIVI 2-bit",
          "specache-1bit": "SpeCache 1-bit, paper", "specache-2bit": "SpeCache 2-bit, paper",
@@ -25,8 +25,7 @@ def cell(scores):
     if not scores:
         return "-"
     p = sum(scores) / len(scores)
-    lo, hi = wilson(p, len(scores))
-    return f"{100 * p:.1f} [{100 * lo:.0f}, {100 * hi:.0f}] ({len(scores)})"
+    return f"{fmt_interval((p, *wilson(p, len(scores))))} ({len(scores)})"
 
 
 def main(path):
