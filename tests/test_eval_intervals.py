@@ -35,6 +35,24 @@ def test_bootstrap_known_cases():
         er.bootstrap_mean([1.0, 2.0], [1.0])
 
 
+def test_block_bootstrap_widens_for_runs_of_alike_values():
+    """Runs of 10 alike values: resampling tokens sees 100 independent values (about 0.5 -+ 0.1), runs of 10
+    see 10 (about 0.5 -+ 0.31); block=1 is the token bootstrap; values after the last whole run count in the
+    mean only; a block of 0 or longer than the values is an error."""
+    xs = ([0.0] * 10 + [1.0] * 10) * 5
+    m1, lo1, hi1 = er.bootstrap_mean(xs)
+    assert er.bootstrap_mean(xs, block=1) == (m1, lo1, hi1)
+    m, lo, hi = er.bootstrap_mean(xs, block=10)
+    assert m == m1 == 0.5 and hi - lo > 2.5 * (hi1 - lo1)
+    assert lo == pytest.approx(0.2, abs=0.1) and hi == pytest.approx(0.8, abs=0.1)
+    m, lo, hi = er.bootstrap_mean(xs + [7.0] * 5, block=10)  # 5 values past the last run of 10
+    assert m == pytest.approx(sum(xs + [7.0] * 5) / 105) and hi <= 1.0
+    assert er.bootstrap_mean([x + 0.5 for x in xs], xs, block=10) == (0.5, 0.5, 0.5)  # paired: the runs of differences
+    for bad in (0, 101):
+        with pytest.raises(ValueError, match=f"1 <= block <= 100 values, not block={bad}"):
+            er.bootstrap_mean(xs, block=bad)
+
+
 def ppl_row(r, label, nlls=None, nll=None, **fields):
     f = dict(cmd="ppl", model="m", method=label, length=1000, window=0, start=0, n_eval=len(nlls or [0] * 100), **fields)
     rec = dict(f, label=label, nll=nll if nll is not None else sum(nlls) / len(nlls), n=f["n_eval"], bits=16.0)
@@ -43,7 +61,8 @@ def ppl_row(r, label, nlls=None, nll=None, **fields):
 
 def test_ppl_report_intervals_paired_against_the_fp_cache(tmp_path):
     """Each cache's perplexity with its bootstrap interval; its change against `full` paired over the same
-    tokens (a constant shift of log 1.1 a token: +10.0% with no width); rows without per-token NLLs: '-'."""
+    tokens (a constant shift of log 1.1 a token: +10.0% with no width), over tokens and over runs of 50; rows
+    without per-token NLLs: '-'; with two texts at a length, an `all` row pools both texts' windows."""
     r = ev.Results(tmp_path)
     rng = random.Random(0)
     full = [round(rng.uniform(0.5, 4.0), 5) for _ in range(400)]
@@ -56,10 +75,15 @@ def test_ppl_report_intervals_paired_against_the_fp_cache(tmp_path):
     md = (tmp_path / "results.md").read_text()
     m, lo, hi = er.bootstrap_mean(full)
     assert lo < m < hi
-    assert f"| full | essays | 1000 | 400 | {math.exp(m):.3f} [{math.exp(lo):.3f}, {math.exp(hi):.3f}] |  |" in md
-    assert "| specache-1bit | essays | 1000 | 400 | " in md and " | +10.0% [+10.0, +10.0] |" in md
-    assert "| kivi-1bit | essays | 1000 | 100 | 20.086 - | - |" in md
-    assert "| specache-1bit | squad | 1000 | 100 | 7.389 [7.389, 7.389] | +0.0% [+0.0, +0.0] |" in md
+    assert f"| full | essays | 1000 | 400 | {math.exp(m):.3f} [{math.exp(lo):.3f}, {math.exp(hi):.3f}] |  |  |" in md
+    assert "| specache-1bit | essays | 1000 | 400 | " in md and " | +10.0% [+10.0, +10.0] | +10.0% [+10.0, +10.0] |" in md
+    assert "| kivi-1bit | essays | 1000 | 100 | 20.086 - | - | - |" in md
+    assert "| specache-1bit | squad | 1000 | 100 | 7.389 [7.389, 7.389] | +0.0% [+0.0, +0.0] | +0.0% [+0.0, +0.0] |" in md
+    # pooled: 400 tokens shifted by log 1.1 and 100 not, so 1.1 ** 0.8 - 1 = +7.9%, now with a width
+    pooled = next(line for line in md.splitlines() if line.startswith("| specache-1bit | all | 1000 | 500 | "))
+    change, runs = pooled.split(" | ")[5:7]
+    assert change.startswith("+7.9% [") and change != "+7.9% [+7.9, +7.9]" and runs.startswith("+7.9% [")
+    assert "| kivi-1bit | all | 1000 | 100 | 20.086 - | - | - |" in md
     # the summary table: essays under their old header, the squad window in a column of its own
     assert "| method | bits | ppl @1000 | ppl squad @1000 | mean NLL | cells |" in md
     assert "| kivi-1bit | 16.00 | 20.086 | - |" in md

@@ -48,11 +48,12 @@ hit() {  # LENGTH "SAMPLES": needle prompts, 64 decode steps, one call per sampl
        --lengths $1 --samples $s --steps 64 --prompts needle --out $R/hitrate
   done
 }
-ppldocs() {  # LENGTH: ppl's window and caches over the essays again (the rows now keep every token's NLL, for the
-  # intervals) and over the text of RULER's QA documents, SQuAD's then HotpotQA's; into ppl-tokens/
+ppldocs() {  # LENGTH N_EVAL: ppl's window and caches over the essays again (the rows now keep every token's NLL, for
+  # the intervals) and over the text of RULER's QA documents, SQuAD's then HotpotQA's; into ppl-tokens/. A scored
+  # token costs about 4.6 s over the five caches at 16k, beside one 8-minute prefill a window.
   for t in essays squad hotpot; do
     $E ppl --checkpoint $M --threads 2 --methods full,kivi-1bit,specache-1bit,specache-1bit-best,specache-2bit-best \
-       --lengths $1 --n-eval 1000 --windows 1 --text $t --out $R/ppl-tokens
+       --lengths $1 --n-eval $2 --windows 1 --text $t --out $R/ppl-tokens
   done
 }
 hitqa() {  # LENGTH SAMPLES: RULER's QA prompts (qa's, the same seed), 64 decode steps, one call per sample and task
@@ -80,7 +81,8 @@ for piece in "${@:-niah16k niah8k niah32k ruler16k ppl16k ppl32k hit16k hit32k}"
       ppl32k) ppl 32700 ;;
       hit16k) hit 16000 "1" ;;
       hit32k) hit 32700 "1" ;;
-      ppl16k-docs) ppldocs 16000 ;;
+      ppl16k-docs) ppldocs 16000 1000 ;;
+      ppl16k-docs@*) ppldocs 16000 "${p#*@}" ;;
       hitqa16k) hitqa 16000 5 ;;
       hitqa16k@*) hitqa 16000 "${p#*@}" ;;
       *) echo "unknown piece $p" >&2; exit 1 ;;
