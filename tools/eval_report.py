@@ -341,7 +341,7 @@ def ppl_interval_rows(recs, text, L, ref="full"):
         ppl = f"{math.exp(point):.3f}" + (f" [{math.exp(b[1]):.3f}, {math.exp(b[2]):.3f}]" if b else " -")
         pairs = [(r["nlls"], refs[paired_key(r)]) for r in mine if r.get("nlls") and paired_key(r) in refs]
         d = bootstrap_mean(sum((p[0] for p in pairs), []), sum((p[1] for p in pairs), [])) if pairs else None
-        runs = [(p[0][:k], p[1][:k]) for p in pairs for k in [len(p[0]) // PPL_BLOCK * PPL_BLOCK] if k]
+        runs = [(x[:k], y[:k]) for x, y in pairs if (k := len(x) // PPL_BLOCK * PPL_BLOCK)]  # whole runs a window
         db = bootstrap_mean(sum((p[0] for p in runs), []), sum((p[1] for p in runs), []), block=PPL_BLOCK) \
             if runs else None
         change = ["" if lb == ref else "-" if e is None else "{:+.1f}% [{:+.1f}, {:+.1f}]".format(
