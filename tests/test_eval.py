@@ -227,6 +227,29 @@ def test_results_resume(tmp_path):
     assert ev.Results.key(dict(b=1, a=2)) == ev.Results.key(dict(a=2, b=1))
 
 
+def test_ruler_first_sample_runs_that_range_only(tmp_path, monkeypatch):
+    """ruler --first-sample F --samples N runs samples F..N-1 of each task and method, keyed as a run of all N
+    would key them (so a later full run skips them); F outside [0, N) is an error."""
+    from types import SimpleNamespace
+    asked = []
+    monkeypatch.setattr(ev, "ruler_sample", lambda tok, t, L, i, seed, form: SimpleNamespace(answers=[f"a{i}"], form=form))
+    monkeypatch.setattr(ev, "answer", lambda runner, m, ss, n: [asked.append((m.name, s.answers[0])) or
+                                                                dict(output=s.answers[0]) for s in ss])
+    a = ev.parse_args(["ruler", "--out", str(tmp_path), "--methods", "full,kivi-1bit", "--tasks", "qa_squad",
+                       "--lengths", "100", "--first-sample", "2", "--samples", "4"])
+    results = ev.Results(tmp_path)
+    ev.cmd_ruler(a, SimpleNamespace(tok=None), a.method_list, results)
+    assert sorted(asked) == [("full", "a2"), ("full", "a3"), ("kivi-1bit", "a2"), ("kivi-1bit", "a3")]
+    assert sorted(r["sample"] for r in ev.Results(tmp_path).records) == [2, 2, 3, 3]
+    asked.clear()
+    a.first_sample = 0
+    ev.cmd_ruler(a, SimpleNamespace(tok=None), a.method_list, results)
+    assert sorted(asked) == [("full", "a0"), ("full", "a1"), ("kivi-1bit", "a0"), ("kivi-1bit", "a1")]
+    for first in ("4", "-1"):
+        with pytest.raises(SystemExit, match=r"--first-sample must be in \[0, --samples\)"):
+            ev.parse_args(["ruler", "--out", "x", "--first-sample", first, "--samples", "4"])
+
+
 def test_reports_and_heatmap(tmp_path):
     r = ev.Results(tmp_path)
     for lb in ("full", "kivi-1bit"):

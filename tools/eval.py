@@ -259,7 +259,7 @@ def cmd_ruler(a, runner, methods, results):
         raise SystemExit(f"error: unknown RULER task {unknown[0]!r}; known: {', '.join(RULER_TASKS)}")
     cells = [(dict(base_fields("ruler", a, m), task=t, length=L, sample=i, seed=a.seed,
                    max_new=a.max_new_tokens or ruler_max_new(t), **form_fields(a)), m)
-             for m in methods for L in a.lengths for t in tasks for i in range(a.samples)]
+             for m in methods for L in a.lengths for t in tasks for i in range(a.first_sample, a.samples)]
     # task-major order, so that a sample is built once and reused by every method
     cells.sort(key=lambda c: (c[0]["length"], c[0]["task"], c[0]["sample"]))
     sample = lru_cache(1)(lambda t, L, i: ruler_sample(runner.tok, t, L, i, seed=a.seed, form=a.prompt_form))
@@ -461,6 +461,7 @@ SUBCOMMANDS = {  # name: (help, its own options)
         ("--prompt-form", dict(default="chat", choices=PROMPT_FORMS, help=PROMPT_FORM_HELP)),
         ("--tasks", dict(default=None, help=f"comma list of: {', '.join(RULER_TASKS)} (default all)")),
         ("--samples", dict(type=int, default=None)),
+        ("--first-sample", dict(type=int, default=0, help="run samples FIRST_SAMPLE..SAMPLES-1 only (0-based)")),
         ("--max-new-tokens", dict(type=int, default=None, help="default per task (32-64)")),
         ("--batch", dict(type=int, default=1, help=BATCH_HELP))]),
     "ppl": ("perplexity through the decode path", [
@@ -547,6 +548,8 @@ def parse_args(argv=None):
         value = getattr(a, flag, None)
         if value is not None and value < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1, got {value}")
+    if a.cmd == "ruler" and not 0 <= a.first_sample < a.samples:
+        raise SystemExit(f"error: --first-sample must be in [0, --samples), got {a.first_sample}")
     sweep = lambda text, what: parse_int_list(text, what) if text else [None]  # noqa: E731
     try:
         a.method_list = expand_methods(a.methods, sweep(a.k, "k"), sweep(a.group, "group"), sweep(a.residual, "residual"))

@@ -30,11 +30,12 @@ ruler() {  # LENGTH SAMPLES: one call per task and sample
 # InfLLM-style retrieval at the 1-bit preset's 16-bit bytes, on the same prefill; QA_BASELINE= leaves it out (a
 # sample whose seven caches ran but not this one costs a whole prefill for it alone)
 QA_BASELINE=${QA_BASELINE-infllm@specache-1bit-best}
-qa() {  # LENGTH SAMPLES: RULER's two QA tasks over real documents, one call per sample and task (alternating)
-  for i in $(seq 1 $2); do
+qa() {  # LENGTH FIRST LAST: RULER's two QA tasks over real documents, samples FIRST..LAST (1-based), one call per
+  # sample and task (alternating)
+  for i in $(seq $2 $3); do
     for t in qa_squad qa_hotpot; do
-      $E ruler --checkpoint $M --threads 2 --lengths $1 --samples $i --tasks $t --methods $CACHES${QA_BASELINE:+,$QA_BASELINE} \
-         --out $R/qa16k
+      $E ruler --checkpoint $M --threads 2 --lengths $1 --first-sample $((i - 1)) --samples $i --tasks $t \
+         --methods $CACHES${QA_BASELINE:+,$QA_BASELINE} --out $R/qa16k
     done
   done
 }
@@ -75,8 +76,9 @@ for piece in "${@:-niah16k niah8k niah32k ruler16k ppl16k ppl32k hit16k hit32k}"
       niah16k) niah 16000 "$D10" ;;
       niah32k) niah 32700 "$D5" ;;
       ruler16k) ruler 16000 4 ;;
-      qa16k) qa 16000 20 ;;
-      qa16k@*) qa 16000 "${p#*@}" ;;
+      qa16k) qa 16000 1 20 ;;
+      qa16k@*-*) r=${p#*@}; qa 16000 "${r%-*}" "${r#*-}" ;;  # samples A..B
+      qa16k@*) qa 16000 1 "${p#*@}" ;;
       ppl16k) ppl 16000 ;;
       ppl32k) ppl 32700 ;;
       hit16k) hit 16000 "1" ;;
