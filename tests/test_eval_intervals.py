@@ -217,3 +217,11 @@ def test_ruler_report_has_wilson_intervals_per_task(tmp_path):
     assert f"| full | 16000 | 100.0 [51, 100] (4) | 0.0 [0, 66] (2) | {pooled} (6) |" in md
     assert "| kivi-1bit | 16000 | 0.0 [0, 79] (1) | - | 0.0 [0, 79] (1) |" in md
     assert "| method | length | QA-1 | QA-2 | pooled |" in md
+
+
+def test_sign_test_known_cases():
+    assert tk.sign_test_p(0, 10) == pytest.approx(2 / 2 ** 10)  # every discordant prompt one way
+    assert tk.sign_test_p(10, 0) == tk.sign_test_p(0, 10)
+    assert tk.sign_test_p(1, 3) == pytest.approx(2 * (1 + 4) / 16)  # P(X <= 1 | n = 4), both tails
+    assert tk.sign_test_p(0, 5) == pytest.approx(0.0625)  # five of five: not below 0.05
+    assert tk.sign_test_p(5, 5) == 1.0 and tk.sign_test_p(0, 0) == 1.0  # capped; no discordant prompt

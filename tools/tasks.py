@@ -547,6 +547,13 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple:
     return max(0.0, c - h), min(1.0, c + h)
 
 
+def sign_test_p(wins: int, losses: int) -> float:
+    """Exact two-sided sign test (McNemar's, exact) on paired right/wrong answers: the chance of a split at
+    least this uneven among wins + losses discordant prompts if either cache were as likely to win each."""
+    n, k = wins + losses, min(wins, losses)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+
+
 def fmt_interval(x) -> str:
     """(mean, lo, hi) in [0, 1] as 'mean [lo, hi]' x100; '' for None."""
     return "" if x is None else f"{100 * x[0]:.1f} [{100 * x[1]:.0f}, {100 * x[2]:.0f}]"

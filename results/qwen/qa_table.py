@@ -1,6 +1,7 @@
 """The QA table of docs/long-context.md from results/qwen/qa16k/results.jsonl: each cache's score per task and
 pooled (x100, Wilson's 95% interval, n answers), its answers paired with the fp cache's on the same samples (right
-where the fp cache is wrong / wrong where it is right), and its resyncs over its decode steps. Only samples the fp
+where the fp cache is wrong / wrong where it is right, with the exact two-sided sign test's p on those
+counts), and its resyncs over its decode steps. Only samples the fp
 cache answered are paired. From the repository root:
     python results/qwen/qa_table.py [results/qwen/qa16k/results.jsonl]"""
 import argparse
@@ -11,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tools.tasks import fmt_interval, wilson  # noqa: E402
+from tools.tasks import fmt_interval, sign_test_p, wilson  # noqa: E402
 
 NAMES = {"full": "fp16 (fp32 here)", "kivi-1bit": "KIVI 1-bit", "kivi-2bit": "KIVI 2-bit",
          "specache-1bit": "SpeCache 1-bit, paper", "specache-2bit": "SpeCache 2-bit, paper",
@@ -32,7 +33,7 @@ def main(path):
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     by = {(r["method"], r["task"], r["sample"]): r for r in rows}
     methods = [m for m in NAMES if any(r["method"] == m for r in rows)]
-    print("| cache | SQuAD | HotpotQA | pooled | right where fp is wrong / wrong where fp is right | resyncs / steps |")
+    print("| cache | SQuAD | HotpotQA | pooled | right where fp is wrong / wrong where fp is right (sign test p) | resyncs / steps |")
     print("|---|---|---|---|---|---|")
     for m in methods:
         per = {t: [r["score"] for (mm, tt, _), r in sorted(by.items()) if mm == m and tt == t] for t in TASKS}
@@ -42,7 +43,7 @@ def main(path):
         loss = sum(1 for c, f in pairs if c < f)
         res = sum(by[k].get("resyncs") or 0 for k in keys)
         steps = sum(by[k].get("decode_steps") or 0 for k in keys)
-        paired = "" if m == "full" else f"{gain} / {loss} of {len(pairs)}"
+        paired = "" if m == "full" else f"{gain} / {loss} of {len(pairs)} (p = {sign_test_p(gain, loss):.2g})"
         print(f"| {NAMES[m]} | {cell(per['qa_squad'])} | {cell(per['qa_hotpot'])} | "
               f"{cell(per['qa_squad'] + per['qa_hotpot'])} | {paired} | {res} / {steps} |")
 
