@@ -57,8 +57,9 @@ ppldocs() {  # LENGTH N_EVAL: ppl's window and caches over the essays again (the
        --lengths $1 --n-eval $2 --windows 1 --text $t --out $R/ppl-tokens
   done
 }
-hitqa() {  # LENGTH SAMPLES: RULER's QA prompts (qa's, the same seed), 64 decode steps, one call per sample and task
-  for i in $(seq 1 $2); do
+hitqa() {  # LENGTH FIRST LAST: RULER's QA prompts (qa's, the same seed), samples FIRST..LAST (1-based), 64 decode
+  # steps, one call per sample and task
+  for i in $(seq $2 $3); do
     for t in qa_squad qa_hotpot; do
       $E hitrate --checkpoint $M --threads 2 --methods specache-1bit,specache-1bit-best,specache-2bit-best \
          --lengths $1 --samples $i --steps 64 --prompts $t --out $R/hitrate
@@ -85,8 +86,9 @@ for piece in "${@:-niah16k niah8k niah32k ruler16k ppl16k ppl32k hit16k hit32k}"
       hit32k) hit 32700 "1" ;;
       ppl16k-docs) ppldocs 16000 1000 ;;
       ppl16k-docs@*) ppldocs 16000 "${p#*@}" ;;
-      hitqa16k) hitqa 16000 5 ;;
-      hitqa16k@*) hitqa 16000 "${p#*@}" ;;
+      hitqa16k) hitqa 16000 1 5 ;;
+      hitqa16k@*-*) r=${p#*@}; hitqa 16000 "${r%-*}" "${r#*-}" ;;  # samples A..B
+      hitqa16k@*) hitqa 16000 1 "${p#*@}" ;;
       *) echo "unknown piece $p" >&2; exit 1 ;;
     esac
   done
