@@ -225,3 +225,25 @@ def test_sign_test_known_cases():
     assert tk.sign_test_p(1, 3) == pytest.approx(2 * (1 + 4) / 16)  # P(X <= 1 | n = 4), both tails
     assert tk.sign_test_p(0, 5) == pytest.approx(0.0625)  # five of five: not below 0.05
     assert tk.sign_test_p(5, 5) == 1.0 and tk.sign_test_p(0, 0) == 1.0  # capped; no discordant prompt
+
+
+def test_qwen_hit_table_pools_steps_and_weighs_layers_by_steps(tmp_path, capsys):
+    import importlib.util
+    from tests.helpers import ROOT
+    spec = importlib.util.spec_from_file_location("hit_table", ROOT / "results/qwen/hit_table.py")
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    m = "specache-1bit"
+    rows = [dict(method=m, prompt="qa_squad", sample=0, hit=[0.5, 0.7, None], err=[0.2, 0.2], err_topk=[0.1, 0.1],
+                 err_none=[0.6, 0.6], exact=[1, 0], layer_hit=[0.4, 0.8]),
+            dict(method=m, prompt="qa_squad", sample=1, hit=[0.9], err=[0.5], err_topk=[0.4], err_none=[0.9],
+                 exact=[1], layer_hit=[1.0, 0.5]),
+            dict(method=m, prompt="needle", sample=0, hit=[0.0], layer_hit=[0.0, 0.0])]  # not a QA prompt: left out
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ht.main(path)
+    out = capsys.readouterr().out
+    # hit: (0.5 + 0.7 + 0.9) / 3 steps; prompts' means 60% and 90%; layers (2 x 0.4 + 1 x 1.0) / 3 = 60%,
+    # (2 x 0.8 + 1 x 0.5) / 3 = 70%
+    assert "| SpeCache 1-bit, paper | SQuAD | 2 | 3 | 70.0% | 60-90% | 30.0% | 20.0% | 70.0% | 66.7% | 60-70% |" in out
+    assert "| SpeCache 1-bit, paper | both | 2 | 3 | 70.0% |" in out and "HotpotQA" not in out
