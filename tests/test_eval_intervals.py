@@ -234,11 +234,11 @@ def test_qwen_hit_table_pools_steps_and_weighs_layers_by_steps(tmp_path, capsys)
     ht = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ht)
     m = "specache-1bit"
-    rows = [dict(method=m, prompt="qa_squad", sample=0, hit=[0.5, 0.7, None], err=[0.2, 0.2], err_topk=[0.1, 0.1],
+    rows = [dict(method=m, label=m, prompt="qa_squad", sample=0, hit=[0.5, 0.7, None], err=[0.2, 0.2], err_topk=[0.1, 0.1],
                  err_none=[0.6, 0.6], exact=[1, 0], layer_hit=[0.4, 0.8]),
-            dict(method=m, prompt="qa_squad", sample=1, hit=[0.9], err=[0.5], err_topk=[0.4], err_none=[0.9],
+            dict(method=m, label=m, prompt="qa_squad", sample=1, hit=[0.9], err=[0.5], err_topk=[0.4], err_none=[0.9],
                  exact=[1], layer_hit=[1.0, 0.5]),
-            dict(method=m, prompt="needle", sample=0, hit=[0.0], layer_hit=[0.0, 0.0])]  # not a QA prompt: left out
+            dict(method=m, label=m, prompt="needle", sample=0, hit=[0.0], layer_hit=[0.0, 0.0])]  # not a QA prompt: left out
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ht.main(path)

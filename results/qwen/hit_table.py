@@ -7,42 +7,35 @@ per-layer table). From the repository root:
     python results/qwen/hit_table.py [results/qwen/hitrate/results.jsonl]"""
 import argparse
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tools.eval_report import layer_series, step_mean  # noqa: E402  (the report's own means)
+
 NAMES = {"specache-1bit": "SpeCache 1-bit, paper",
          "specache-1bit-lsq-resync-rr2-g32-sink4": "SpeCache 1-bit, `--preset best`",
          "specache-2bit-lsq-resync-rr2-g32-sink4": "SpeCache 2-bit, `--preset best`"}
 TASKS = {"qa_squad": "SQuAD", "qa_hotpot": "HotpotQA"}
 
 
-def steps(r, key):
-    return [v for v in r.get(key) or [] if v is not None]
-
-
 def pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def step_mean(rs, key):
-    vs = [v for r in rs for v in steps(r, key)]
-    return sum(vs) / len(vs) if vs else None
-
-
-def layer_means(rs):
-    w = [len(steps(r, "hit")) for r in rs]
-    n = min(len(r["layer_hit"]) for r in rs)
-    return [sum(wi * r["layer_hit"][i] for wi, r in zip(w, rs)) / sum(w) for i in range(n)] if sum(w) else []
+def span(xs):
+    xs = [x for x in xs if x is not None]
+    return f"{100 * min(xs):.0f}-{100 * max(xs):.0f}%" if xs else "-"
 
 
 def row(name, task, rs):
-    own = [m for m in (step_mean([r], "hit") for r in rs) if m is not None]
-    layers = layer_means(rs)
-    span = f"{100 * min(own):.0f}-{100 * max(own):.0f}%" if own else "-"
-    lay = f"{100 * min(layers):.0f}-{100 * max(layers):.0f}%" if layers else "-"
-    return (f"| {name} | {task} | {len(rs)} | {sum(len(steps(r, 'hit')) for r in rs)} | {pct(step_mean(rs, 'hit'))} | "
-            f"{span} | {pct(step_mean(rs, 'err'))} | {pct(step_mean(rs, 'err_topk'))} | {pct(step_mean(rs, 'err_none'))} | "
-            f"{pct(step_mean(rs, 'exact'))} | {lay} |")
+    layers = layer_series([dict(r, prompt="pooled") for r in rs])  # one series: the records' tasks pooled
+    steps = sum(v is not None for r in rs for v in r.get("hit") or [])
+    return (f"| {name} | {task} | {len(rs)} | {steps} | {pct(step_mean(rs, 'hit'))} | "
+            f"{span(step_mean([r], 'hit') for r in rs)} | {pct(step_mean(rs, 'err'))} | {pct(step_mean(rs, 'err_topk'))} | "
+            f"{pct(step_mean(rs, 'err_none'))} | {pct(step_mean(rs, 'exact'))} | {span(next(iter(layers.values()), []))} |")
 
 
 def main(path):
