@@ -1,8 +1,7 @@
 """The QA table of docs/long-context.md from results/qwen/qa16k/results.jsonl: each cache's score per task and
 pooled (x100, Wilson's 95% interval, n answers), its answers paired with the fp cache's on the same samples (right
-where the fp cache is wrong / wrong where it is right, with the exact two-sided sign test's p on those
-counts), and its resyncs over its decode steps. Only samples the fp
-cache answered are paired. From the repository root:
+where the fp cache is wrong / wrong where it is right, with the exact two-sided sign test's p on those counts), and
+its resyncs over its decode steps. Only samples the fp cache answered are paired. From the repository root:
     python results/qwen/qa_table.py [results/qwen/qa16k/results.jsonl]"""
 import argparse
 import json
