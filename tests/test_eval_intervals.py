@@ -247,3 +247,37 @@ def test_qwen_hit_table_pools_steps_and_weighs_layers_by_steps(tmp_path, capsys)
     # (2 x 0.8 + 1 x 0.5) / 3 = 70%
     assert "| SpeCache 1-bit, paper | SQuAD | 2 | 3 | 70.0% | 60-90% | 30.0% | 20.0% | 70.0% | 66.7% | 60-70% |" in out
     assert "| SpeCache 1-bit, paper | both | 2 | 3 | 70.0% |" in out and "HotpotQA" not in out
+
+
+def test_qwen_qa_table_pairs_the_presses_with_the_fp_cache_and_refuses_other_prompts(tmp_path, capsys):
+    import importlib.util
+    from tests.helpers import ROOT
+    spec = importlib.util.spec_from_file_location("qa_table", ROOT / "results/qwen/qa_table.py")
+    qt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qt)
+
+    def row(method, task, sample, score, **f):
+        return dict(cmd="ruler", method=method, task=task, sample=sample, score=score, prompt_tokens=100,
+                    answers=[f"a{sample}"], **f)
+    project = [row("full", "qa_squad", 0, 1.0, resyncs=0, decode_steps=5), row("full", "qa_squad", 1, 0.0, decode_steps=7),
+               row("full", "qa_hotpot", 0, 1.0, decode_steps=4)]
+    presses = [row("no_press", "qa_squad", 0, 1.0), row("no_press", "qa_squad", 1, 0.0),
+               row("snapkv+qa@specache-1bit-best", "qa_squad", 0, 0.0),
+               row("snapkv+qa@specache-1bit-best", "qa_squad", 1, 1.0),
+               row("snapkv+qa@specache-1bit-best", "qa_hotpot", 0, 0.0),
+               dict(row("snapkv+qa@specache-1bit", "qa_squad", 0, 1.0)),  # another budget: not in the table
+               dict(row("no_press", "niah", 0, 1.0), cmd="niah")]
+    rows, press = tmp_path / "rows.jsonl", tmp_path / "presses.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in project))
+    press.write_text("".join(json.dumps(r) + "\n" for r in presses))
+    qt.main(rows, press)
+    out = capsys.readouterr().out.splitlines()
+    snap = next(line for line in out if line.startswith("| SnapKV with the question"))
+    assert "| 50.0 [9, 91] (2) | 0.0 [0, 79] (1) | 33.3 [6, 79] (3) | 1 / 2 of 3 (p = 1) |  |" in snap
+    assert any(line.startswith("| kvpress `no_press`") and "0 / 0 of 2" in line for line in out)
+    assert "| 0 / 16 |" in next(line for line in out if line.startswith("| fp16"))
+    qt.main(rows, tmp_path / "absent.jsonl")  # no presses' rows yet: the project's table alone
+    assert "SnapKV" not in capsys.readouterr().out
+    press.write_text(json.dumps(dict(presses[2], prompt_tokens=99)) + "\n")  # a prompt of another length
+    with pytest.raises(SystemExit, match="qa_squad sample 0 is not the prompt"):
+        qt.main(rows, press)

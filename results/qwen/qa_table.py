@@ -1,8 +1,11 @@
 """The QA table of docs/long-context.md from results/qwen/qa16k/results.jsonl: each cache's score per task and
 pooled (x100, Wilson's 95% interval, n answers), its answers paired with the fp cache's on the same samples (right
 where the fp cache is wrong / wrong where it is right, with the exact two-sided sign test's p on those counts), and
-its resyncs over its decode steps. Only samples the fp cache answered are paired. From the repository root:
-    python results/qwen/qa_table.py [results/qwen/qa16k/results.jsonl]"""
+its resyncs over its decode steps. Only samples the fp cache answered are paired. The presses run in the kvpress
+venv on the same prompts (results/qwen/baselines-qa, results/qwen/baselines/run-qa.sh) join the table when their rows
+are there: kvpress's `no_press` (transformers' fp cache) and SnapKV with the question, paired with the project's fp
+cache too. From the repository root:
+    python results/qwen/qa_table.py [results/qwen/qa16k/results.jsonl] [--presses results/qwen/baselines-qa/results.jsonl]"""
 import argparse
 import json
 import sys
@@ -17,7 +20,9 @@ NAMES = {"full": "fp16 (fp32 here)", "kivi-1bit": "KIVI 1-bit", "kivi-2bit": "KI
          "specache-1bit": "SpeCache 1-bit, paper", "specache-2bit": "SpeCache 2-bit, paper",
          "specache-1bit-lsq-resync-rr2-g32-sink4": "SpeCache 1-bit, `--preset best`",
          "specache-2bit-lsq-resync-rr2-g32-sink4": "SpeCache 2-bit, `--preset best`",
-         "infllm-p128-repr4@specache-1bit-best": "InfLLM-style at the 1-bit preset's bytes"}
+         "infllm-p128-repr4@specache-1bit-best": "InfLLM-style at the 1-bit preset's bytes",
+         "no_press": "kvpress `no_press` (transformers' fp cache)",
+         "snapkv+qa@specache-1bit-best": "SnapKV with the question at the 1-bit preset's bytes"}
 TASKS = ("qa_squad", "qa_hotpot")
 
 
@@ -28,9 +33,28 @@ def cell(scores):
     return f"{fmt_interval((p, *wilson(p, len(scores))))} ({len(scores)})"
 
 
-def main(path):
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    by = {(r["method"], r["task"], r["sample"]): r for r in rows}
+def read(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def press_rows(path, by):
+    """The presses' rows on the QA tasks, checked to be the prompts the project's rows answer (same length in
+    tokens, same gold answers): a press row of another prompt would pair wrongly, so it stops the table."""
+    rows = [r for r in read(path) if r.get("cmd") == "ruler" and r["task"] in TASKS and r["method"] in NAMES]
+    for r in rows:
+        fp = by.get(("full", r["task"], r["sample"]))
+        if fp and (fp["prompt_tokens"], fp["answers"]) != (r["prompt_tokens"], r["answers"]):
+            sys.exit(f"{path}: {r['task']} sample {r['sample']} is not the prompt of the project's rows "
+                     f"({r['prompt_tokens']} tokens, answers {r['answers']}; the project's: {fp['prompt_tokens']}, "
+                     f"{fp['answers']})")
+    return rows
+
+
+def main(path, presses=None):
+    by = {(r["method"], r["task"], r["sample"]): r for r in read(path)}
+    if presses and Path(presses).is_file():
+        by.update({(r["method"], r["task"], r["sample"]): r for r in press_rows(presses, by)})
+    rows = list(by.values())
     methods = [m for m in NAMES if any(r["method"] == m for r in rows)]
     print("| cache | SQuAD | HotpotQA | pooled | right where fp is wrong / wrong where fp is right (sign test p) | resyncs / steps |")
     print("|---|---|---|---|---|---|")
@@ -43,11 +67,15 @@ def main(path):
         res = sum(by[k].get("resyncs") or 0 for k in keys)
         steps = sum(by[k].get("decode_steps") or 0 for k in keys)
         paired = "" if m == "full" else f"{gain} / {loss} of {len(pairs)} (p = {sign_test_p(gain, loss):.2g})"
+        counted = f"{res} / {steps}" if steps else ""  # the presses' rows count no decode steps
         print(f"| {NAMES[m]} | {cell(per['qa_squad'])} | {cell(per['qa_hotpot'])} | "
-              f"{cell(per['qa_squad'] + per['qa_hotpot'])} | {paired} | {res} / {steps} |")
+              f"{cell(per['qa_squad'] + per['qa_hotpot'])} | {paired} | {counted} |")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rows", nargs="?", type=Path, default=ROOT / "results/qwen/qa16k/results.jsonl")
-    main(p.parse_args().rows)
+    p.add_argument("--presses", type=Path, default=ROOT / "results/qwen/baselines-qa/results.jsonl",
+                   help="the kvpress venv's rows on the same prompts (left out where the file is not there)")
+    a = p.parse_args()
+    main(a.rows, a.presses)
