@@ -62,9 +62,11 @@ def synthetic_results(root):
         [dict(panel="niah 16k", method=m, mib=mib, score=sc, lo=sc - 0.1, hi=min(1, sc + 0.1))
          for m, mib, sc in (("full", 54.5, 1.0), ("specache-1bit-best", 13.8, 0.9), ("snapkv@specache-1bit-best", 13.8, 0.3),
                             ("snapkv@1/8", 14.2, 0.5))]))
-    jsonl(root / figures.QA_DIR, [dict(method=m, task=t, sample=i, score=float((i + j) % 2))
-                                   for j, m in enumerate(figures.QA_NAMES) for t in ("qa_squad", "qa_hotpot")
-                                   for i in range(3)])
+    qa = [dict(cmd="ruler", method=m, task=t, sample=i, score=float((i + j) % 2))
+          for j, m in enumerate(figures.QA_NAMES) for t in ("qa_squad", "qa_hotpot") for i in range(3)]
+    jsonl(root / figures.QA_DIR, [r for r in qa if not r["method"].startswith("snapkv")])
+    jsonl(root / figures.QA_PRESSES_DIR, [r for r in qa if r["method"].startswith("snapkv")]
+          + [dict(cmd="niah", method="snapkv+qa@specache-1bit-best", depth=0.5, score=1.0)])  # another benchmark: left out
 
 
 def test_every_figure_is_a_non_empty_png(tmp_path):

@@ -61,6 +61,22 @@ def run_date(path: Path) -> str:
     return days[-1] if days else datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
 
 
+def commit_span(*paths: Path) -> str:
+    """The days results files were committed, first to last ("2026-12-02 to 2026-12-06", or one day)."""
+    days = []
+    for path in paths:
+        try:
+            out = subprocess.run(["git", "-C", str(ROOT), "log", "--format=%ad", "--date=short", "--",
+                                  str(path.resolve())], capture_output=True, text=True, timeout=20)
+            days += out.stdout.split() if out.returncode == 0 else []
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if not days:
+        return run_date(paths[0])
+    first, last = min(days), max(days)
+    return first if first == last else f"{first} to {last}"
+
+
 def read_jsonl(folder: Path):
     f = folder / "results.jsonl"
     if not f.exists():
@@ -276,14 +292,20 @@ QA_NAMES = {"full": "fp16 cache", "kivi-1bit": "KIVI 1-bit", "kivi-2bit": "KIVI 
             "specache-1bit": "SpeCache 1-bit, paper", "specache-2bit": "SpeCache 2-bit, paper",
             f"specache-1bit-{PRESET}": "SpeCache 1-bit, --preset best",
             f"specache-2bit-{PRESET}": "SpeCache 2-bit, --preset best",
-            "infllm-p128-repr4@specache-1bit-best": "InfLLM-style at the 1-bit preset's bytes"}
+            "infllm-p128-repr4@specache-1bit-best": "InfLLM-style at the 1-bit preset's bytes",
+            "snapkv+qa@specache-1bit-best": "SnapKV with the question at the 1-bit preset's bytes"}
+QA_PRESSES_DIR = "qwen/baselines-qa"  # the kvpress venv's rows on the same prompts (results/qwen/baselines/run-qa.sh)
 
 
 def qa(results: Path, out: Path):
     """RULER qa_squad / qa_hotpot at 16k: each cache's share of answers holding a gold answer, Wilson's 95%
-    interval over the samples (n under each bar), one bar per task and cache."""
+    interval over the samples (n under each bar), one bar per task and cache; SnapKV's bars where its rows are there."""
     from tools.tasks import wilson
     rows = read_jsonl(results / QA_DIR)
+    files = [results / QA_DIR / "results.jsonl"]
+    if (results / QA_PRESSES_DIR / "results.jsonl").exists():
+        rows += [r for r in read_jsonl(results / QA_PRESSES_DIR) if r.get("cmd") == "ruler"]
+        files.append(results / QA_PRESSES_DIR / "results.jsonl")
     tasks = ("qa_squad", "qa_hotpot")
     methods = [m for m in QA_NAMES if any(r["method"] == m for r in rows)]
     if not methods:
@@ -306,7 +328,7 @@ def qa(results: Path, out: Path):
     ax.set_ylim(0, 105)
     ax.legend(fontsize=8)
     ax.set_title("RULER QA at 16k, Qwen2.5-Coder-1.5B-Instruct (chat, greedy; CPU fp32); Wilson 95% intervals; "
-                 f"{run_date(results / QA_DIR / 'results.jsonl')}", fontsize=9)
+                 f"{commit_span(*files)}", fontsize=9)
     return save(fig, out)
 
 
