@@ -276,6 +276,13 @@ def test_qwen_qa_table_pairs_the_presses_with_the_fp_cache_and_refuses_other_pro
     assert "| 50.0 [9, 91] (2) | 0.0 [0, 79] (1) | 33.3 [6, 79] (3) | 1 / 2 of 3 (p = 1) |  |" in snap
     assert any(line.startswith("| kvpress `no_press`") and "0 / 0 of 2" in line for line in out)
     assert "| 0 / 16 |" in next(line for line in out if line.startswith("| fp16"))
+    qt.main(rows, press, against="no_press")  # paired with kvpress's fp cache instead (2 samples in common)
+    out = capsys.readouterr().out.splitlines()
+    assert "right where kvpress `no_press`" in out[0]
+    assert "| 1 / 1 of 2 (p = 1) |" in next(line for line in out if line.startswith("| SnapKV with the question"))
+    assert "| 0 / 0 of 2 (p = 1) |" in next(line for line in out if line.startswith("| fp16"))
+    with pytest.raises(SystemExit, match="--against kivi-1bit: no rows of it"):
+        qt.main(rows, press, against="kivi-1bit")
     qt.main(rows, tmp_path / "absent.jsonl")  # no presses' rows yet: the project's table alone
     assert "SnapKV" not in capsys.readouterr().out
     press.write_text(json.dumps(dict(presses[2], prompt_tokens=99)) + "\n")  # a prompt of another length

@@ -4,8 +4,9 @@ where the fp cache is wrong / wrong where it is right, with the exact two-sided 
 its resyncs over its decode steps. Only samples the fp cache answered are paired. The presses run in the kvpress
 venv on the same prompts (results/qwen/baselines-qa, results/qwen/baselines/run-qa.sh) join the table when their rows
 are there: kvpress's `no_press` (transformers' fp cache) and SnapKV with the question, paired with the project's fp
-cache too. From the repository root:
-    python results/qwen/qa_table.py [results/qwen/qa16k/results.jsonl] [--presses results/qwen/baselines-qa/results.jsonl]"""
+cache too. `--against METHOD` pairs every cache with another cache instead of the fp cache. From the repository root:
+    python results/qwen/qa_table.py [results/qwen/qa16k/results.jsonl] [--presses results/qwen/baselines-qa/results.jsonl]
+                                    [--against specache-1bit-lsq-resync-rr2-g32-sink4]"""
 import argparse
 import json
 import sys
@@ -50,23 +51,27 @@ def press_rows(path, by):
     return rows
 
 
-def main(path, presses=None):
+def main(path, presses=None, against="full"):
     by = {(r["method"], r["task"], r["sample"]): r for r in read(path)}
     if presses and Path(presses).is_file():
         by.update({(r["method"], r["task"], r["sample"]): r for r in press_rows(presses, by)})
     rows = list(by.values())
     methods = [m for m in NAMES if any(r["method"] == m for r in rows)]
-    print("| cache | SQuAD | HotpotQA | pooled | right where fp is wrong / wrong where fp is right (sign test p) | resyncs / steps |")
+    if against not in methods:
+        sys.exit(f"--against {against}: no rows of it; the caches here: {', '.join(methods)}")
+    other = "fp" if against == "full" else NAMES[against]
+    print(f"| cache | SQuAD | HotpotQA | pooled | right where {other} is wrong / wrong where {other} is right "
+          "(sign test p) | resyncs / steps |")
     print("|---|---|---|---|---|---|")
     for m in methods:
         per = {t: [r["score"] for (mm, tt, _), r in sorted(by.items()) if mm == m and tt == t] for t in TASKS}
         keys = [k for k in by if k[0] == m]
-        pairs = [(by[k]["score"], by[("full", k[1], k[2])]["score"]) for k in keys if ("full", k[1], k[2]) in by]
+        pairs = [(by[k]["score"], by[(against, k[1], k[2])]["score"]) for k in keys if (against, k[1], k[2]) in by]
         gain = sum(1 for c, f in pairs if c > f)
         loss = sum(1 for c, f in pairs if c < f)
         res = sum(by[k].get("resyncs") or 0 for k in keys)
         steps = sum(by[k].get("decode_steps") or 0 for k in keys)
-        paired = "" if m == "full" else f"{gain} / {loss} of {len(pairs)} (p = {sign_test_p(gain, loss):.2g})"
+        paired = "" if m == against else f"{gain} / {loss} of {len(pairs)} (p = {sign_test_p(gain, loss):.2g})"
         counted = f"{res} / {steps}" if steps else ""  # the presses' rows count no decode steps
         print(f"| {NAMES[m]} | {cell(per['qa_squad'])} | {cell(per['qa_hotpot'])} | "
               f"{cell(per['qa_squad'] + per['qa_hotpot'])} | {paired} | {counted} |")
@@ -77,5 +82,7 @@ if __name__ == "__main__":
     p.add_argument("rows", nargs="?", type=Path, default=ROOT / "results/qwen/qa16k/results.jsonl")
     p.add_argument("--presses", type=Path, default=ROOT / "results/qwen/baselines-qa/results.jsonl",
                    help="the kvpress venv's rows on the same prompts (left out where the file is not there)")
+    p.add_argument("--against", default="full", choices=list(NAMES),
+                   help="the cache every other is paired with on the same samples (default: the fp cache)")
     a = p.parse_args()
-    main(a.rows, a.presses)
+    main(a.rows, a.presses, a.against)
