@@ -50,27 +50,25 @@ def run_name(folder: Path) -> str:
     return f"{m[1]}, {nth} run"
 
 
+def commit_days(path: Path, *log_args: str) -> list:
+    """The days of the commits that touched a path, newest first (none outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "log", *log_args, "--format=%ad", "--date=short",
+                              "--", str(path.resolve())], capture_output=True, text=True, timeout=20)
+        return out.stdout.split() if out.returncode == 0 else []
+    except (OSError, subprocess.SubprocessError):
+        return []
+
+
 def run_date(path: Path) -> str:
     """The day a results folder was first committed (else its file's modification day)."""
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "log", "--diff-filter=A", "--format=%ad", "--date=short",
-                              "--", str(path.resolve())], capture_output=True, text=True, timeout=20)
-        days = out.stdout.split() if out.returncode == 0 else []
-    except (OSError, subprocess.SubprocessError):
-        days = []
+    days = commit_days(path, "--diff-filter=A")
     return days[-1] if days else datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
 
 
 def commit_span(*paths: Path) -> str:
     """The days results files were committed, first to last ("2026-12-02 to 2026-12-06", or one day)."""
-    days = []
-    for path in paths:
-        try:
-            out = subprocess.run(["git", "-C", str(ROOT), "log", "--format=%ad", "--date=short", "--",
-                                  str(path.resolve())], capture_output=True, text=True, timeout=20)
-            days += out.stdout.split() if out.returncode == 0 else []
-        except (OSError, subprocess.SubprocessError):
-            pass
+    days = [d for path in paths for d in commit_days(path)]
     if not days:
         return run_date(paths[0])
     first, last = min(days), max(days)
