@@ -55,8 +55,8 @@ def main(path, presses=None, against="full"):
     by = {(r["method"], r["task"], r["sample"]): r for r in read(path)}
     if presses and Path(presses).is_file():
         by.update({(r["method"], r["task"], r["sample"]): r for r in press_rows(presses, by)})
-    rows = list(by.values())
-    methods = [m for m in NAMES if any(r["method"] == m for r in rows)]
+    present = {m for m, _, _ in by}
+    methods = [m for m in NAMES if m in present]
     if against not in methods:
         sys.exit(f"--against {against}: no rows of it; the caches here: {', '.join(methods)}")
     other = "fp" if against == "full" else NAMES[against]
