@@ -77,6 +77,7 @@ for piece in "${@:-niah16k niah8k niah32k ruler16k ppl16k ppl32k hit16k hit32k}"
       niah16k) niah 16000 "$D10" ;;
       niah32k) niah 32700 "$D5" ;;
       ruler16k) ruler 16000 4 ;;
+      ruler16k@*) ruler 16000 "${p#*@}" ;;  # the first N samples of each task
       qa16k) qa 16000 1 20 ;;
       qa16k@*-*) r=${p#*@}; qa 16000 "${r%-*}" "${r#*-}" ;;  # samples A..B
       qa16k@*) qa 16000 1 "${p#*@}" ;;
