@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 import config as cache_config
-import quantspec
-import tp
+from siblings import quantspec
+from integrations import tp
 from config import CacheConfig
 
 ROOT = Path(__file__).resolve().parent
@@ -103,7 +103,7 @@ def load(a, device, dtype):
     if a.hf:
         if tp.world() > 1:
             raise ValueError("--hf runs on one process: tensor parallelism under torchrun takes converted checkpoints (--checkpoint)")
-        import hf
+        from integrations import hf
         return hf.load(a.hf, device, dtype)
     ckpt = a.checkpoint or DEFAULT_CHECKPOINT
     if not (ckpt / "config.json").exists():

@@ -473,7 +473,7 @@ def convert_gemma(out, dtype="float32", parts=None, sums=None, expected=GEMMA_SH
     """Gemma 3 270M's GGUF, from its packages (or the given parts and SHA256SUMS file), as a transformers
     directory: the weights as transformers dequantizes the GGUF (fp32 by default) and the tokenizer
     files. Built in OUT.partial and renamed to OUT at the end, so OUT exists only when complete."""
-    import hf
+    from integrations import hf
 
     out, dt = Path(out), torch_dtype(dtype)
     if out.exists() and any(out.iterdir()):

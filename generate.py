@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 
 import cli
-import quantspec
-import tp
+from siblings import quantspec
+from integrations import tp
 from cache import fetch_policy, hold_fetched
 from config import CacheConfig
 from decoding import Decoding, compiled_step, prefill, sample  # noqa: F401 (generate.Decoding, generate.prefill)
@@ -164,7 +164,7 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     other logits processors and stopping criteria raise hf.HFError. transformers 5.23 hands a custom_generate
     callable only the keyword arguments its own loop does not take: pass the streamer as `stream=`.
     compile=True: the decode step as one fullgraph graph, as --compile (Steps.compiled). -> [B, P + N] ids"""
-    import hf
+    from integrations import hf
 
     config = CacheConfig.from_name(cache_config) if isinstance(cache_config, str) else cache_config
     hf.check_generation(config, logits_processor, stopping_criteria, generation_config)

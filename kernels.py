@@ -31,7 +31,7 @@ import triton.language as tl
 from lowbit import (DEFAULT_ATTN_PATH, Fetched, LowBitKV, Residual, Tensor, check_attn_path, code_layout, dot_precision,
                     from_op_inputs, interpreted, interpreter_upcast, op_inputs, plane_codes_mode, planes_fit,
                     replaced_mask)
-from tiles import (LOG2E, codes_tile, fetched_hits, fetched_mask, fetched_positions, key_scores, logits_rows,
+from gpu.tiles import (LOG2E, codes_tile, fetched_hits, fetched_mask, fetched_positions, key_scores, logits_rows,
                    online_softmax, plane_codes, plane_key_scores, query_rows, softmax_start, store_logits, store_partial,
                    tile_channels, word_block)
 
@@ -372,7 +372,7 @@ def launch_path(path: str, q, store: LowBitKV, M: int) -> str:
     if not q.is_cuda or interpreted():
         return "words"
     try:
-        import attn_gluon
+        from gpu import attn_gluon
     except ImportError:  # (a Triton without Gluon)
         return "words"
     return "gluon" if attn_gluon.fits(store, q.shape[-1], M, q.dtype) else "words"
@@ -392,7 +392,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
         raise ValueError(f"the {path} attention path does not take this cache layout (lowbit.planes_fit)")
     gluon = path == "gluon"
     if gluon:  # attn_gluon runs the quantized programs (a split: whole warps' key groups); imported here: only Gluon needs it
-        import attn_gluon
+        from gpu import attn_gluon
         if interpreted() or not attn_gluon.fits(store, D, M, q.dtype):
             raise ValueError("the Gluon path takes compiled 16-bit launches that attn_gluon.fits")
     words, BLOCK_D, k_codes, v_codes = code_layout(store, D)

@@ -5,10 +5,10 @@ sibling, and generate.py's loop runs over whichever caches a model holds."""
 import torch
 
 import cache
-import infllm
-import quantspec
-import quest
-import zipcache
+from baselines import infllm
+from siblings import quantspec
+from baselines import quest
+from siblings import zipcache
 from config import CacheConfig
 
 # config.scheme -> the cache class of its quantizer: KIVI's, ZipCache's, QuantSpec's hierarchical store

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from lowbit import Fetched, LowBitKV, as_rows, fp_row_scores, row_scores
-from tiles import LOG2E
+from gpu.tiles import LOG2E
 
 Tensor = torch.Tensor
 

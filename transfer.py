@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from lowbit import as_rows, fp_row_scores
-from tiles import best_row
+from gpu.tiles import best_row
 
 
 def record_rows(idx, valid, fetch_idx, fetch_valid, off):

@@ -5,7 +5,7 @@ plane) and a torch model of one program's key logits and value sums in the kerne
 import pytest
 import torch
 
-import attn_gluon
+from gpu import attn_gluon
 from tests.test_kernels import make_case
 
 

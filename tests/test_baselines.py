@@ -317,7 +317,7 @@ def test_no_press_equals_generate_full(needle):
     """The same prompt file through generate.py --hf --cache full --chat (project venv, transformers
     5.23) and the runner's no_press (kvpress venv, transformers 5.2): the same token ids on both
     sides (the project tokenizer's ids hash to the runner's prompt_sha256) and the same greedy tokens."""
-    import hf
+    from integrations import hf
     ids = hf.load_tokenizer(HF).encode_prompt(needle.read_text(), chat=True)
     p = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--hf", str(HF), "--cache", "full", "--chat",
                         "--prompt-file", str(needle), "--max-new-tokens", "24", "--json", "--quiet", "--threads", "1"],
@@ -384,7 +384,7 @@ def test_shared_prefill_equals_a_prefill_per_cell(needle, tmp_path):
     """One recorded prefill serves every press and budget: each cell's tokens equal those of a run with
     its own pressed prefill (sdpa and eager presses, question-aware or not, a QuantizedCache, no_press);
     the pressed cells differ from no_press, so the comparison can fail."""
-    import hf
+    from integrations import hf
     tok = hf.load_tokenizer(HF)
     text = tok.chat(needle.read_text())
     body = needle.read_text().rstrip()

@@ -195,8 +195,8 @@ def test_the_cost_tools_name_kernels_and_constexprs_that_exist(aot):
     import ast
     import inspect
 
-    import attn_gluon
-    import attn_views
+    from gpu import attn_gluon
+    from siblings import attn_views
     import kernels
     import topk
     import transfer

@@ -22,12 +22,12 @@ if ON_GPU and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     pytest.skip("TRITON_INTERPRET=1 is set: the GPU checks need compiled Triton (make gpu-check unsets it)",
                 allow_module_level=True)
 
-import attn_views  # noqa: E402
+from siblings import attn_views  # noqa: E402
 import kernels  # noqa: E402
 import lowbit  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
-from attn_views import ViewKV  # noqa: E402
+from siblings.attn_views import ViewKV  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from generate import Decoding, Steps, compile_step, decode_step  # noqa: E402
 from methods import setup_caches  # noqa: E402
@@ -90,7 +90,7 @@ GLUON_CASES = {
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
 @pytest.mark.parametrize("case", GLUON_CASES)
 def test_gluon_plane_kernel_matches_the_reference(case):
-    import attn_gluon
+    from gpu import attn_gluon
     c = make_case(**GLUON_CASES[case])
     M = c.q.shape[1] // c.store.k_codes.shape[1] * c.q.shape[2]
     assert attn_gluon.fits(c.store, c.q.shape[-1], M, c.q.dtype)
@@ -421,7 +421,7 @@ def test_compiled_step_equals_eager_with_one_graph(cache):
 def test_hf_adapter_compiled_step_equals_eager_with_one_graph(family, cache):
     """A transformers model through hf.py (hf_generate(compile=True)): the compiled step (a CUDA graph;
     the preset's pre-decoding too) gives the eager tokens, one graph per step function, none skipped."""
-    import hf
+    from integrations import hf
     try:
         hf.check_transformers()
     except hf.HFError as e:  # (the GPU machine's image had 5.17 on 2026-11-28)
@@ -458,7 +458,7 @@ def test_default_model_generate_compile(cache, capsys):
 
 # ---- QuantSpec ------------------------------------------------------------------------------------
 def test_int4_linear_runs_the_aten_kernel_and_matches_the_reference():
-    import quantspec
+    from siblings import quantspec
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 512, generator=g).to(DEV)
     lin = quantspec.Int4Linear(w, 32)
@@ -472,7 +472,7 @@ def test_quantspec_compiled_rounds_equal_target_decoding():
     """Greedy QuantSpec with compiled draft/verify/commit steps (CUDA graphs) gives the target's own
     tokens (gamma 0, eager), over many rounds with rollbacks and INT8 flushes."""
     import torch._dynamo
-    import quantspec
+    from siblings import quantspec
     model = tiny_model(n_layers=2, max_seq_len=512).to(DEV)
     prompt = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(5)).to(DEV)
     draft = quantspec.make_draft(model, 32)

@@ -546,7 +546,7 @@ def test_saliency_subcommand(tmp_path, monkeypatch):
     (100% overlap); with the default 10% probes they are a subset-based estimate in [0, 100]."""
     import random
     from types import SimpleNamespace
-    import zipcache
+    from siblings import zipcache
 
     r = tiny_runner()
     monkeypatch.setattr(ev, "essay_window", lambda tok, start, L: [random.Random(start).randrange(256) for _ in range(L)])

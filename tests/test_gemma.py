@@ -131,7 +131,7 @@ def gemma():
     import torch
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(str(GEMMA_DIR), dtype=torch.float32).eval()
-    import hf
+    from integrations import hf
     return model, hf.load_tokenizer(GEMMA_DIR)
 
 

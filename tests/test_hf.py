@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="hf.py's tests need transformers (requirements-test.txt)")
 
 import generate  # noqa: E402
-import hf  # noqa: E402
+from integrations import hf  # noqa: E402
 from methods import setup_caches  # noqa: E402
 from config import POLICIES, CacheConfig  # noqa: E402
 from tests.helpers import run_generate  # noqa: E402
@@ -270,7 +270,7 @@ def test_low_bit_caches_give_the_native_models_tokens(both):
 def test_quantspec_draft_and_verify(both):
     """QuantSpec over the adapter: greedy draft-and-verify equals the target alone (gamma 0) and the
     native model's run; acceptance is recorded."""
-    import quantspec
+    from siblings import quantspec
     model, native, _ = both
     ids = prompt(5, 120)
     runs = {}

@@ -16,7 +16,7 @@ import torch._dynamo  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import generate  # noqa: E402
-import hf  # noqa: E402
+from integrations import hf  # noqa: E402
 import methods  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from decoding import RecompileError, recompile_guard  # noqa: E402
@@ -63,7 +63,7 @@ def test_step_is_one_graph_across_steps_prompts_and_views(family, cache):
 def test_quantspec_rounds_through_the_adapter_are_three_graphs():
     """QuantSpec (generate.py --hf --method quantspec --compile): the INT4 draft's step, the target's
     verify step and the commit each one graph over every round, the eager tokens."""
-    import quantspec
+    from siblings import quantspec
     view, ids = hf.HFModel(tiny("llama", seed=3)), prompt(5, 120)
     draft = quantspec.make_draft(view, 32)
 

@@ -11,7 +11,7 @@ import torch._dynamo  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import generate  # noqa: E402
-import hf  # noqa: E402
+from integrations import hf  # noqa: E402
 import methods  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from decoding import Decoding  # noqa: E402

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import infllm
+from baselines import infllm
 from config import CacheConfig
 from generate import main
 from methods import setup_caches

@@ -19,13 +19,13 @@ import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
 import lowbit  # noqa: E402
-import tiles  # noqa: E402
+from gpu import tiles  # noqa: E402
 import quant  # noqa: E402
-import zipcache  # noqa: E402
-import quantspec  # noqa: E402
+from siblings import zipcache  # noqa: E402
+from siblings import quantspec  # noqa: E402
 import topk  # noqa: E402
 import transfer  # noqa: E402
-from attn_views import ViewKV, attention_views_triton  # noqa: E402
+from siblings.attn_views import ViewKV, attention_views_triton  # noqa: E402
 from lowbit import Fetched, LowBitKV, Residual  # noqa: E402
 from tests.helpers import planes_where_they_fit  # noqa: E402
 
@@ -431,7 +431,7 @@ def test_the_default_attention_path_is_gluon_where_it_fits_else_words():
 
 def test_kernels_import_without_gluon():
     """attn_gluon is imported where the Gluon path runs: a Triton lacking Gluon's names breaks that path only."""
-    code = ("import sys, kernels, topk, cache; assert 'attn_gluon' not in sys.modules; "
+    code = ("import sys, kernels, topk, cache; assert 'gpu.attn_gluon' not in sys.modules; "
             "assert 'triton.experimental.gluon' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
 
@@ -559,7 +559,7 @@ def test_triton_custom_ops_opcheck():
 def test_views_custom_op_opcheck():
     """The siblings' op (attn_views): schema, fake kernel and the real launch agree with the reference, for
     ZipCache's mixed codes with fetched rows and QuantSpec's INT8 view, with and without the logits."""
-    import attn_views
+    from siblings import attn_views
     for kw in (dict(bits=2, mixed=(4, 13), zip=True, fetch=8), dict(hier=True, fetch=4)):
         c = make_case(G=3, T=2, S=128, n_quant=64, **kw)
         tensors, ints, optional = lowbit.op_inputs(c.store.kv, c.residual, c.fetched)

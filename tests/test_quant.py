@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import quant
-import zipcache
-import quantspec
+from siblings import zipcache
+from siblings import quantspec
 
 META = [torch.float16, torch.bfloat16, torch.float32]
 

@@ -4,7 +4,7 @@ draft weights, one graph per step."""
 import pytest
 import torch
 
-import quantspec as qs
+from siblings import quantspec as qs
 from config import CacheConfig
 import generate as gen
 from tests.helpers import tiny_model

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import quest
+from baselines import quest
 from config import CacheConfig
 from generate import main
 from methods import setup_caches

@@ -37,7 +37,7 @@ def test_random_weights_agree_across_ranks_where_replicated():
     """tools/bench.py's random-weight models under torchrun: a tensor every rank holds whole (the
     embedding and head when the ranks do not split the vocabulary) must be the same on every rank,
     or the ranks compute different models; the slices of split tensors differ from rank to rank."""
-    import tp
+    from integrations import tp
     from model import ModelArgs, random_weights
     args = ModelArgs(name="t", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=255, intermediate_size=128,
                      max_seq_len=16)
@@ -66,7 +66,7 @@ def _leave():
 
 def greedy(model, name, prompt):
     import generate as gen
-    import quantspec as qs
+    from siblings import quantspec as qs
     from config import CacheConfig
     from methods import setup_caches
     from tests.helpers import run_generate
@@ -82,7 +82,7 @@ def greedy(model, name, prompt):
 
 def _parity(rank, store, out):
     _join(rank, store)
-    import tp
+    from integrations import tp
     from cache import setup_caches
     full = tiny()
     local = tp.shard_model(full)
@@ -104,7 +104,7 @@ def _parity(rank, store, out):
 
 def _compiled(rank, store, out):
     _join(rank, store)
-    import tp
+    from integrations import tp
     import generate as gen
     from cache import setup_caches
     from tests.helpers import run_generate
@@ -125,7 +125,7 @@ def _compiled(rank, store, out):
 
 def _loads_slices(rank, store, out, ckpt_dir):
     _join(rank, store)
-    import tp
+    from integrations import tp
     from pathlib import Path
     local = tp.load_model(Path(ckpt_dir))  # each rank reads its rows/columns from the two shard files
     want = tp.shard_model(tiny())

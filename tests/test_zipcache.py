@@ -9,7 +9,7 @@ import torch
 from config import CacheConfig
 from generate import decode_step
 from methods import setup_caches
-from zipcache import ZipCache, probe_positions
+from siblings.zipcache import ZipCache, probe_positions
 from tests.helpers import run_generate, tiny_model
 
 PROMPT_LEN, NEW = 100, 40

@@ -128,7 +128,7 @@ def prompt_ids(tok, sample):
 
 
 def open_grid(a):
-    import hf
+    from integrations import hf
     model, tok = hf.load(a.hf)
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "results.jsonl"
@@ -212,7 +212,7 @@ def load_rows(a):
     project = [r for d in a.project for r in map(json.loads, (d / "results.jsonl").read_text().splitlines())
                if (r["cmd"], r["length"]) in panels]
     if project:
-        import hf
+        from integrations import hf
         from config import CacheConfig
         model, _ = hf.load(a.hf or ROOT / "checkpoints" / project[0]["model"])
         short = {CacheConfig.from_name(m).name: m for m in DEFAULT_MATCH.split(",")}  # the presets by their short names

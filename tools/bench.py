@@ -52,9 +52,9 @@ from kvmemory import kv_fp16_bytes  # noqa: E402
 from methods import setup_caches  # noqa: E402
 from config import ATTN_PATHS, CacheConfig  # noqa: E402
 from tools.measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402
-import tp  # noqa: E402
+from integrations import tp  # noqa: E402
 from model import KNOWN_CONFIGS  # noqa: E402
-from tp import load_model, random_model  # noqa: E402 - model.py's, or this rank's slices under torchrun
+from integrations.tp import load_model, random_model  # noqa: E402 - model.py's, or this rank's slices under torchrun
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
 
@@ -244,7 +244,7 @@ class Runner:
 def draft_weight_bytes(draft) -> int:
     """Bytes of the draft's weights one draft step reads: INT4 codes (half a byte each) and bf16
     (scale, zero) pairs of every Int4Linear, plus the norms (the embedding is only looked up)."""
-    from quantspec import Int4Linear
+    from siblings.quantspec import Int4Linear
     n = 0
     for m in draft.modules():
         if isinstance(m, Int4Linear):
@@ -259,7 +259,7 @@ def quantspec_rows(model, ids, context: int, a, bw) -> list[dict]:
     same prompt and a.steps generated tokens (greedy). The byte floors count what one round reads:
     gamma draft steps (INT4 weights + upper INT4 planes) and one verify step of gamma + 1 tokens
     (the model's weights + both planes), divided by the tokens the round yields."""
-    import quantspec
+    from siblings import quantspec
     device = model.tok_embeddings.weight.device
     draft = quantspec.make_draft(model, a.draft_group)
     prompt = torch.tensor([ids[:context]], device=device)

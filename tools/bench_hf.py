@@ -85,7 +85,7 @@ def adapter_rows(a, model, ids, device, configs: dict) -> list[dict]:
     and with --compile the compiled step too (generate.py --hf --compile's); per-step times at generate()'s
     step hook, as tools/bench.py's own rows. The model's attention implementation is put back after."""
     import generate
-    import hf
+    from integrations import hf
     import methods
     prev, rows = model.config._attn_implementation, []
     prompt, n_new = torch.tensor([ids], device=device), a.warmup + a.steps + 1
@@ -163,7 +163,7 @@ def side_by_side(a, view, tok, n: int) -> list[dict]:
     """One context: transformers' static-cache generate (compiled with --compile), then per cache the
     adapter's eager and compiled steps at batch 1 and (for --batch-caches) the padded batch."""
     import generate
-    import hf
+    from integrations import hf
     import methods
     from config import CacheConfig
     device = view.tok_embeddings.weight.device
@@ -218,7 +218,7 @@ def main(argv=None):
     p.add_argument("--json", type=Path, default=None, help="write the rows here (appended per context)")
     a = p.parse_args(argv)
     a.compile = True
-    import hf
+    from integrations import hf
     if a.threads:
         torch.set_num_threads(a.threads)
     try:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))  # the method's modules are at the root (`python t
 
 import torch  # noqa: E402
 
-import tp  # noqa: E402
+from integrations import tp  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from tools.eval_report import (Results, init_cells, mean, run_cells,  # noqa: E402
                                 write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
@@ -100,7 +100,7 @@ class Runner:
         self.device = torch.device(a.device)
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         if a.hf:  # a transformers model directory through hf.py
-            import hf
+            from integrations import hf
             try:
                 self.model, self.tok = hf.load(a.hf, self.device, dtype)
             except ValueError as e:
@@ -329,7 +329,7 @@ def cmd_quantspec(a, runner, methods, results):
     """QuantSpec's acceptance rate by draft length (quantspec.txt Table 3's measure): greedy summaries
     of essay windows, gamma = 0 (the target alone over the same cache) as the reference every gamma
     must equal token for token."""
-    import quantspec
+    from siblings import quantspec
     bad = [m.name for m in methods if m.kind != "quantspec"]
     if bad:
         raise SystemExit(f"error: quantspec runs the quantspec cache (quantspec[-gN]), not {', '.join(bad)}")
@@ -362,7 +362,7 @@ def cmd_saliency(a, runner, methods, results):
     exact salient set the probes select, per key group (what the cache keeps: round(ratio x group)
     per group) and over the whole prompt (the paper's top ratio); and the same for H2O's accumulated
     attention (eq. 7), the metric eq. 8 corrects."""
-    from zipcache import normalized_attention, probe_positions
+    from siblings.zipcache import normalized_attention, probe_positions
     cells = [(dict(cmd="saliency", model=a.checkpoint.name, length=L, sample=i, ratio=a.salient_ratio, group=g), None)
              for L in a.lengths for i in range(a.samples) for g in a.group_list]
 
@@ -412,7 +412,7 @@ def cmd_prompt(a):
     from tokenizer import load_tokenizer
 
     if a.hf:
-        import hf
+        from integrations import hf
         try:
             tok = hf.load_tokenizer(a.hf)
         except ValueError as e:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-import tp
+from integrations import tp
 from tools.tasks import KEY_PHRASES, RULER_TASKS, fmt_interval, wilson
 
 

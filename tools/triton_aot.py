@@ -305,8 +305,8 @@ def cases(quick=False):
     """(name, callable) pairs. Each builds a cache of a supported configuration on CPU (cache.py) and
     calls the Triton launchers the way the decode step does, so the launchers choose blocks, bits and
     flags themselves."""
-    import attn_gluon
-    import attn_views
+    from gpu import attn_gluon
+    from siblings import attn_views
     import kernels
     import lowbit
     import topk
@@ -368,7 +368,7 @@ def cases(quick=False):
 
     def quantspec_case(dtype, D, gamma=4):
         def run():  # the draft's one-token step over the INT4 view, the verify step over the INT8 view
-            from quantspec import QuantSpecCache
+            from siblings.quantspec import QuantSpecCache
             c = QuantSpecCache(1, 2, 1024, D, dtype, torch.device("cpu"), CacheConfig.from_name("quantspec"), gamma)
             c.n_quant.fill_(512)
             c.res_len.fill_(130)

@@ -19,7 +19,7 @@ import kernels
 import quant
 from lowbit import (Fetched, LowBitKV, Residual, Tensor, code_logits, code_value_sum, dot_precision, from_op_inputs,
                     interpreter_upcast, op_inputs)
-from tiles import (codes_tile, fetched_hits, fetched_positions, key_scores, logits_rows, query_rows, softmax_start,
+from gpu.tiles import (codes_tile, fetched_hits, fetched_positions, key_scores, logits_rows, query_rows, softmax_start,
                    store_logits, store_partial, word_block)
 
 

@@ -1,6 +1,6 @@
 """This project's KV caches inside a Hugging Face transformers model.
 
-    import hf
+    from integrations import hf
     model, tok = hf.load(DIR)                          # an HFModel: the transformers model, "specache" attention
     caches = cache.setup_caches(model, "specache-1bit-best", 1, 4096)   # then generate.generate(model, ...)
     out = hf_model.generate(ids, custom_generate=generate.hf_generate, cache_config="specache-1bit-best",
@@ -325,7 +325,7 @@ class HFModel(nn.Module):
         """QuantSpec's draft (quantspec.make_draft): the same module tree with every linear layer of
         the decoder and the head replaced by a group-wise INT4 copy (biases kept in full precision);
         embeddings, norms and rotary tables are shared. The caches are shared by share_caches."""
-        from quantspec import Int4Linear
+        from siblings.quantspec import Int4Linear
 
         def swap(m):
             if isinstance(m, nn.Linear):

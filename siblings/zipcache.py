@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 import quant
-from attn_views import ViewKV, attention_views
+from siblings.attn_views import ViewKV, attention_views
 from cache import LowBitCache
 from config import CacheConfig
 from lowbit import Fetched

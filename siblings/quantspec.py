@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import cache
 import quant
-from attn_views import ViewKV, attention_views
+from siblings.attn_views import ViewKV, attention_views
 from cache import LowBitCache
 from config import CacheConfig
 from decoding import Decoding, cloned, compiled_step, prefill, sample
