@@ -273,7 +273,7 @@ def test_qwen_qa_table_pairs_the_presses_with_the_fp_cache_and_refuses_other_pro
     qt.main(rows, press)
     out = capsys.readouterr().out.splitlines()
     snap = next(line for line in out if line.startswith("| SnapKV with the question"))
-    assert "| 50.0 [9, 91] (2) | 0.0 [0, 79] (1) | 33.3 [6, 79] (3) | 1 / 2 of 3 (p = 1) |  |" in snap
+    assert "| 50.0 [9, 91] (2) | 0.0 [0, 79] (1) | 33.3 [6, 79] (3) | 1 / 2 of 3 (p = 1) | 1 (of 2) |  |" in snap
     assert any(line.startswith("| kvpress `no_press`") and "0 / 0 of 2" in line for line in out)
     assert "| 0 / 16 |" in next(line for line in out if line.startswith("| fp16"))
     qt.main(rows, press, against="no_press")  # paired with kvpress's fp cache instead (2 samples in common)
@@ -285,6 +285,9 @@ def test_qwen_qa_table_pairs_the_presses_with_the_fp_cache_and_refuses_other_pro
         qt.main(rows, press, against="kivi-1bit")
     qt.main(rows, tmp_path / "absent.jsonl")  # no presses' rows yet: the project's table alone
     assert "SnapKV" not in capsys.readouterr().out
+    # Holm: the i-th smallest p times (m - i + 1), kept monotone, in the order given
+    assert qt.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert qt.holm([0.002, 0.6]) == pytest.approx([0.004, 0.6]) and qt.holm([0.4, 0.3]) == pytest.approx([0.6, 0.6])
     press.write_text(json.dumps(dict(presses[2], prompt_tokens=99)) + "\n")  # a prompt of another length
     with pytest.raises(SystemExit, match="qa_squad sample 0 is not the prompt"):
         qt.main(rows, press)

@@ -1,7 +1,7 @@
 """The QA table of docs/long-context.md from results/qwen/qa16k/results.jsonl: each cache's score per task and
 pooled (x100, Wilson's 95% interval, n answers), its answers paired with the fp cache's on the same samples (right
-where the fp cache is wrong / wrong where it is right, with the exact two-sided sign test's p on those counts), and
-its resyncs over its decode steps. Only samples the fp cache answered are paired. The presses run in the kvpress
+where the fp cache is wrong / wrong where it is right, with the exact two-sided sign test's p on those counts, and
+that p Holm-adjusted over the table's paired tests, one a cache), and its resyncs over its decode steps. Only samples the fp cache answered are paired. The presses run in the kvpress
 venv on the same prompts (results/qwen/baselines-qa, results/qwen/baselines/run-qa.sh) join the table when their rows
 are there: kvpress's `no_press` (transformers' fp cache) and SnapKV with the question, paired with the project's fp
 cache too. `--against METHOD` pairs every cache with another cache instead of the fp cache. From the repository root:
@@ -34,6 +34,17 @@ def cell(scores):
     return f"{fmt_interval((p, *wilson(p, len(scores))))} ({len(scores)})"
 
 
+def holm(ps):
+    """Holm's step-down adjustment of p-values (the family-wise error rate over all of them): the i-th smallest of
+    m times (m - i + 1), made monotone in that order and capped at 1. Returned in the order given."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    out, run = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        run = max(run, min(1.0, (len(ps) - rank) * ps[i]))
+        out[i] = run
+    return out
+
+
 def read(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -61,8 +72,9 @@ def main(path, presses=None, against="full"):
         sys.exit(f"--against {against}: no rows of it; the caches here: {', '.join(methods)}")
     other = "fp" if against == "full" else NAMES[against]
     print(f"| cache | SQuAD | HotpotQA | pooled | right where {other} is wrong / wrong where {other} is right "
-          "(sign test p) | resyncs / steps |")
-    print("|---|---|---|---|---|---|")
+          "(sign test p) | Holm-adjusted p | resyncs / steps |")
+    print("|---|---|---|---|---|---|---|")
+    lines, ps = [], []
     for m in methods:
         per = {t: [r["score"] for (mm, tt, _), r in sorted(by.items()) if mm == m and tt == t] for t in TASKS}
         keys = [k for k in by if k[0] == m]
@@ -71,11 +83,15 @@ def main(path, presses=None, against="full"):
         loss = sum(1 for c, f in pairs if c < f)
         res = sum(by[k].get("resyncs") or 0 for k in keys)
         steps = sum(by[k].get("decode_steps") or 0 for k in keys)
-        paired = "" if m == against else f"{gain} / {loss} of {len(pairs)} (p = {sign_test_p(gain, loss):.2g})"
+        p = None if m == against else sign_test_p(gain, loss)
+        ps += [] if p is None else [p]
+        paired = "" if p is None else f"{gain} / {loss} of {len(pairs)} (p = {p:.2g})"
         counted = f"{res} / {steps}" if steps else ""  # the presses' rows count no decode steps
-        print(f"| {NAMES[m]} | {cell(per['qa_squad'])} | {cell(per['qa_hotpot'])} | "
-              f"{cell(per['qa_squad'] + per['qa_hotpot'])} | {paired} | {counted} |")
-
+        lines.append((f"| {NAMES[m]} | {cell(per['qa_squad'])} | {cell(per['qa_hotpot'])} | "
+                      f"{cell(per['qa_squad'] + per['qa_hotpot'])} | {paired} | ", p is not None, f" | {counted} |"))
+    adjusted = iter(holm(ps))  # over the paired tests in the table, in its order
+    for head, is_paired, tail in lines:
+        print(head + (f"{next(adjusted):.2g} (of {len(ps)})" if is_paired else "") + tail)
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
