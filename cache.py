@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 import kernels
 import quant
-import topk
-from config import NO_FETCH, CacheConfig, FetchPolicy
+from config import NO_FETCH, CacheConfig, FetchPolicy, check_attn_path
 from kvmemory import MemoryMeter, deployed_nbytes
-from lowbit import Fetched, LowBitKV, Residual, check_attn_path
 from prefetch import Prefetcher
+from quant import Fetched, LowBitKV, Residual
+
 
 def register_row_start(cache, row_start, batch: int, device):
     """The batch's [B] first real slot per row (a left-padded batch; zeros: none), one tensor that every cache
@@ -403,16 +403,16 @@ class SpeCache(LowBitCache):
             self.prefetcher.keep_sinks([self.ring_k, self.ring_v, self.fetch_valid], k, v, row0, self.sinks)
 
     # ---- selection ---------------------------------------------------------------------------------
-    def pick(self, q_rows, lse_rows, logits) -> "topk.Selection | topk.Picked":
+    def pick(self, q_rows, lse_rows, logits) -> "kernels.Selection | kernels.Picked":
         """What this layer fetches, for Prefetcher.start: the top-k of the selecting rows' logits (re-ranking:
         of its N*k candidates, then by their fp keys), below `sinks` never; the oracle: the exact top-k of the
         host's fp keys."""
         if self.policy.exact:
-            score, idx = topk.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
+            score, idx = kernels.topk_exact(q_rows, self.prefetcher.host_keys(self.layer_idx), self.n_quant,
                                          self.n_fetch, self.sm_scale, first=self.sinks, row_start=self.row_start)
-            return topk.Picked(idx, score >= 0)
+            return kernels.Picked(idx, score >= 0)
         rerank = (q_rows, lse_rows, self.sm_scale) if self.rerank > 1 else None
-        return topk.Selection(logits, lse_rows, self.n_quant, self.n_cand if rerank else self.n_fetch, self.sinks, rerank,
+        return kernels.Selection(logits, lse_rows, self.n_quant, self.n_cand if rerank else self.n_fetch, self.sinks, rerank,
                               self.row_start)
 
     # ---- a decode step ----------------------------------------------------------------------------

@@ -21,7 +21,20 @@ KINDS = ("full", "kivi", "specache", "quantspec", "quest", "infllm")
 SCHEMES = ("kivi", "zipcache", "quantspec")
 SCHEME_BITS = {"kivi": quant.BITS, "zipcache": quant.BITS, "quantspec": (4, 8)}  # QuantSpec: INT4 upper planes, INT8 both
 FETCH_IMPLS = ("uva", "staged")
-ATTN_PATHS = ("words", "planes", "gluon")  # the low-bit kernels' reads of the codes (lowbit.DEFAULT_ATTN_PATH)
+ATTN_PATHS = ("words", "planes", "gluon")  # the low-bit kernels' reads of the codes (DEFAULT_ATTN_PATH)
+# Attention paths over the quantized slots: "words" (32-bit words unpacked by shifts), "planes" (bit-plane tiles),
+# "gluon" (plane tiles in attn_gluon's kernel, compiled 16-bit launches). The default, "auto", is Gluon where a
+# launch fits it (on a GPU: the fastest path in every row of the H200 run, docs/gpu.md) and words elsewhere (the
+# interpreter, fp32, layouts Gluon cannot take): kernels.launch_path decides per launch, from its shapes.
+DEFAULT_ATTN_PATH = "auto"  # (config.ATTN_PATHS names the others)
+
+
+def check_attn_path(attn_path: Optional[str]) -> str:
+    """The attention path a cache runs (None: DEFAULT_ATTN_PATH); an unknown name is an error."""
+    path = attn_path or DEFAULT_ATTN_PATH
+    if path not in ATTN_PATHS + (DEFAULT_ATTN_PATH,):
+        raise ValueError(f"unknown attention path {path!r} ({', '.join(ATTN_PATHS)})")
+    return path
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,13 @@ from typing import Callable
 import torch
 
 import cli
-from siblings import quantspec
-from integrations import tp
 from cache import fetch_policy, hold_fetched
-from config import CacheConfig
+from config import DEFAULT_ATTN_PATH, CacheConfig
 from decoding import Decoding, compiled_step, prefill, sample  # noqa: F401 (generate.Decoding, generate.prefill)
+from integrations import tp
 from kvmemory import kv_fp16_bytes
-from lowbit import DEFAULT_ATTN_PATH
 from methods import setup_caches
+from siblings import quantspec
 
 
 def pre_decode(model, t1: torch.Tensor, pos) -> torch.Tensor:

@@ -46,9 +46,7 @@ from typing import Optional
 
 import torch
 
-from topk import Picked, Selection, select_counters, select_ref, select_triton
-from transfer import (held_selection, keep_sink_rows, keep_sinks_triton, record_rows, rerank_rows_ref, rerank_rows_triton,
-                      rerank_scratch, transfer_rows_ref, transfer_rows_triton)
+from kernels import Picked, Selection, as_rows, fp_row_scores, select_ref
 
 Tensor = torch.Tensor
 # The custom ops below run outside the graph and need the Prefetcher (its streams, events, staging).
@@ -124,7 +122,11 @@ def _(bufs):
 # (the ring check refuses that), so on the async path this write is an op too.
 @torch.library.custom_op("specache::keep_sinks", mutates_args=("bufs",))
 def _keep_sinks_op(bufs: list[Tensor], k: Tensor, v: Tensor, row0: Tensor, n: int, row_start: Tensor) -> None:
-    (keep_sinks_triton if _owner(bufs).triton else keep_sink_rows)(bufs, k, v, row0, n, row_start)
+    if _owner(bufs).triton:
+        from gpu.transfer import keep_sinks_triton
+        keep_sinks_triton(bufs, k, v, row0, n, row_start)
+    else:
+        keep_sink_rows(bufs, k, v, row0, n, row_start)
 
 
 @_keep_sinks_op.register_fake
@@ -159,11 +161,7 @@ class Prefetcher:
         self.rings = [None] * n_layers  # [ring_k, ring_v, ...]: what the side stream writes, per layer
         self.ring_offs = [0] * n_layers  # per layer: the ring slots before it hold rows the cache keeps (sinks)
         self.rerank_scratch = None  # re-ranking's device scratch (CUDA), one for all layers: they run in turn
-        # the selection's ticket counters and fault counts (topk.select_counters), made here so that no graph
-        # owns them; the layers' selections run in turn on the step's stream and share them
-        self.select_counters = select_counters(batch, n_kv_heads, device)
-        if self.on_cuda and select_rows is not None:
-            self.rerank_scratch = rerank_scratch(batch, n_kv_heads, self.key_rows, head_dim, dtype, device)
+        self.select_counters = None  # the one-launch selection's counters (CUDA)
         if self.async_ops:
             self._setup_async()
 
@@ -171,6 +169,15 @@ class Prefetcher:
         """Side stream, events and the staging buffers the side stream reads."""
         L, B, H, _, D = self.host_k.shape
         dt, dev = self.host_k.dtype, self.device
+        if self.triton:
+            from gpu.topk import select_counters
+            from gpu.transfer import rerank_scratch
+
+            # the selection's ticket counters and fault counts, made here so that no graph owns them; the layers'
+            # selections run in turn on the step's stream and share them
+            self.select_counters = select_counters(B, H, dev)
+            if self.on_cuda and self.select_rows is not None:
+                self.rerank_scratch = rerank_scratch(B, H, self.key_rows, D, dt, dev)
         self.slot_rows = torch.zeros(L, B, H, self.k, dtype=torch.int64, device=dev)  # host row per ring slot, -1 keeps
         self.stage_k = torch.zeros(L, B, H, 1, D, dtype=dt, device=dev)
         self.stage_v = torch.zeros(L, B, H, 1, D, dtype=dt, device=dev)
@@ -238,9 +245,6 @@ class Prefetcher:
     def host_keys(self, layer):
         """All host keys of a layer on the device (oracle fetch and the fetch probe only)."""
         return self.host_k[layer].to(self.device, non_blocking=True)
-
-    def host_values(self, layer):
-        return self.host_v[layer].to(self.device, non_blocking=True)
 
     # ---- decode ----------------------------------------------------------------------------------
     def start(self, layer, bufs, pick=None, new_k=None, new_v=None, new_pos=None):
@@ -319,6 +323,7 @@ class Prefetcher:
             rerank_rows_ref(self.host_k[layer], self.host_v[layer], *bufs, cand, cand_valid, q_rows, lse_rows, sm_scale,
                             ring_off=self.ring_offs[layer])
         else:
+            from gpu.transfer import rerank_rows_triton
             rerank_rows_triton(self.host_k[layer], self.host_v[layer], *bufs, cand, cand_valid, q_rows, lse_rows,
                                sm_scale, new_k, new_v, new_pos, self.ring_offs[layer], scratch=self.rerank_scratch)
 
@@ -332,6 +337,7 @@ class Prefetcher:
                 transfer_rows_ref(self.host_k[layer], self.host_v[layer], ring_k, ring_v, slot_rows, None, None, None,
                                   self.ring_offs[layer])
         elif self.impl == "uva":
+            from gpu.transfer import transfer_rows_triton
             transfer_rows_triton(self.host_k[layer], self.host_v[layer], ring_k, ring_v, slot_rows, new_k, new_v, new_pos,
                                  self.ring_offs[layer])
         else:  # staged: indices to the host (one sync: eager only), gather, one non_blocking copy
@@ -372,6 +378,7 @@ class Prefetcher:
             record = None if slot_rows is None or len(bufs) < 4 else (bufs[2], bufs[3], self.ring_offs[layer], slot_rows)
             assert cand is not None or record is not None, "a selection without re-ranking needs the ring's record"
             keep = (self.keep_rows, bufs[2], bufs[3], self.ring_offs[layer]) if len(bufs) > 3 else None
+            from gpu.topk import select_triton
             select_triton(*pick[:5], out=cand, record=record, stage_q=(rerank[0], *cand_q) if rerank else None,
                           token=token, counters=self.select_counters, row_start=pick.row_start, keep=keep)
         else:
@@ -408,3 +415,101 @@ class Prefetcher:
 
     def _join_async(self):
         self._main().wait_stream(self.side)
+
+
+# =============================================================================================
+# the rows' moves in torch: the CPU path, and the references of gpu/transfer.py's kernels
+# =============================================================================================
+def record_rows(idx, valid, fetch_idx, fetch_valid, off):
+    """Which positions the ring's slots [off, ..) will hold (fetch_idx/fetch_valid [B,Hkv,off+k], which
+    say what they hold now) for the selection idx/valid [B,Hkv,k]: a selected row the ring already
+    holds keeps its slot; the others take the freed slots in order. -> the host row to copy into
+    each slot, -1 for none (consecutive steps' selections overlap: only the new rows cross the bus)."""
+    old, old_ok = fetch_idx[:, :, off:], fetch_valid[:, :, off:]
+    same = (old[..., :, None] == idx[..., None, :]) & old_ok[..., :, None] & valid[..., None, :]  # [slot, row]
+    keep, miss = same.any(-1), valid & ~same.any(-2)
+    free = ~keep
+    put = free[..., :, None] & miss[..., None, :] & \
+        ((free.cumsum(-1) - free.long())[..., :, None] == (miss.cumsum(-1) - miss.long())[..., None, :])
+    got = put.any(-1)
+    row = torch.where(put, idx[..., None, :], 0).sum(-1)
+    fetch_idx[:, :, off:] = torch.where(keep, old, torch.where(got, row, 0))
+    fetch_valid[:, :, off:] = keep | got
+    return torch.where(got, row, -1)
+
+
+def held_selection(idx, valid, fetch_idx, fetch_valid, off, keep):
+    """(idx, valid) [B,Hkv,C] with the batch rows `keep` [B] bool replaced by what their ring's slots [off, ..)
+    hold now (then invalid entries), so that record_rows, or re-ranking's layout, leaves their ring as it is:
+    a resync's pre-decoding fetches again only for the rows whose speculative token was wrong."""
+    cur_i, cur_v = fetch_idx[:, :, off:], fetch_valid[:, :, off:]
+    n = min(idx.shape[-1], cur_i.shape[-1])
+    held_i = torch.cat([cur_i[..., :n], idx.new_zeros(*idx.shape[:2], idx.shape[-1] - n)], -1)
+    held_v = torch.cat([cur_v[..., :n], valid.new_zeros(*valid.shape[:2], valid.shape[-1] - n)], -1)
+    k = keep[:, None, None]
+    return torch.where(k, held_i, idx), torch.where(k, held_v, valid)
+
+
+def transfer_rows_ref(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, new_pos, ring_off=0):
+    """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], slot_rows [B,Hkv,k] or None, new_*
+    [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., slot_rows]
+    where slot_rows >= 0 (-1: the slot keeps its row; ring slots before ring_off hold rows kept on the
+    device: attention sinks)."""
+    if new_k is not None:
+        pos = new_pos.reshape(1).to(host_k.device)
+        host_k.index_copy_(2, pos, new_k.to(host_k.device, host_k.dtype))
+        host_v.index_copy_(2, pos, new_v.to(host_v.device, host_v.dtype))
+    if slot_rows is not None:
+        B, Hkv, S, D = host_k.shape
+        slot_rows = slot_rows.to(host_k.device)
+        flat = (slot_rows.clamp(min=0) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
+        for host, ring in ((host_k, ring_k), (host_v, ring_v)):
+            rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D).to(ring.dtype)
+            slots = ring[:, :, ring_off:] if ring_off else ring
+            slots.copy_(torch.where(slot_rows[..., None] >= 0, rows, slots))
+
+
+def keep_sink_rows(bufs, k, v, row0, n: int, row_start) -> None:
+    """A block k, v [B,H,nb,D] was just quantized into slots [row0, row0 + nb) (row0 a 0-d tensor): each row's
+    first n real tokens (slots row_start[b] + i, [B] int64) that lie in it are copied into ring slots [0, n) and
+    marked valid. bufs: [ring_k, ring_v, fetch_valid]."""
+    ring_k, ring_v, valid = bufs
+    rel = row_start[:, None] + torch.arange(n, device=k.device) - row0  # [B, n]: each sink's row of the block
+    inside = (rel >= 0) & (rel < k.shape[2])
+    at = rel.clamp(0, k.shape[2] - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+    for ring, x in ((ring_k, k), (ring_v, v)):
+        ring[:, :, :n] = torch.where(inside[:, None, :, None], x.gather(2, at).to(ring.dtype), ring[:, :, :n])
+    valid[:, :, :n] |= inside[:, None, :]
+
+
+# =============================================================================================
+# re-ranking: the k best of N*k candidates by their fp keys, read from the host (side stream)
+# =============================================================================================
+# Of the selecting token's low-bit top-(N*k) candidates (name part rrN), the k whose fp keys score best
+# go to the ring, with their positions: three launches on the side stream (prefetch.py) where the
+# candidates' keys land. One program per candidate reads its fp key and scores it; one per kv head
+# ranks the candidates and lays the winners out (record_rows: rows the ring holds stay); one per
+def rerank_exact(q_row, lse_row, keys, valid, k, sm_scale):
+    """The k best of C candidates by their fp keys [B,Hkv,C,D] (valid [B,Hkv,C]), scored as topk_lowbit
+    scores (probability summed over the kv head's query heads, best of R tokens) -> (score, index
+    into the C candidates) [B,Hkv,k]; invalid candidates score -1."""
+    prob = fp_row_scores(*as_rows(q_row, lse_row), keys, sm_scale)
+    return torch.where(valid, prob, -1.0).topk(k, dim=-1)
+
+
+def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
+                    sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
+    """Of the candidate host rows cand [B,Hkv,C] (cand_valid: real ones), keep the K = ring slots - ring_off
+    whose fp keys score best for the query rows q_rows [B,H,R,D] (lse_rows [B,H,R]; the score of
+    rerank_exact); lay them out in ring slots [ring_off, ...) as record_rows does (a row the
+    ring holds keeps its slot, the others, best first, take the freed slots), write the keys and
+    values of the rows the ring lacks, their positions and validity (score >= 0) to
+    fetch_idx/fetch_valid, and the real token (new_*) to host row new_pos, whose candidate copy is
+    taken from new_k/new_v."""
+    C = cand.shape[2]
+    keys = host_k.gather(2, cand[..., None].expand(*cand.shape, host_k.shape[-1]))
+    if new_k is not None:
+        keys = torch.where((cand == new_pos)[..., None], new_k.to(keys.dtype), keys)
+    score, pick = rerank_exact(q_rows, lse_rows, keys, cand_valid, min(ring_k.shape[2] - ring_off, C), sm_scale)
+    rows = record_rows(cand.gather(-1, pick), score >= 0, fetch_idx, fetch_valid, ring_off)
+    transfer_rows_ref(host_k, host_v, ring_k, ring_v, rows, new_k, new_v, new_pos, ring_off)

@@ -16,8 +16,18 @@ scale/zero, so every error bound holds for what the cache actually keeps.
 grid (`_lsq_refit`): lower squared error, hence better low-bit ranking for SpeCache's top-k.
 
 Other quantizers build on the same core (quantize_codes, dequantize_codes) in their own modules.
+
+What a low-bit cache stores, as the kernels read it (kernels.py, gpu/): `LowBitKV` (codes, scales and zeros,
+with their torch references as methods: key_logits, value_sum, dequantized), `Residual` (the fp window) and
+`Fetched` (fp rows fetched from the host and the quantized positions they replace, eq. 1). The references
+dequantize or score every slot with static shapes (garbage past n_quant is masked by the callers); the
+Triton kernels fold the same scales and zeros into the query and the probabilities (docs/design.md).
 """
+from typing import NamedTuple, Optional
+
 import torch
+
+Tensor = torch.Tensor
 
 BITS = (1, 2, 4, 8)
 ONE_BIT_MODES = ("improved", "kivi")
@@ -222,3 +232,104 @@ def quantized_bytes(kind, bits, group, head_dim, meta_dtype=torch.float16):
     if kind == "value":
         return head_dim * bits / 8 + meta * head_dim / value_group(group, head_dim)
     raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+
+
+# ---- what a cache stores, as the kernels read it ---------------------------------------------------
+class LowBitKV(NamedTuple):
+    """The quantized tokens of a KIVI cache (cache.LowBitCache.stored()). Slots [0, n_quant) hold
+    tokens; the rest is garbage the kernels never read into a result. The torch references are its
+    methods, so any tuple with the same methods runs the same reference attention
+    (kernels.attention_lowbit_ref)."""
+    k_codes: Tensor  # [B,Hkv,S,D*bits/8] uint8; keys quantized per channel in groups of group_k tokens
+    k_scale: Tensor  # [B,Hkv,S/group_k,D] (16-bit)
+    k_zero: Tensor
+    v_codes: Tensor  # [B,Hkv,S,D*bits/8] uint8; values quantized per token in groups of group_v channels
+    v_scale: Tensor  # [B,Hkv,S,D/group_v]
+    v_zero: Tensor
+    n_quant: Tensor  # 0-d int64
+    bits: int
+    group_k: int
+    group_v: int
+    # [B] int64: each row's first real slot (a left-padded batch); slots before it are padding, never attended
+    row_start: Optional[Tensor] = None
+
+    def starts(self) -> Tensor:
+        """row_start, or zeros (a batch without padding)."""
+        return self.row_start if self.row_start is not None else \
+            torch.zeros(self.k_codes.shape[0], dtype=torch.int64, device=self.k_codes.device)
+
+    def real_slots(self) -> Tensor:
+        """[B,1,S] bool: the slots at or after each row's start (what a row may attend)."""
+        S = self.k_codes.shape[2]
+        return torch.arange(S, device=self.k_codes.device) >= self.starts()[:, None, None]
+
+    def codes(self, kv: str) -> Tensor:
+        """Integer codes of the keys (kv="k") or values as fp32 [B,Hkv,S,D]."""
+        return unpack_bits(self.k_codes if kv == "k" else self.v_codes, self.bits, torch.int32).float()
+
+    def key_logits(self, qg) -> Tensor:
+        """qg [B,Hkv,M,D] (fp32, pre-scaled) -> q.k' [B,Hkv,M,S] over every slot (garbage past n_quant)."""
+        return code_logits(qg, self.codes("k"), self.k_scale.float(), self.k_zero, self.group_k)
+
+    def value_sum(self, p, keep) -> Tensor:
+        """sum_n p[.., n] v'_n for p [B,Hkv,M,S] (zero where not keep [B,Hkv,S]) -> [B,Hkv,M,D]."""
+        return code_value_sum(p, self.codes("v"), self.v_scale.float(), self.v_zero, self.group_v, keep)
+
+    def dequantized(self) -> tuple[Tensor, Tensor]:
+        """Keys and values in fp32 [B,Hkv,S,D]."""
+        return (dequantize_keys(self.k_codes, self.k_scale, self.k_zero, self.bits, self.group_k),
+                dequantize_values(self.v_codes, self.v_scale, self.v_zero, self.bits, self.group_v))
+
+    def first_tokens(self, n: int) -> "LowBitKV":
+        """The tuple cut to quantized tokens [0, n) (n a multiple of the key group)."""
+        g = n // self.group_k
+        return self._replace(k_codes=self.k_codes[:, :, :n], k_scale=self.k_scale[:, :, :g], k_zero=self.k_zero[:, :, :g],
+                             v_codes=self.v_codes[:, :, :n], v_scale=self.v_scale[:, :, :n], v_zero=self.v_zero[:, :, :n])
+
+    def read_bytes(self, n_quant: int) -> int:
+        """Bytes of the codes and scales of tokens [0, n_quant) (what the attention reads of them)."""
+        per_row = sum(t[:, :, :n_quant].nbytes for t in (self.k_codes, self.v_codes, self.v_scale, self.v_zero))
+        return per_row + sum(t[:, :, :n_quant // self.group_k].nbytes for t in (self.k_scale, self.k_zero))
+
+
+class Residual(NamedTuple):
+    """The fp window: rows [0, length) hold the newest tokens in order; a step's T query tokens are
+    its last T rows (causal among them)."""
+    k: Tensor  # [B,Hkv,R,D]
+    v: Tensor
+    length: Tensor  # 0-d
+
+
+class Fetched(NamedTuple):
+    """fp rows fetched from the host store; they replace quantized positions idx where valid."""
+    k: Tensor  # [B,Hkv,K,D]
+    v: Tensor
+    idx: Tensor  # [B,Hkv,K] int64
+    valid: Tensor  # [B,Hkv,K] bool
+
+
+def code_logits(qg, c, k_scale, k_zero, g: int) -> Tensor:
+    """qg [B,Hkv,M,D] . keys whose integer codes c [B,Hkv,S,D] (fp32) dequantize as c * scale + zero per
+    channel and group of g tokens (scale [B,Hkv,S/g,D] fp32, in the codes' units) -> [B,Hkv,M,S]. The
+    scale and zero fold into the query, as in the Triton kernel: q.k' = (q*s_g).c + q.z_g, so only the
+    integer codes are expanded to [S, D]."""
+    B, Hkv, M, D = qg.shape
+    S = c.shape[2]
+    qs = qg[:, :, None] * k_scale[:, :, :, None, :]  # [B,Hkv,S/g,M,D]
+    logits = qs @ c.view(B, Hkv, S // g, g, D).transpose(-1, -2) + \
+        (qg @ k_zero.float().transpose(-1, -2)).transpose(-1, -2)[..., None]
+    return logits.permute(0, 1, 3, 2, 4).reshape(B, Hkv, M, S)
+
+
+def code_value_sum(p, c, v_scale, v_zero, group_v: int, keep) -> Tensor:
+    """sum_n p[.., n] v'_n for p [B,Hkv,M,S] over values whose integer codes c [B,Hkv,S,D] dequantize as
+    c * scale + zero per token and group of channels (v_scale [B,Hkv,S,D/group_v] fp32, in the codes'
+    units); rows where not keep [B,Hkv,S] count zero. The scale and zero fold into the probabilities, as
+    in the Triton kernel: sum_n p_n (c_n s_n + z_n) = (p*s).c + sum_n p_n z_n."""
+    D = c.shape[-1]
+    gv = min(group_v, D)
+    zero = torch.zeros((), device=p.device)
+    scale = torch.where(keep[..., None], v_scale, zero)  # garbage rows (NaN/inf) -> 0
+    zeros = torch.where(keep[..., None], v_zero.float(), zero)
+    return torch.cat([(p * scale[:, :, None, :, j]) @ c[..., j * gv:(j + 1) * gv] + p @ zeros[..., j:j + 1]
+                      for j in range(D // gv)], -1)

@@ -48,9 +48,9 @@ import torch.nn.functional as F
 import cache as kv
 from cache import FullCache, KVCaches, plan_layers, prefill_chunk
 from config import NO_FETCH, CacheConfig
+from kernels import Picked
 from kvmemory import MemoryMeter, deployed_nbytes
 from prefetch import Prefetcher
-from topk import Picked
 
 EMPTY = FullCache.EMPTY  # position of a slot never written
 N_INIT = 128  # InfLLM's initial tokens (n_init) when a budget sets the sizes

@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from cache import FullCache, KVCaches, plan_layers, prefill_chunk
 from config import NO_FETCH, CacheConfig
+from kernels import Picked
 from kvmemory import MemoryMeter, deployed_nbytes
 from prefetch import Prefetcher
-from topk import Picked
 
 EMPTY = FullCache.EMPTY  # position of a slot never written
 

@@ -17,10 +17,12 @@ import triton.language as tl
 
 import kernels
 import quant
-from lowbit import (Fetched, LowBitKV, Residual, Tensor, code_logits, code_value_sum, dot_precision, from_op_inputs,
-                    interpreter_upcast, op_inputs)
+from gpu import attention
+from gpu.attention import dot_precision, interpreter_upcast
 from gpu.tiles import (codes_tile, fetched_hits, fetched_positions, key_scores, logits_rows, query_rows, softmax_start,
-                   store_logits, store_partial, word_block)
+                       store_logits, store_partial, word_block)
+from kernels import from_op_inputs, op_inputs
+from quant import Fetched, LowBitKV, Residual, Tensor, code_logits, code_value_sum
 
 
 class ViewKV(NamedTuple):
@@ -161,7 +163,7 @@ def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_K: tl.constexpr, SEL: tl.constexpr = 0):
     """Grid (B*Hkv, n_splits): program `split` attends to quantized slots [split*SPLIT_LEN, +SPLIT_LEN)
-    below n_quant and writes (out, lse) partial `split` of NPARTS, as kernels._attn_words_kernel's
+    below n_quant and writes (out, lse) partial `split` of NPARTS, as attention._attn_words_kernel's
     quantized programs do, reading the codes with load_codes (HIER: the INT8 view; RB > 0: the
     refinement rows of ref_map); SEL > 0: the selecting rows' scores to `logits`, as that kernel does."""
     bh = tl.program_id(0).to(tl.int64)
@@ -204,7 +206,7 @@ def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
 
 def _code_view(store: ViewKV, D: int):
     """(WORDS, k_lo, v_lo, k_ref, v_ref): 32-bit word views of the view's parts where the plain codes are
-    words (kernels.code_layout) and the refinement rows whole words too, else the bytes."""
+    words (attention.code_layout) and the refinement rows whole words too, else the bytes."""
     words = D & (D - 1) == 0 and (D * store.kv.bits) % 32 == 0 and (D * store.ref_bits) % 32 == 0
     view = (lambda t: None if t is None else t.contiguous().view(torch.int32)) if words else \
         (lambda t: None if t is None else t.contiguous())
@@ -214,7 +216,7 @@ def _code_view(store: ViewKV, D: int):
 
 def launch(store: ViewKV, q, fetched, out_part, lse_part, logits, qk_scale, n_splits: int, split_len: int, NS: int,
            BLOCK_M: int, BLOCK_K: int, select: int = 0, **launch):
-    """The quantized programs (bh, split < n_splits) of one attention step (kernels.attention_lowbit_triton
+    """The quantized programs (bh, split < n_splits) of one attention step (attention.attention_lowbit_triton
     launches the rest), then ZipCache's channel scale on their partials (eq. 6)."""
     B, H, T, D = q.shape
     s = store.kv
@@ -237,10 +239,10 @@ def launch(store: ViewKV, q, fetched, out_part, lse_part, logits, qk_scale, n_sp
 
 def attention_views_triton(q, store: ViewKV, residual: Residual, fetched: Optional[Fetched], sm_scale, select=0,
                            **launch_kw):
-    """kernels.attention_lowbit_triton with this module's quantized programs."""
+    """attention.attention_lowbit_triton with this module's quantized programs."""
     def quantized(*args, **kw):
         return launch(store, *args, **kw)
-    return kernels.attention_lowbit_triton(q, store.kv, residual, fetched, sm_scale, select=select,
+    return attention.attention_lowbit_triton(q, store.kv, residual, fetched, sm_scale, select=select,
                                            quantized=quantized, **launch_kw)
 
 

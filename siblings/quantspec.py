@@ -31,11 +31,11 @@ import torch.nn.functional as F
 
 import cache
 import quant
-from siblings.attn_views import ViewKV, attention_views
 from cache import LowBitCache
 from config import CacheConfig
 from decoding import Decoding, cloned, compiled_step, prefill, sample
-from lowbit import Residual
+from quant import Residual
+from siblings.attn_views import ViewKV, attention_views
 
 
 # ---- QuantSpec hierarchical INT8 = upper INT4 + lower INT4 (quantspec.txt §4.2) ------------------

@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 
 import quant
-from siblings.attn_views import ViewKV, attention_views
 from cache import LowBitCache
 from config import CacheConfig
-from lowbit import Fetched
+from quant import Fetched
+from siblings.attn_views import ViewKV, attention_views
 
 
 # ---- ZipCache channel-separable tokenwise values (zipcache.txt eq. 6) -----------------------------

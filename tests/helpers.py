@@ -33,14 +33,15 @@ def require_default_checkpoint():
 def planes_where_they_fit(store, D, M):
     """attn_path "planes" where the bit-plane tiles take the layout (M query rows per kv head), else "words":
     the tests that cover the plane path name it. A sibling's tuple (attn_views.ViewKV) reads words only."""
-    import lowbit
-    return "planes" if isinstance(store, lowbit.LowBitKV) and lowbit.planes_fit(store, D, M) else "words"
+    import quant
+    from gpu import attention
+    return "planes" if isinstance(store, quant.LowBitKV) and attention.planes_fit(store, D, M) else "words"
 
 
 def setup(model, kind, batch=1, max_seq_len=None, **fields):
     """methods.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
-    from methods import setup_caches
     from config import CacheConfig
+    from methods import setup_caches
     return setup_caches(model, CacheConfig(kind=kind, **fields).validated(), batch, max_seq_len)
 
 
@@ -50,8 +51,8 @@ def run_generate(model, prompt, new, config, step_fn=None, on_step=None, pre_dec
     pre_decode_fn replace the eager steps."""
     from dataclasses import replace
 
-    from config import CacheConfig
     from cache import fetch_policy
+    from config import CacheConfig
     from generate import Decoding, Steps, generate
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     steps = Steps()

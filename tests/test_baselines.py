@@ -23,7 +23,9 @@ def gemma_270m_shape():
     """Gemma 3 270M as cache.setup_caches sees it (its shape, no weights): 18 layers, one kv head of 256,
     a window of 512 in every layer but 5, 11 and 17, fp32 as on this CPU."""
     from types import SimpleNamespace
+
     import torch
+
     from model import ModelArgs
     args = ModelArgs(name="gemma-3-270m", dim=640, n_layers=18, n_heads=4, n_kv_heads=1, head_dim=256, max_seq_len=32768,
                      layer_windows=((512,) * 5 + (None,)) * 3)
@@ -62,6 +64,7 @@ def test_deployed_bytes_worked_example():
 def test_deployed_bytes_count_floats_at_two_bytes():
     """kvmemory.deployed_nbytes: fp32 and bf16 elements at 2 bytes, integer codes and positions as stored."""
     import torch
+
     from kvmemory import deployed_nbytes
     assert deployed_nbytes(torch.zeros(3, 5), torch.zeros(7, dtype=torch.bfloat16)) == 2 * 15 + 2 * 7
     assert deployed_nbytes(torch.zeros(4, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64)) == 4 + 16
@@ -116,6 +119,7 @@ def test_grid_budgets_and_cells(capsys):
     """The grid's cells: each press at each matched and fixed budget (Table 2's 1/4 keeps a quarter:
     kvpress ratio 0.75), NAME+qa question-aware, unpressed methods once, finished cells skipped."""
     from types import SimpleNamespace
+
     from tools import baselines_grid as G
     assert G.parse_fixed("1/4,1/8") == {"1/4": 0.75, "1/8": 0.875}
     for bad in ("1/0", "5/4", "x"):
@@ -510,7 +514,6 @@ def test_quantized_cache_counts_its_codes(needle):
 
 
 COLSUM_CHECK = """
-import json, sys, torch, transformers, kvpress
 sys.path.insert(0, sys.argv[2])
 from tools.baselines_prefill import COLSUM, record_colsums, register_colsum_attention
 transformers.utils.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()

@@ -195,15 +195,12 @@ def test_the_cost_tools_name_kernels_and_constexprs_that_exist(aot):
     import ast
     import inspect
 
-    from gpu import attn_gluon
+    from gpu import attention, attn_gluon
     from siblings import attn_views
-    import kernels
-    import topk
-    import transfer
     from tools import kernel_cost
 
     def constexprs(name):
-        found = [getattr(m, name) for m in (kernels, attn_views, topk, transfer, attn_gluon) if hasattr(m, name)]
+        found = [getattr(m, name) for m in (attention, attn_views, topk, transfer, attn_gluon) if hasattr(m, name)]
         assert len(found) == 1, f"kernel {name} is defined {len(found)} times"
         fn = getattr(found[0], "fn", found[0])
         return {p for p, v in inspect.signature(fn).parameters.items() if "constexpr" in str(v.annotation)}

@@ -22,19 +22,18 @@ if ON_GPU and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     pytest.skip("TRITON_INTERPRET=1 is set: the GPU checks need compiled Triton (make gpu-check unsets it)",
                 allow_module_level=True)
 
-from siblings import attn_views  # noqa: E402
 import kernels  # noqa: E402
-import lowbit  # noqa: E402
-import topk  # noqa: E402
-import transfer  # noqa: E402
-from siblings.attn_views import ViewKV  # noqa: E402
-from config import CacheConfig  # noqa: E402
+import prefetch  # noqa: E402
+from config import DEFAULT_ATTN_PATH, CacheConfig  # noqa: E402
 from generate import Decoding, Steps, compile_step, decode_step  # noqa: E402
+from gpu import attention, topk, transfer  # noqa: E402
 from methods import setup_caches  # noqa: E402
+from siblings import attn_views  # noqa: E402
+from siblings.attn_views import ViewKV  # noqa: E402
 from tests.helpers import DEFAULT_CKPT, run_generate, tiny_model  # noqa: E402
 from tests.test_attn_gluon import model_rounding_error  # noqa: E402
-from tests.test_kernels import (CASES, assert_same_selection, assert_same_topk, logits_written, make_case, rows,  # noqa: E402
-                                tol, triton_attention)
+from tests.test_kernels import (CASES, assert_same_selection, assert_same_topk, logits_written, make_case, rows, tol,  # noqa: E402
+                                triton_attention)
 
 DEV = torch.device(DEVICE)
 
@@ -53,7 +52,7 @@ def on(x, device=DEV, float_dtype=None):
 
 
 # ---- kernels -------------------------------------------------------------------------------------
-# attn_path None: the launcher's default (lowbit.DEFAULT_ATTN_PATH: Gluon where the launch fits it, else words;
+# attn_path None: the launcher's default (DEFAULT_ATTN_PATH: Gluon where the launch fits it, else words;
 # the custom op as the decode step calls it on a GPU); "planes": the Triton bit-plane path wherever the layout
 # allows it.
 @pytest.mark.parametrize("attn_path", [None, "planes"])
@@ -61,7 +60,7 @@ def on(x, device=DEV, float_dtype=None):
 def test_attention_kernel_matches_the_reference(case, attn_path):
     c = make_case(**CASES[case])
     view = isinstance(c.store, ViewKV)  # a sibling's store: its own kernel (attn_views), one path
-    if attn_path and (view or not lowbit.planes_fit(c.store, c.q.shape[-1], rows(c))):
+    if attn_path and (view or not attention.planes_fit(c.store, c.q.shape[-1], rows(c))):
         pytest.skip("the bit-plane path does not take this layout")
     want = kernels.attention_lowbit_ref(*c.args())  # on CPU: the reference path
     if not ON_GPU:
@@ -70,7 +69,7 @@ def test_attention_kernel_matches_the_reference(case, attn_path):
         attend = attn_views.attention_views if view else kernels.attention_lowbit
         got = attend(on(c.q), on(c.store), on(c.residual), on(c.fetched), c.sm_scale)
     else:
-        got = kernels.attention_lowbit_triton(*on(c).args(), attn_path=attn_path)
+        got = attention.attention_lowbit_triton(*on(c).args(), attn_path=attn_path)
     torch.testing.assert_close(got[0].cpu(), want[0], **tol(want[0].dtype, 1e-5))
     torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-5 if c.q.dtype == torch.float32 else 2e-2,
                                rtol=1e-5 if c.q.dtype == torch.float32 else 2e-2)
@@ -95,7 +94,7 @@ def test_gluon_plane_kernel_matches_the_reference(case):
     M = c.q.shape[1] // c.store.k_codes.shape[1] * c.q.shape[2]
     assert attn_gluon.fits(c.store, c.q.shape[-1], M, c.q.dtype)
     want = kernels.attention_lowbit_ref(*c.args())
-    got = kernels.attention_lowbit_triton(*on(c).args(), attn_path="gluon")
+    got = attention.attention_lowbit_triton(*on(c).args(), attn_path="gluon")
     # the 16-bit tolerance plus what the kernel's own rounding (q * scale once to bf16/fp16) moves by
     # design: 0.048 in the bf16 G8-T2 case, which failed the bare tolerance on an H100 (2026-11-26)
     t = tol(want[0].dtype, 1e-5)
@@ -119,7 +118,7 @@ def test_attention_kernel_at_llama8b_shapes(bits, attn_path):
     c = llama_case(bits, S)
     dc = on(c)
     want = kernels.attention_lowbit_ref(*dc.args(), select=1)  # the reference, on the same device
-    got = kernels.attention_lowbit_triton(*dc.args(), attn_path=attn_path, select=1)
+    got = attention.attention_lowbit_triton(*dc.args(), attn_path=attn_path, select=1)
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=2e-3)
     w = logits_written(c).to(DEV)
@@ -134,28 +133,28 @@ def test_attention_kernel_at_llama8b_shapes(bits, attn_path):
 def test_fused_selection_matches_the_reference(bits, S, dtype, attn_path):
     """The attention's logits and the one-launch selection (with the ring's record) at up to 32k positions: the
     rows the separate top-k over the codes picks (near-ties aside), exactly the rows select_ref picks from the
-    same logits, and the ring layout of transfer.record_rows."""
+    same logits, and the ring layout of prefetch.record_rows."""
     S = S or (32768 if ON_GPU else 1024)
     if attn_path == "gluon" and (not ON_GPU or dtype == torch.float32):
         pytest.skip("Gluon kernels take 16-bit launches on a GPU only")
     c = make_case(B=1, Hkv=8 if S > 256 else 2, G=4, T=1, D=128, S=S, n_quant=S - 64, R=66, res_len=40, bits=bits,
                   gk=64, gv=64, fetch=64, dtype=dtype)
     dc = on(c)
-    if attn_path == "planes" and not lowbit.planes_fit(dc.store, 128, 4):
+    if attn_path == "planes" and not attention.planes_fit(dc.store, 128, 4):
         pytest.skip("the bit-plane path does not take this layout")
-    _, lse, logits = kernels.attention_lowbit_triton(*dc.args(), attn_path=attn_path, select=1)
+    _, lse, logits = attention.attention_lowbit_triton(*dc.args(), attn_path=attn_path, select=1)
     Hkv = dc.store.k_codes.shape[1]
     ring = [torch.full((1, Hkv, 4 + 64), -1, device=DEV), torch.zeros(1, Hkv, 4 + 64, dtype=torch.bool, device=DEV)]
     want_ring = [t.clone() for t in ring]
     slot_rows = torch.empty(1, Hkv, 64, dtype=torch.long, device=DEV)
     got = topk.select_triton(logits, lse, dc.store.n_quant, 64, 4, record=(*ring, 4, slot_rows))
-    want = topk.select_ref(logits, lse, dc.store.n_quant, 64, 4)
+    want = kernels.select_ref(logits, lse, dc.store.n_quant, 64, 4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(slot_rows, transfer.record_rows(*want, *want_ring, 4)) and torch.equal(ring[0], want_ring[0])
+    assert torch.equal(slot_rows, prefetch.record_rows(*want, *want_ring, 4)) and torch.equal(ring[0], want_ring[0])
     # the reference in fp32 over the same (16-bit) values: a bf16 reference rounds the dequantized keys
     # and the logits to 8 bits, and at 32k positions near-ties around the k-th then swap (seen on an H100)
     c32 = on(c, float_dtype=torch.float32)
-    score, pos = topk.topk_lowbit_ref(c32.q[:, :, 0], lse[:, :, 0].float(), c32.store, S, c32.sm_scale, c32.fetched, 4)
+    score, pos = kernels.topk_lowbit_ref(c32.q[:, :, 0], lse[:, :, 0].float(), c32.store, S, c32.sm_scale, c32.fetched, 4)
     by_pos = torch.full_like(score, -1.0).scatter_reduce(-1, pos, score, "amax")
     assert_same_selection([x.cpu() for x in got], by_pos.cpu(), 64, rtol=1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -188,7 +187,7 @@ def test_selection_race_across_launches_and_graph_replays(B, Hkv, S, k):
     length = topk.slices(S, k)[0]
     want = []
     for logits, nq in inputs:
-        ref = topk.select_ref(logits, lse, nq, k, first=4)
+        ref = kernels.select_ref(logits, lse, nq, k, first=4)
         other = topk.select_triton(logits, lse, nq, k, first=4, slice_len=max(16, length // 4))
         assert torch.equal(other[0], ref[0]) and torch.equal(other[1], ref[1])
         want.append(ref)
@@ -233,7 +232,9 @@ def write_random_checkpoint(out, n_layers=2, max_seq_len=4096):
     tokenizer.py's Llama-3 specials): generate.py runs it where no real model is on disk."""
     import base64
     from dataclasses import asdict
+
     from safetensors.torch import save_file
+
     from model import ModelArgs, Transformer, random_weights
     (out / "tokenizer.model").write_bytes(b"".join(base64.b64encode(bytes([i])) + b" %d\n" % i for i in range(256)))
     args = ModelArgs(name="random-small", dim=512, n_layers=n_layers, n_heads=8, n_kv_heads=2, vocab_size=512,
@@ -286,9 +287,9 @@ def test_transfer_from_pinned_host_memory_is_exact(with_new):
     pos = torch.tensor(77) if with_new else None
     want_host = [h.clone() for h in host]
     want_ring = [torch.zeros(2, 8, 64, 128, dtype=torch.bfloat16) for _ in range(2)]
-    transfer.transfer_rows_ref(*want_host, *want_ring, idx, *new, pos)
+    prefetch.transfer_rows_ref(*want_host, *want_ring, idx, *new, pos)
     ring = [torch.zeros(2, 8, 64, 128, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
-    (transfer.transfer_rows if ON_GPU else transfer.transfer_rows_triton)(*host, *ring, on(idx), *on(tuple(new)), on(pos))
+    transfer.transfer_rows_triton(*host, *ring, on(idx), *on(tuple(new)), on(pos))
     if ON_GPU:
         torch.cuda.synchronize()
     for a, b in zip(ring + host, want_ring + want_host):
@@ -315,12 +316,12 @@ def test_rerank_from_pinned_host_memory_keeps_the_best_candidates(R):
     pos, sm = torch.tensor(77), D ** -0.5
     keys = host[0].gather(2, cand[..., None].expand(-1, -1, -1, D))
     keys[0, 0, 3] = new[0][0, 0, 0]
-    score = torch.where(valid, lowbit.fp_row_scores(q, lse, keys, sm), -1.0)  # every candidate's exact score
+    score = torch.where(valid, kernels.fp_row_scores(q, lse, keys, sm), -1.0)  # every candidate's exact score
     want = score.topk(K, dim=-1)
     fetch = [torch.zeros(B, Hkv, off + K, D, dtype=torch.bfloat16, device=DEV) for _ in range(2)] + \
             [torch.full((B, Hkv, off + K), -1, device=DEV), torch.zeros(B, Hkv, off + K, dtype=torch.bool, device=DEV)]
     pinned = [h.pin_memory() for h in host] if ON_GPU else [h.clone() for h in host]
-    (transfer.rerank_rows if ON_GPU else transfer.rerank_rows_triton)(
+    transfer.rerank_rows_triton(
         *pinned, *fetch, on(cand), on(valid), on(q), on(lse), sm, *on(tuple(new)), on(pos), ring_off=off)
     if ON_GPU:
         torch.cuda.synchronize()
@@ -428,6 +429,7 @@ def test_hf_adapter_compiled_step_equals_eager_with_one_graph(family, cache):
         pytest.skip(str(e))
     import torch._dynamo
     from torch._dynamo.utils import counters
+
     from tests.test_hf import adapter, prompt, tiny, tiny_gemma3
     model, ids = (tiny("llama") if family == "llama" else tiny_gemma3()).to(DEV), prompt().to(DEV)
     eager = adapter(model, ids, cache)
@@ -447,6 +449,7 @@ def test_default_model_generate_compile(cache, capsys):
     if not ON_GPU:
         pytest.skip("the compiled 30-layer model is a GPU check (on CPU: tests/test_default_model.py, slow)")
     import torch._dynamo
+
     from generate import main
     torch._dynamo.reset()
     main(["--checkpoint", str(DEFAULT_CKPT), "--prompt", "What is the capital of France?", "--chat", "--compile",
@@ -472,6 +475,7 @@ def test_quantspec_compiled_rounds_equal_target_decoding():
     """Greedy QuantSpec with compiled draft/verify/commit steps (CUDA graphs) gives the target's own
     tokens (gamma 0, eager), over many rounds with rollbacks and INT8 flushes."""
     import torch._dynamo
+
     from siblings import quantspec
     model = tiny_model(n_layers=2, max_seq_len=512).to(DEV)
     prompt = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(5)).to(DEV)

@@ -18,19 +18,16 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
-import lowbit  # noqa: E402
-from gpu import tiles  # noqa: E402
 import quant  # noqa: E402
-from siblings import zipcache  # noqa: E402
-from siblings import quantspec  # noqa: E402
-import topk  # noqa: E402
-import transfer  # noqa: E402
+from config import DEFAULT_ATTN_PATH, check_attn_path  # noqa: E402
+from gpu import attention, tiles, topk, transfer  # noqa: E402
+from quant import Fetched, LowBitKV, Residual  # noqa: E402
+from siblings import quantspec, zipcache  # noqa: E402
 from siblings.attn_views import ViewKV, attention_views_triton  # noqa: E402
-from lowbit import Fetched, LowBitKV, Residual  # noqa: E402
 from tests.helpers import planes_where_they_fit  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INTERPRETED = type(kernels._attn_words_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = type(attention._attn_words_kernel).__name__ == "InterpretedFunction"
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="kernels imported before TRITON_INTERPRET=1 "
                                        "(covered by test_kernels_interpreted_in_fresh_process)")
 
@@ -52,7 +49,7 @@ def triton_attention(c: "Case", **kw):
     if isinstance(c.store, ViewKV):
         kw.pop("attn_path", None)
         return attention_views_triton(*c.args(), **kw)
-    return kernels.attention_lowbit_triton(*c.args(), **kw)
+    return attention.attention_lowbit_triton(*c.args(), **kw)
 
 
 def rows(c: Case) -> int:
@@ -134,7 +131,7 @@ def dense_attention(c: Case):
     Hkv, S = c.store.k_codes.shape[1], c.store.k_codes.shape[2]
     keys, vals = c.store.dequantized()
     keep = torch.arange(S) < c.store.n_quant
-    replaced = lowbit.replaced_mask(c.fetched, S) if c.fetched is not None else None
+    replaced = kernels.replaced_mask(c.fetched, S) if c.fetched is not None else None
     out, lse = torch.zeros(B, H, T, D), torch.zeros(B, H, T)
     for b in range(B):
         for h in range(H):
@@ -240,7 +237,7 @@ def dense_topk_scores(t: TopkCase):
                                               (3, 32, False, 64)])
 def test_topk_reference_matches_dense(G, n_quant, hier, k):
     t = topk_inputs(G=G, n_quant=n_quant, hier=hier, S=128, k=k)
-    score, idx = topk.topk_lowbit_ref(*t)
+    score, idx = kernels.topk_lowbit_ref(*t)
     dense = dense_topk_scores(t)
     torch.testing.assert_close(score, dense.topk(k, -1).values, atol=1e-6, rtol=1e-5)
     valid = score >= 0
@@ -254,7 +251,7 @@ def test_topk_reference_matches_dense(G, n_quant, hier, k):
 @pytest.mark.parametrize("bits,mixed", [(2, (4, 13)), (1, (2, 8))])
 def test_topk_mixed_precision_reference_matches_dense(bits, mixed):
     t = topk_inputs(G=3, n_quant=96, S=128, k=16, bits=bits, mixed=mixed)
-    score, idx = topk.topk_lowbit_ref(*t)
+    score, idx = kernels.topk_lowbit_ref(*t)
     dense = dense_topk_scores(t)
     torch.testing.assert_close(score, dense.topk(16, -1).values, atol=1e-6, rtol=1e-5)
 
@@ -302,7 +299,7 @@ def test_topk_fetched_rows_score_exactly():
     the score is the fp row's probability, elsewhere the low-bit one."""
     t = topk_inputs(G=3, n_quant=96, S=128, k=96)  # k = n_quant: every slot valid
     f = fetched_rows(t)
-    score, idx = topk.topk_lowbit_ref(*t, f)
+    score, idx = kernels.topk_lowbit_ref(*t, f)
     dense = dense_topk_scores(t)
     B, Hkv = dense.shape[:2]
     G = t.q_row.shape[1] // Hkv
@@ -327,12 +324,12 @@ def test_topk_of_two_tokens_is_the_best_of_each_and_first_is_excluded():
     """Union selection: a position scores the larger of the two tokens' probabilities; positions
     below `first` (attention sinks, kept in fp16) are never candidates."""
     c, lse = two_row_inputs()
-    one = [topk.topk_lowbit_ref(c.q[:, :, r], lse[:, :, r], c.store, 96, c.sm_scale) for r in (0, 1)]
+    one = [kernels.topk_lowbit_ref(c.q[:, :, r], lse[:, :, r], c.store, 96, c.sm_scale) for r in (0, 1)]
     by_pos = [torch.full((1, 2, 128), -1.0).scatter(2, i, s) for s, i in one]
     want = torch.maximum(*by_pos)
-    score, idx = topk.topk_lowbit_ref(c.q, lse, c.store, 96, c.sm_scale)
+    score, idx = kernels.topk_lowbit_ref(c.q, lse, c.store, 96, c.sm_scale)
     torch.testing.assert_close(torch.full((1, 2, 128), -1.0).scatter(2, idx, score), want)
-    score, idx = topk.topk_lowbit_ref(c.q, lse, c.store, 16, c.sm_scale, first=32)
+    score, idx = kernels.topk_lowbit_ref(c.q, lse, c.store, 16, c.sm_scale, first=32)
     assert (idx >= 32).all()
     torch.testing.assert_close(score, want[..., 32:].topk(16, -1).values)
 
@@ -341,7 +338,7 @@ def test_topk_exact_is_the_reference_on_full_precision_keys():
     """The oracle's exact top-k equals topk_lowbit_ref over an 8-bit-free 'store' of the same keys."""
     t = topk_inputs(G=3, n_quant=96, S=128, k=16)
     keys = t.store.dequantized()[0]
-    score, idx = topk.topk_exact(t.q_row, keys, t.store.n_quant, 16, t.sm_scale)
+    score, idx = kernels.topk_exact(t.q_row, keys, t.store.n_quant, 16, t.sm_scale)
     logits = torch.einsum("bhgd,bhsd->bhgs", t.q_row.view(1, 2, 3, -1), keys) * t.sm_scale
     logits[..., 96:] = float("-inf")
     want = torch.softmax(logits, -1).sum(2).topk(16, -1)
@@ -384,7 +381,7 @@ def test_triton_attention_word_path_matches_reference(case):
     """The word-unpacking path (the default, and what caches the bit-plane path does not take use) on
     cases the bit-plane path also takes."""
     c = make_case(**CASES[case])
-    assert lowbit.planes_fit(c.store, c.q.shape[-1], rows(c))
+    assert attention.planes_fit(c.store, c.q.shape[-1], rows(c))
     want = kernels.attention_lowbit_ref(*c.args())
     got = triton_attention(c, attn_path="words")
     torch.testing.assert_close(got[0], want[0], **tol(want[0].dtype, 1e-4))
@@ -396,13 +393,13 @@ def test_bit_plane_path_takes_plain_codes_only():
     LowBitKV at all and its cache refuses any path but words."""
     d48, many = make_case(**CASES["B2-D48-4bit"]), make_case(G=4, T=8, gv=32)  # D 48; 32 query rows x 2 groups
     for c in (d48, many):
-        assert not lowbit.planes_fit(c.store, c.q.shape[-1], rows(c))
+        assert not attention.planes_fit(c.store, c.q.shape[-1], rows(c))
         with pytest.raises(ValueError, match="planes attention path does not take this cache layout"):
-            kernels.attention_lowbit_triton(*c.args(), attn_path="planes")
+            attention.attention_lowbit_triton(*c.args(), attn_path="planes")
     plain = make_case(**CASES["G1-T2-gk64-gv32"])  # two value groups: two row copies of 2 query rows
-    assert kernels._planes_layout(plain.store, 64, 2, torch.float32) == (2, 16, 0, 0.0)
-    assert kernels._planes_layout(plain.store, 64, 2, torch.float16)[2:] == (1, 1024.0)  # (interpreted)
-    assert not lowbit.planes_fit(plain.store, 64, 32)  # 64 tile rows
+    assert attention._planes_layout(plain.store, 64, 2, torch.float32) == (2, 16, 0, 0.0)
+    assert attention._planes_layout(plain.store, 64, 2, torch.float16)[2:] == (1, 1024.0)  # (interpreted)
+    assert not attention.planes_fit(plain.store, 64, 32)  # 64 tile rows
     for case in ("G3-T8-hier-fetch", "G1-T1-mixed-1/2"):
         assert isinstance(make_case(**CASES[case]).store, ViewKV)
 
@@ -412,17 +409,17 @@ def test_the_default_attention_path_is_gluon_where_it_fits_else_words():
     interpreter and in fp32 it is the word path (what the CPU tests check); the plane and Gluon paths are taken
     by name, unknown names and Gluon under the interpreter stop."""
     plain = make_case(**CASES["G1-T2-gk64-gv32"])
-    assert lowbit.DEFAULT_ATTN_PATH == "auto" and lowbit.check_attn_path(None) == "auto"
+    assert DEFAULT_ATTN_PATH == "auto" and check_attn_path(None) == "auto"
     M = rows(plain)
-    assert kernels.launch_path("auto", plain.q, plain.store, M) == "words"
-    assert kernels.launch_path("auto", plain.q.bfloat16(), plain.store, M) == "words"  # (interpreted)
-    assert kernels.launch_path("planes", plain.q, plain.store, M) == "planes"
-    words = kernels.attention_lowbit_triton(*plain.args(), attn_path="words")
-    assert all(torch.equal(a, b) for a, b in zip(kernels.attention_lowbit_triton(*plain.args()), words))
+    assert attention.launch_path("auto", plain.q, plain.store, M) == "words"
+    assert attention.launch_path("auto", plain.q.bfloat16(), plain.store, M) == "words"  # (interpreted)
+    assert attention.launch_path("planes", plain.q, plain.store, M) == "planes"
+    words = attention.attention_lowbit_triton(*plain.args(), attn_path="words")
+    assert all(torch.equal(a, b) for a, b in zip(attention.attention_lowbit_triton(*plain.args()), words))
     with pytest.raises(ValueError, match="unknown attention path 'tiles'"):
-        kernels.attention_lowbit_triton(*plain.args(), attn_path="tiles")
+        attention.attention_lowbit_triton(*plain.args(), attn_path="tiles")
     with pytest.raises(ValueError, match="Gluon path"):
-        kernels.attention_lowbit_triton(*plain.args(), attn_path="gluon")
+        attention.attention_lowbit_triton(*plain.args(), attn_path="gluon")
     from config import ATTN_PATHS, CacheConfig
     assert ATTN_PATHS == ("words", "planes", "gluon") and CacheConfig.from_name("specache").attn_path is None
     with pytest.raises(ValueError, match="unknown attention path 'tiles'"):
@@ -533,10 +530,10 @@ def test_fused_selection_equals_the_separate_topk(G, T, n_quant, kw, k, first):
     path = planes_where_they_fit(c.store, c.q.shape[-1], rows(c))
     _, lse, logits = triton_attention(c, attn_path=path, select=T)
     got = topk.select_triton(logits, lse, c.store.n_quant, k, first, slice_len=64)
-    ref = topk.select_ref(logits, lse, c.store.n_quant, k, first)
+    ref = kernels.select_ref(logits, lse, c.store.n_quant, k, first)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     S = c.store.k_codes.shape[2]
-    score, pos = topk.topk_lowbit_ref(c.q.float(), lse, c.store, S, c.sm_scale, c.fetched, first)
+    score, pos = kernels.topk_lowbit_ref(c.q.float(), lse, c.store, S, c.sm_scale, c.fetched, first)
     by_pos = torch.full_like(score, -1.0).scatter_reduce(-1, pos, score, "amax")  # (non-candidates: -1 at 0)
     assert_same_selection(got, by_pos, k, rtol=1e-5 if c.q.dtype == torch.float32 else 2e-2)
 
@@ -546,7 +543,7 @@ def test_triton_custom_ops_opcheck():
     """Schema, fake (meta) kernels and the real launch agree (run on CPU through the interpreter), with and
     without the selection's logits."""
     c = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
-    tensors, ints, optional = lowbit.op_inputs(c.store, c.residual, c.fetched)
+    tensors, ints, optional = kernels.op_inputs(c.store, c.residual, c.fetched)
     got = kernels._attention_lowbit_op(c.q, list(tensors), list(ints), list(optional), c.sm_scale, "words")
     torch.testing.assert_close(got[:2], kernels.attention_lowbit_ref(*c.args()), atol=1e-4, rtol=1e-4)
     tests = ("test_schema", "test_faketensor")
@@ -562,7 +559,7 @@ def test_views_custom_op_opcheck():
     from siblings import attn_views
     for kw in (dict(bits=2, mixed=(4, 13), zip=True, fetch=8), dict(hier=True, fetch=4)):
         c = make_case(G=3, T=2, S=128, n_quant=64, **kw)
-        tensors, ints, optional = lowbit.op_inputs(c.store.kv, c.residual, c.fetched)
+        tensors, ints, optional = kernels.op_inputs(c.store.kv, c.residual, c.fetched)
         s = c.store
         args = (c.q, list(tensors), list(ints), list(optional), [s.k_codes_lo, s.v_codes_lo, s.v_chan, s.k_ref, s.v_ref,
                 s.ref_map], [s.ref_bits, s.n_ref], c.sm_scale)
@@ -582,7 +579,7 @@ def test_triton_attention_op_fake_has_the_real_strides():
     c = make_case(G=3, T=2, S=128, n_quant=64)
     q = c.q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B,T,H,D] memory
     assert not q.is_contiguous()
-    tensors, ints, optional = lowbit.op_inputs(c.store, c.residual, c.fetched)
+    tensors, ints, optional = kernels.op_inputs(c.store, c.residual, c.fetched)
     real = kernels._attention_lowbit_op(q, list(tensors), list(ints), list(optional), c.sm_scale, "words")
     with FakeTensorMode() as mode:
         fake_in = [mode.from_tensor(x) for x in tensors]
@@ -603,9 +600,9 @@ def test_kernels_interpreted_in_fresh_process():
 # ---- torch.compile (CPU path: the references inline) ----------------------------------------------
 def decode_step(c: Case, k: int):
     out, lse, logits = kernels.attention_lowbit(*c.args(), select=1)
-    idx, valid = topk.select_ref(logits, lse[:, :, -1:], c.store.n_quant, k)
+    idx, valid = kernels.select_ref(logits, lse[:, :, -1:], c.store.n_quant, k)
     ring_k, ring_v = (torch.empty(*idx.shape, c.residual.k.shape[3]) for _ in range(2))
-    transfer.transfer_rows(c.residual.k, c.residual.v, ring_k, ring_v, torch.remainder(idx, c.residual.length))
+    prefetch.transfer_rows_ref(c.residual.k, c.residual.v, ring_k, ring_v, torch.remainder(idx, c.residual.length), None, None, None)
     return out, lse, valid, idx, ring_k
 
 

@@ -1,21 +1,19 @@
 """prefetch.py: the CPU path, and the CUDA ordering logic run against fake streams whose copies
 really are delayed (a worker thread), so a missing wait would read a stale ring."""
+import os
 import threading
 import time
-
-import os
 
 import pytest
 import torch
 
 import prefetch
-import topk
-import transfer
 from cache import LowBitCache, SpeCache
 from config import CacheConfig
 from generate import decode_step
+from gpu import topk, transfer
+from kernels import Picked
 from prefetch import Prefetcher
-from topk import Picked
 from tests.helpers import run_generate, setup, tiny_model
 
 needs_interpreter = pytest.mark.skipif(type(transfer._transfer_rows_kernel).__name__ != "InterpretedFunction",
@@ -167,7 +165,7 @@ def test_triton_transfer_matches_reference(with_idx, with_new, programs):
     ring = [torch.randn(2, 3, 8, 40, generator=g) for _ in range(2)]
     ref = [[h.clone() for h in host], [r.clone() for r in ring]]
     tri = [[h.clone() for h in host], [r.clone() for r in ring]]
-    transfer.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos)
+    prefetch.transfer_rows_ref(*ref[0], *ref[1], idx, *new, pos)
     transfer.transfer_rows_triton(*tri[0], *tri[1], idx, *new, pos, programs=programs)
     for a, b in zip(ref[0] + ref[1], tri[0] + tri[1]):
         assert torch.equal(a, b)
@@ -187,7 +185,7 @@ def test_the_sinks_launch_is_keep_sink_rows(row0, starts):
             torch.rand(2, 3, 12, generator=g) > 0.5]
     want, before = [t.clone() for t in bufs], [t.clone() for t in bufs]
     row0, starts = torch.tensor(row0), torch.tensor(starts)
-    transfer.keep_sink_rows(want, res_k[:, :, :32], res_v[:, :, :32], row0, 4, starts)
+    prefetch.keep_sink_rows(want, res_k[:, :, :32], res_v[:, :, :32], row0, 4, starts)
     transfer.keep_sinks_triton(bufs, res_k[:, :, :32], res_v[:, :, :32], row0, 4, starts)
     assert all(torch.equal(a, b) for a, b in zip(bufs, want))
     for b in range(2):  # sink i of row b: slot starts[b] + i, row starts[b] + i - row0 of the block when it is in it
@@ -206,11 +204,11 @@ def test_record_rows_keeps_held_rows_in_place():
     fetch_valid = torch.tensor([[[True, True, True, True, False, True, True]]])
     idx = torch.tensor([[[7, 2, 8, 5, 4]]])  # 7 and 5 are held; 8 sits in a slot marked invalid
     valid = torch.tensor([[[True, True, True, True, False]]])
-    rows = transfer.record_rows(idx, valid, fetch_idx, fetch_valid, 2)
+    rows = prefetch.record_rows(idx, valid, fetch_idx, fetch_valid, 2)
     assert rows.tolist() == [[[-1, 2, 8, -1, -1]]]  # slot 2 (5) and 6 (7) kept; 2 and 8 into slots 3 and 4
     assert fetch_idx.tolist() == [[[9, 9, 5, 2, 8, 0, 7]]]
     assert fetch_valid.tolist() == [[[True, True, True, True, True, False, True]]]
-    again = transfer.record_rows(idx, valid, fetch_idx, fetch_valid, 2)  # the same selection: nothing to copy
+    again = prefetch.record_rows(idx, valid, fetch_idx, fetch_valid, 2)  # the same selection: nothing to copy
     assert (again == -1).all() and fetch_idx.tolist() == [[[9, 9, 5, 2, 8, 0, 7]]]
 
 
@@ -311,7 +309,7 @@ def test_triton_rerank_matches_reference(with_new, R, off):
     if with_new:  # the token's candidate wins its kv head: its key and value must come from new_k/new_v
         new[0][1, 2, 0] = 3 * q[1, 2 * G, 0]
     outs = []
-    for fn in (transfer.rerank_rows_ref, transfer.rerank_rows_triton):
+    for fn in (prefetch.rerank_rows_ref, transfer.rerank_rows_triton):
         hk, hv = (h.clone() for h in host)
         bufs = [torch.zeros(B, Hkv, off + K, D), torch.zeros(B, Hkv, off + K, D),
                 torch.full((B, Hkv, off + K), -1), torch.zeros(B, Hkv, off + K, dtype=torch.bool)]
@@ -330,7 +328,7 @@ def test_triton_rerank_matches_reference(with_new, R, off):
         first = [t.clone() for t in outs[0]]
         cand2 = torch.where(torch.arange(C) % 2 == 0, cand.roll(1, -1), (cand + 1) % S)
         q2 = q + 0.5 * torch.randn(q.shape, generator=g)
-        for fn, (hk, hv, *bufs) in zip((transfer.rerank_rows_ref, transfer.rerank_rows_triton), outs):
+        for fn, (hk, hv, *bufs) in zip((prefetch.rerank_rows_ref, transfer.rerank_rows_triton), outs):
             fn(hk, hv, *bufs, cand2, valid, q2, lse, 0.2, ring_off=off)
         assert torch.equal(ref_ok, tri_ok) and torch.equal(ref_idx, tri_idx)
         assert torch.equal(ref_k[ref_ok], tri_k[tri_ok]) and torch.equal(ref_v[ref_ok], tri_v[tri_ok])
@@ -354,7 +352,7 @@ def test_one_selecting_token_staged_for_two_then_reranked():
     assert torch.equal(s_q[:, :, 0], q1[:, :, 0]) and torch.equal(s_q[:, :, 1], q1[:, :, 0])
     host = [torch.randn(B, Hkv, S, D, generator=g) for _ in range(2)]
     picked_rows = []
-    for q_rows, lse_rows, fn in ((s_q, s_lse, transfer.rerank_rows_triton), (q1, lse1, transfer.rerank_rows_ref)):
+    for q_rows, lse_rows, fn in ((s_q, s_lse, transfer.rerank_rows_triton), (q1, lse1, prefetch.rerank_rows_ref)):
         bufs = [torch.zeros(B, Hkv, K, D), torch.zeros(B, Hkv, K, D), torch.full((B, Hkv, K), -1),
                 torch.zeros(B, Hkv, K, dtype=torch.bool)]
         fn(*host, *bufs, *cand, q_rows, lse_rows, 0.2)

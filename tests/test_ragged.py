@@ -10,11 +10,10 @@ import torch
 
 import generate
 import kernels
-import lowbit
+import prefetch
 import quant
-import topk
-import transfer
 from config import CacheConfig
+from gpu import attention, topk
 from methods import setup_caches
 from tests.helpers import require_default_checkpoint, tiny_model
 from tests.test_kernels import Case, logits_written, make_case, needs_interpreter, planes_where_they_fit, rows
@@ -49,7 +48,7 @@ def dense(c: Case):
     Hkv, S = c.store.k_codes.shape[1], c.store.k_codes.shape[2]
     G, nq = H // Hkv, int(c.store.n_quant)
     keys, vals = c.store.dequantized()
-    replaced = lowbit.replaced_mask(c.fetched, S) if c.fetched is not None else torch.zeros(B, Hkv, S, dtype=torch.bool)
+    replaced = kernels.replaced_mask(c.fetched, S) if c.fetched is not None else torch.zeros(B, Hkv, S, dtype=torch.bool)
     out = torch.zeros(B, H, T, D)
     for b in range(B):
         start = int(c.store.row_start[b])
@@ -93,7 +92,7 @@ def test_the_kernels_attend_from_each_rows_start(fetch, bits):
     c = ragged(make_case(B=3, fetch=fetch, bits=bits, seed=3), STARTS)
     want = kernels.attention_lowbit_ref(*c.args(), select=2)
     for path in {"words", planes_where_they_fit(c.store, c.q.shape[-1], rows(c))}:
-        got = kernels.attention_lowbit_triton(*c.args(), attn_path=path, select=2)
+        got = attention.attention_lowbit_triton(*c.args(), attn_path=path, select=2)
         torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
         w = logits_written(c)
@@ -114,7 +113,7 @@ def test_the_selection_never_picks_padding(first):
     lse = torch.zeros(B, Hkv * 2, 1)
     starts = torch.tensor([0, 300, 900])
     got = topk.select_triton(logits, lse, torch.tensor(800), k, first, row_start=starts, slice_len=64)
-    want = topk.select_ref(logits, lse, torch.tensor(800), k, first, row_start=starts)
+    want = kernels.select_ref(logits, lse, torch.tensor(800), k, first, row_start=starts)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for b in range(B):
         assert (got[0][b][got[1][b]] >= int(starts[b]) + first).all()
@@ -124,7 +123,7 @@ def test_the_selection_never_picks_padding(first):
 @needs_interpreter
 def test_rows_that_keep_their_ring():
     """A resync's pre-decoding fetches again only for the rows whose guess was wrong: with keep_rows, the
-    launch lays out their ring as transfer.held_selection + record_rows do (no row moves: slot_rows -1)."""
+    launch lays out their ring as prefetch.held_selection + record_rows do (no row moves: slot_rows -1)."""
     g = torch.Generator().manual_seed(5)
     B, Hkv, S, k, off = 3, 2, 512, 8, 4
     lse = torch.zeros(B, Hkv * 2, 1)
@@ -134,9 +133,9 @@ def test_rows_that_keep_their_ring():
     for step in range(3):
         logits = torch.randn(B, Hkv, 2, S, generator=g) * 3
         keep_now = keep if step else torch.zeros(B, dtype=torch.bool)  # (the first fills every ring)
-        idx, valid = topk.select_ref(logits, lse, torch.tensor(400), k, off)
-        idx, valid = transfer.held_selection(idx, valid, *want_ring, off, keep_now)
-        rows = transfer.record_rows(idx, valid, *want_ring, off)
+        idx, valid = kernels.select_ref(logits, lse, torch.tensor(400), k, off)
+        idx, valid = prefetch.held_selection(idx, valid, *want_ring, off, keep_now)
+        rows = prefetch.record_rows(idx, valid, *want_ring, off)
         slot_rows = torch.empty(B, Hkv, k, dtype=torch.long)
         held = [t.clone() for t in ring]
         topk.select_triton(logits, lse, torch.tensor(400), k, off, record=(*ring, off, slot_rows),

@@ -1,14 +1,15 @@
 """topk.py's one-launch selection (interpreted on CPU): the radix rounds over hand-made scores (ties,
 scores that differ only in their lowest bits, fewer candidates than k) pick exactly what select_ref
-picks, which is torch.topk's set; the ring layout it writes is transfer.record_rows'; and the
+picks, which is torch.topk's set; the ring layout it writes is prefetch.record_rows'; and the
 selections every policy makes in a real generation replay to the same rows."""
 import math
 
 import pytest
 import torch
 
-import topk
-import transfer
+import kernels
+import prefetch
+from gpu import topk
 from prefetch import Prefetcher
 from tests.helpers import tiny_model
 from tests.test_kernels import needs_interpreter
@@ -37,9 +38,9 @@ def test_radix_selection_equals_the_reference_and_torch_topk(kind, k):
     logits = torch.stack([logits_for(kind, n, seed) for seed in range(3)]).view(1, 3, 1, n)
     lse = torch.zeros(1, 3, 1)
     got = topk.select_triton(logits, lse, torch.tensor(n), k, slice_len=64)
-    want = topk.select_ref(logits, lse, torch.tensor(n), k)
+    want = kernels.select_ref(logits, lse, torch.tensor(n), k)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[1].all()
-    score = topk.selection_scores(logits, lse)
+    score = kernels.selection_scores(logits, lse)
     torch.testing.assert_close(score.gather(-1, got[0]).sort(-1, descending=True).values, score.topk(k, -1).values,
                                atol=0, rtol=0)
     assert all(len(set(row.tolist())) == k for row in got[0].flatten(0, 1))
@@ -60,7 +61,7 @@ def test_the_slices_candidates_hold_the_heads_top_k(kind):
     lse = torch.zeros(1, 2, 1)
     counters = topk.select_counters(1, 2, logits.device)
     got = topk.select_triton(logits, lse, torch.tensor(n - 5), k, first=3, counters=counters, slice_len=64)
-    want = topk.select_ref(logits, lse, torch.tensor(n - 5), k, first=3)
+    want = kernels.select_ref(logits, lse, torch.tensor(n - 5), k, first=3)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert not counters.any()
 
@@ -76,12 +77,12 @@ def test_slices_past_the_quantized_length_and_a_counter_left_non_zero():
     lse = torch.zeros(1, 2, 1)
     for n_quant in (n, 700):
         got = topk.select_triton(logits, lse, torch.tensor(n_quant), k, slice_len=64)
-        want = topk.select_ref(logits, lse, torch.tensor(n_quant), k)
+        want = kernels.select_ref(logits, lse, torch.tensor(n_quant), k)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     counters = topk.select_counters(1, 2, logits.device)
     counters[0, 1] = 8
     got = topk.select_triton(logits, lse, torch.tensor(n), k, counters=counters, slice_len=64)
-    want = topk.select_ref(logits, lse, torch.tensor(n), k)
+    want = kernels.select_ref(logits, lse, torch.tensor(n), k)
     assert torch.equal(got[0][:, 0], want[0][:, 0]) and torch.equal(got[1][:, 0], want[1][:, 0])
     assert counters.tolist() == [[0, 16], [0, 8]]
 
@@ -93,7 +94,7 @@ def test_fewer_candidates_than_k_and_the_sinks():
     logits = logits_for("spread", 256, 0).view(1, 1, 1, 256).repeat(1, 2, 1, 1)
     lse = torch.zeros(1, 2, 1)
     got = topk.select_triton(logits, lse, torch.tensor(40), 64, first=4, slice_len=64)
-    want = topk.select_ref(logits, lse, torch.tensor(40), 64, first=4)
+    want = kernels.select_ref(logits, lse, torch.tensor(40), 64, first=4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[1].sum(-1).eq(36).all() and set(got[0][got[1]].tolist()) == set(range(4, 40))
 
@@ -103,7 +104,7 @@ def test_fewer_candidates_than_k_and_the_sinks():
 def test_the_ring_layout_is_record_rows(k):
     """Three consecutive selections over one ring (4 sink slots before it): the launch keeps rows the ring
     holds in their slots, puts the new ones into the freed slots in order and gives the transfer -1 for kept
-    slots, as transfer.record_rows does on select_ref's rows; k 160 (not a power of two, above the old
+    slots, as prefetch.record_rows does on select_ref's rows; k 160 (not a power of two, above the old
     in-launch limit of 128)."""
     g = torch.Generator().manual_seed(0)
     B, Hkv, G, S = 2, 3, 3, 700
@@ -114,8 +115,8 @@ def test_the_ring_layout_is_record_rows(k):
     kept = 0
     for step in range(3):
         logits = base + 0.4 * step * torch.randn(base.shape, generator=g)
-        idx, valid = topk.select_ref(logits, lse, torch.tensor(640), k, first=4)
-        rows = transfer.record_rows(idx, valid, *want_ring, 4)
+        idx, valid = kernels.select_ref(logits, lse, torch.tensor(640), k, first=4)
+        rows = prefetch.record_rows(idx, valid, *want_ring, 4)
         slot_rows = torch.empty(B, Hkv, k, dtype=torch.long)
         got = topk.select_triton(logits, lse, torch.tensor(640), k, first=4, record=(*ring, 4, slot_rows), slice_len=128)
         assert torch.equal(got[0], idx) and torch.equal(got[1], valid)
@@ -142,7 +143,7 @@ def test_the_launch_stages_the_token_and_the_query_rows(R, RS):
     token = (step_k[:, :, :1], step_v[:, :, :1], torch.tensor(41), *staged)
     topk.select_triton(logits, lse[:, :, -R:], torch.tensor(200), C, out=out, stage_q=(q[:, :, -R:], s_q, s_lse),
                        token=token, slice_len=64)
-    want = topk.select_ref(logits, lse[:, :, -R:], torch.tensor(200), C)
+    want = kernels.select_ref(logits, lse[:, :, -R:], torch.tensor(200), C)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
     assert torch.equal(staged[0], step_k[:, :, :1]) and torch.equal(staged[1], step_v[:, :, :1]) and int(staged[2]) == 41
     assert torch.equal(s_q, q[:, :, -R:].expand(-1, -1, RS, -1)) and torch.equal(s_lse, lse[:, :, -R:].expand(-1, -1, RS))
@@ -163,7 +164,7 @@ def test_every_selecting_policy_gets_the_reference_rows(monkeypatch, fetch, rera
     start = Prefetcher.start
 
     def record(self, layer, bufs, pick=None, *args):
-        if isinstance(pick, topk.Selection):
+        if isinstance(pick, kernels.Selection):
             calls.append((pick, [t.clone() for t in bufs], self.ring_offs[layer]))
         return start(self, layer, bufs, pick, *args)
 
@@ -172,13 +173,13 @@ def test_every_selecting_policy_gets_the_reference_rows(monkeypatch, fetch, rera
     for sel, bufs, off in calls[-2:]:  # the tiny model's two layers
         R = 2 if fetch == "union" else 1
         assert sel.lse.shape[2] == R and sel.k == 8 * rerank and sel.first == 4
-        want = topk.select_ref(*sel[:5])
+        want = kernels.select_ref(*sel[:5])
         if sel.rerank is not None:
             got = topk.select_triton(*sel[:5])
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             continue
         ring = [t.clone() for t in bufs[2:]]
-        rows = transfer.record_rows(*want, *bufs[2:], off)
+        rows = prefetch.record_rows(*want, *bufs[2:], off)
         slot_rows = torch.empty_like(rows)
         got = topk.select_triton(*sel[:5], record=(*ring, off, slot_rows))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -4,8 +4,8 @@ import torch
 
 import quant
 from cache import setup_caches
-from lowbit import Fetched
 from generate import decode_step
+from quant import Fetched
 from tests.helpers import run_generate, setup, tiny_model
 
 PROMPT_LEN, NEW = 100, 40
@@ -85,6 +85,7 @@ def test_policies_run_one_static_graph(model, fetch, rerank):
     included); resync's pre-decoding is a second graph of its own."""
     import torch._dynamo
     from torch._dynamo.utils import counters
+
     from generate import pre_decode
     eager, _ = run_policy(model, fetch, new=40, k=8, rerank=rerank)
     torch._dynamo.reset()
@@ -150,9 +151,8 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
     """rrN: the k rows fetched for the next step are, among the selecting token's low-bit top-(N*k),
     the k with the highest exact attention probability (its fp keys, summed over the kv head's query
     heads); their keys sit in the ring at once, their values arrive with the transfer."""
-    from config import CacheConfig
     import kernels
-    import topk
+    from config import CacheConfig
     cfg = CacheConfig("specache", bits=1, group=16, residual=32, k=8, rerank=3)
     caches = setup_caches(model, cfg, 1, PROMPT_LEN + NEW + 2)
     prefetcher = caches.prefetcher
@@ -162,11 +162,11 @@ def test_rerank_keeps_the_candidates_with_the_best_exact_scores(model):
     D = model.args.head_dim
     q, lse = torch.randn(1, 4, D, generator=g), torch.randn(1, 4, generator=g).abs() + 2
     fetched = Fetched(*(t.clone() for t in c.fetched()))
-    _, cand = topk.topk_lowbit_ref(q, lse, c.stored(), 24, c.sm_scale, fetched)
+    _, cand = kernels.topk_lowbit_ref(q, lse, c.stored(), 24, c.sm_scale, fetched)
     q_rows, lse_rows = q[:, :, None], lse[:, :, None]
     _, _, logits = kernels.attention_lowbit_ref(q_rows, c.stored(), c.residual_rows(1), fetched, c.sm_scale, select=1)
     pick = c.pick(q_rows, lse_rows, logits)
-    idx, valid = topk.select_ref(*pick[:5])
+    idx, valid = kernels.select_ref(*pick[:5])
     assert pick.k == 24 and pick.rerank is not None and valid.all()
     assert all(set(a.tolist()) == set(b.tolist()) for a, b in zip(idx[0], cand[0]))  # the low-bit top-24
     prefetcher.start(c.layer_idx, c.fetch_bufs(), pick)
@@ -259,9 +259,9 @@ def test_fetch_probe_measures_without_changing_the_tokens(model, full_tokens):
 def test_most_mass_topk_weighs_heads_by_their_real_attention():
     """Two query heads share a kv head; position 0 is a sink kept in fp16 (not ranked). Head A puts
     almost all its attention on the sink, and of the rest most on position 2. Head B attends to
-    position 1. Renormalized over the ranked positions (topk.topk_exact), A's leftovers vote as
+    position 1. Renormalized over the ranked positions (kernels.topk_exact), A's leftovers vote as
     loudly as B's real attention and position 2 wins; by attention actually paid, position 1 does."""
-    from topk import topk_exact
+    from kernels import topk_exact
     from tools.probe import most_mass_topk
     keys = torch.eye(4)[None, None]  # [B=1, Hkv=1, S=4, D=4]: logits = q itself
     q = torch.tensor([[10.0, 0, 2, 0], [0, 1, 0, 0]])[None]  # [B=1, H=2, D=4]

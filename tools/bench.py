@@ -43,18 +43,17 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor
 
 import torch  # noqa: E402
 
-from tools import bench_hf, bench_kernels, table3  # noqa: E402
 import generate  # noqa: E402
-from tools import measure  # noqa: E402
-from tools.bench_report import md_table, mb, report  # noqa: E402
 import quant  # noqa: E402
+from config import ATTN_PATHS, CacheConfig  # noqa: E402
+from integrations import tp  # noqa: E402
+from integrations.tp import load_model, random_model  # noqa: E402 - model.py's, or this rank's slices under torchrun
 from kvmemory import kv_fp16_bytes  # noqa: E402
 from methods import setup_caches  # noqa: E402
-from config import ATTN_PATHS, CacheConfig  # noqa: E402
-from tools.measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402
-from integrations import tp  # noqa: E402
 from model import KNOWN_CONFIGS  # noqa: E402
-from integrations.tp import load_model, random_model  # noqa: E402 - model.py's, or this rank's slices under torchrun
+from tools import bench_hf, bench_kernels, measure, table3  # noqa: E402
+from tools.bench_report import mb, md_table, report  # noqa: E402
+from tools.measure import H100_GBS, PCIE_GBS, weight_bytes  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
 
@@ -195,10 +194,10 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
 
 def attn_path_run(cfg: CacheConfig, device) -> str | None:
     """The low-bit attention's kernel path a step ran: Triton on CUDA (kernels.py), the torch reference on CPU."""
-    import lowbit
+    from config import DEFAULT_ATTN_PATH
     if cfg.kind == "full":
         return None
-    return (cfg.attn_path or lowbit.DEFAULT_ATTN_PATH) if device.type == "cuda" else "torch"
+    return (cfg.attn_path or DEFAULT_ATTN_PATH) if device.type == "cuda" else "torch"
 
 
 def model_with_layers(name: str, layers, device, dtype, max_seq_len):
@@ -298,6 +297,7 @@ def floor_rows(args, names, context: int, batch: int, a) -> list[dict]:
     of SpeCache's fetch, from one layer's caches built at `context` and filled to it (no weights
     are allocated, nothing runs), times n_layers; the floors at an H100's bandwidth."""
     from types import SimpleNamespace
+
     from model import Transformer
     dtype, n = torch.bfloat16, getattr(a, "tp", None) or 1  # --tp N: one rank's bytes (its heads, FFN and vocabulary slices)
     with torch.device("meta"):  # shapes only: weight_bytes counts them without allocating
@@ -356,7 +356,7 @@ def parse_args(argv=None):
     p.add_argument("--fit", default=None, choices=quant.FITS)
     p.add_argument("--quant", default=None, choices=["kivi", "zipcache", "quantspec"])
     p.add_argument("--attn-path", default=None, choices=list(ATTN_PATHS),
-                   help="the low-bit kernels' path on CUDA for every cache (default lowbit.DEFAULT_ATTN_PATH)")
+                   help="the low-bit kernels' path on CUDA for every cache (default DEFAULT_ATTN_PATH)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps (median, min, spread)")
     p.add_argument("--prefill-chunk", type=int, default=2048)

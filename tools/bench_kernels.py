@@ -10,9 +10,9 @@ import sys
 import torch
 
 import generate
+from config import CacheConfig
 from tools import measure
 from tools.measure import H100_GBS
-from config import CacheConfig
 
 
 def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=64):
@@ -20,6 +20,7 @@ def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=6
     rows and two query tokens: the inputs of the attention and top-k kernels at a model's shapes.
     -> (cache, its LowBitKV, Fetched, q [1, Hkv*G, 2, D])."""
     import lowbit
+
     from cache import LowBitCache
     c = LowBitCache(1, Hkv, context + 128, D, dtype, device, CacheConfig("specache", bits=bits, group=group, k=k))
     for name in ("k_codes", "v_codes"):
@@ -29,7 +30,7 @@ def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=6
     c.n_quant.fill_(context // c.residual * c.residual)
     c.res_len.fill_(c.residual // 2)
     idx = torch.randperm(int(c.n_quant), generator=g, device=device)[:k].expand(1, Hkv, k).contiguous()
-    fetched = lowbit.Fetched(torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype),
+    fetched = quant.Fetched(torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype),
                              torch.randn(1, Hkv, k, D, generator=g, device=device).to(dtype), idx,
                              torch.ones(1, Hkv, k, dtype=torch.bool, device=device))
     q2 = torch.randn(1, Hkv * G, 2, D, generator=g, device=device).to(dtype)
@@ -40,11 +41,13 @@ def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=6
 def kernel_rows(model, context: int, a, bw) -> list[dict]:
     """Each decode-step kernel alone at the model's shapes, batch 1, `context` tokens: time, bytes it
     must move, achieved GB/s, and its byte floor here and on an H100."""
-    import kernels
-    import lowbit
-    import topk
-    import transfer
     import torch.nn.functional as F
+
+    import kernels
+    import prefetch
+    import quant
+    from config import DEFAULT_ATTN_PATH
+    from gpu import topk, transfer
 
     args = model.args
     device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
@@ -81,7 +84,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
         attn = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale,
                                                      attn_path=a.attn_path))
         fbytes = fetched.k.nbytes + fetched.v.nbytes + idx.nbytes
-        path = f", {a.attn_path or lowbit.DEFAULT_ATTN_PATH}" if device.type == "cuda" else ""
+        path = f", {a.attn_path or DEFAULT_ATTN_PATH}" if device.type == "cuda" else ""
         add(f"{bits}-bit attention (2 tokens, {K} fetched{path})", attn, c.read_bytes(2) + fbytes)
         victim = victim or (f"{bits}-bit attention", attn, c.read_bytes(2) + fbytes)
         attn_sel = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale,
@@ -95,7 +98,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
         if device.type == "cuda":  # one launch: the radix selection, the ring's record, the transfer's rows
             select = wrap(lambda: topk.select_triton(logits, lse[:, :, 1:], store.n_quant, K, record=ring))
         else:
-            select = wrap(lambda: transfer.record_rows(*topk.select_ref(logits, lse[:, :, 1:], store.n_quant, K), *ring[:3]))
+            select = wrap(lambda: prefetch.record_rows(*kernels.select_ref(logits, lse[:, :, 1:], store.n_quant, K), *ring[:3]))
         add(f"{bits}-bit selection from the logits (+ the ring's record)", select, logits.nbytes + ring[3].nbytes)
     # the transfer: k rows of K and V per kv head from the host store
     K = a.k or 64
@@ -106,7 +109,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     idx = torch.randint(0, context, (1, Hkv, K), device=device)
     new = torch.zeros(1, Hkv, 1, D, dtype=dtype, device=device)
     pos = torch.tensor(context - 1, device=device)
-    add(f"fetch {K} rows of K and V per kv head (+ write 1)", lambda: transfer.transfer_rows(hk, hv, rk, rv, idx, new, new, pos),
+    add(f"fetch {K} rows of K and V per kv head (+ write 1)", lambda: transfer.transfer_rows_triton(hk, hv, rk, rv, idx, new, new, pos),
         rk.nbytes + rv.nbytes, "host -> device over PCIe on CUDA")
     # re-ranking's transfer (rr2): the keys of 2k low-bit candidates, the k best by exact score, their values
     C = min(2 * K, context)
@@ -115,7 +118,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     q_rows, lse_rows = q1, torch.full((1, Hkv * G, 1), 4.0, device=device)
     scratch = transfer.rerank_scratch(1, Hkv, C, D, dtype, device)
     add(f"re-rank {C} candidate keys, fetch the {K} best's values (+ write 1)",
-        lambda: transfer.rerank_rows(hk, hv, rk, rv, fetch_idx, fetch_valid, cand, torch.ones_like(cand, dtype=torch.bool),
+        lambda: transfer.rerank_rows_triton(hk, hv, rk, rv, fetch_idx, fetch_valid, cand, torch.ones_like(cand, dtype=torch.bool),
                                      q_rows, lse_rows, 1 / D ** 0.5, new, new, pos, scratch=scratch),
         rk.nbytes * (C + K) // K, "host -> device over PCIe on CUDA: 2k keys + k values per kv head")
     # The side stream's cost to the main stream. On the H100 (2026-11-23) a 16 KB main-stream copy that
@@ -139,7 +142,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
         return step
     if victim is not None:
         add(f"{victim[0]} beside the {K}-row fetch kernel on a side stream",
-            beside(lambda: transfer.transfer_rows(hk, hv, rk, rv, idx, new, new, pos)),
+            beside(lambda: transfer.transfer_rows_triton(hk, hv, rk, rv, idx, new, new, pos)),
             victim[2] + rk.nbytes + rv.nbytes, "no interference: the longer of the two alone")
         add(f"{victim[0]} beside a copy-engine copy of the same bytes on a side stream",
             beside(lambda: ring_block.copy_(block, non_blocking=True)),
@@ -173,8 +176,9 @@ def sweep_kernels() -> dict:
     """path -> launcher(q, store, residual, fetched, sm_scale, n_splits=None, **launch): the split-KV
     kernel's quantized-slot paths (docs/kernels.md), each asked for by name (kernels.py's attn_path)."""
     import functools
+
     import kernels
-    return {path: functools.partial(kernels.attention_lowbit_triton, attn_path=path) for path in ("words", "planes", "gluon")}
+    return {path: functools.partial(attention.attention_lowbit_triton, attn_path=path) for path in ("words", "planes", "gluon")}
 
 
 def sweep_configs(n_splits_default: int, path: str = "words", every: bool = True) -> list[dict]:
@@ -194,10 +198,12 @@ def sweep_rows(args, bw, device=torch.device("cuda"), dtype=torch.bfloat16, ever
     """The sweep's rows (kernel = the path asked for, gluon = whether the Gluon kernel ran), each passed
     to on_row(row) as soon as it is measured."""
     import time
+
     import kernels
+    from gpu import attention
     Hkv, G, D = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.head_dim
     start, rows, skipped = time.perf_counter(), [], 0
-    n_splits_default = max(1, kernels.programs_target(device) // Hkv)
+    n_splits_default = max(1, attention.programs_target(device) // Hkv)
     g = torch.Generator(device=device).manual_seed(0)
     for bits in SWEEP_BITS:
         for group in SWEEP_GROUPS:

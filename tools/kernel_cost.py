@@ -118,7 +118,7 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
     if kern == "_attn_combine_kernel":
         return H * s["G"] * s["T"], {}, H * s["G"] * s["T"], "output row"
     if kern == "_select_kernel":  # the keys' loop runs once per query head of a kv head over each slice
-        import topk
+        from gpu import topk
         n_slices = topk.slices(nq, s["k"])[1]
         return H * n_slices, {"keys": nq * H * s["G"]}, nq * H, "position"
     if kern == "_transfer_rows_kernel":
@@ -190,8 +190,8 @@ def count_launches(cache: str, layers: int = 4, context: int = 1000, steps: int 
 
     import generate
     import methods
-    import kernels
     import prefetch
+    from gpu import attention, transfer
     from model import ModelArgs, Transformer
     torch.manual_seed(0)
     args = ModelArgs(name="launches", dim=8 * head_dim, n_layers=layers, n_heads=8, n_kv_heads=2, head_dim=head_dim,
@@ -237,9 +237,9 @@ def count_launches(cache: str, layers: int = 4, context: int = 1000, steps: int 
                 state["in_op"] -= 1
         return wrapped
 
-    patches = [(interpreter.InterpretedFunction, "run", counted), (kernels, "attention_lowbit_triton", None)]
+    patches = [(interpreter.InterpretedFunction, "run", counted), (attention, "attention_lowbit_triton", None)]
     patches += [(prefetch.Prefetcher, n, None) for n in ("_start_async", "_wait_async", "_join_async")]
-    patches += [(prefetch, "keep_sink_rows", None), (prefetch, "keep_sinks_triton", None)]
+    patches += [(prefetch, "keep_sink_rows", None), (transfer, "keep_sinks_triton", None)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, new in patches:

@@ -6,7 +6,7 @@ For each layer and decode step, with p the real token's exact attention probabil
 from the host store, over every position it sees, softmax per query head) and H the rows held in
 fp16 while it attends (the ring: fetched rows and attention sinks):
   hit       |H ∩ top-k| / |top-k|, top-k = the exact top-k over the quantized positions
-            (topk.topk_exact, the oracle's choice): rebuttal Q6's "top-k hit rate"
+            (kernels.topk_exact, the oracle's choice): rebuttal Q6's "top-k hit rate"
   hit_mass  the same against the k quantized positions that carry the most of the real token's
             attention (p summed over the kv head's query heads): the set that maximizes `mass`.
             Under GQA the two top-k differ only in how query heads are weighed: topk_exact
@@ -29,9 +29,8 @@ Steps with nothing quantized yet are not recorded.
 import torch
 
 import kernels
-import topk
 from cache import SpeCache
-from lowbit import Fetched, Residual
+from quant import Fetched, Residual
 
 KEYS = ("hit", "hit_mass", "hit_own", "mass", "mass_topk", "mass_best", "err", "err_topk", "err_own", "err_none",
         "reuse")
@@ -74,7 +73,7 @@ class FetchProbe:
             q = a["q"][:, :, :1]  # the real token
             k_own, v_own = a["k"][:, :, :1], a["v"][:, :, :1]
             host_k = cache.prefetcher.host_keys(cache.layer_idx)
-            host_v = cache.prefetcher.host_values(cache.layer_idx)
+            host_v = cache.prefetcher.host_v[cache.layer_idx].to(host_k.device)
             keys = torch.cat([host_k[:, :, :pos].float(), k_own.float()], 2)
             vals = torch.cat([host_v[:, :, :pos].float(), v_own.float()], 2)
             B, H, _, D = q.shape
@@ -84,14 +83,14 @@ class FetchProbe:
             p = torch.softmax(logits, -1)  # [B,Hkv,G,pos+1]
             exact_out = p @ vals  # [B,Hkv,G,D]
             n = min(cache.n_fetch, n_quant - cache.sinks)
-            _, top = topk.topk_exact(q[:, :, 0], host_k, cache.n_quant, n, cache.sm_scale, first=cache.sinks)
+            _, top = kernels.topk_exact(q[:, :, 0], host_k, cache.n_quant, n, cache.sm_scale, first=cache.sinks)
             best = most_mass_topk(p, cache.sinks, n_quant, n)
             # the real token's own low-bit attention (its kept rows, no fetched rows) and top-k
             res = Residual(torch.cat([cache.k_res[:, :, :int(cache.res_len)], k_own.to(cache.k_res.dtype)], 2),
                            torch.cat([cache.v_res[:, :, :int(cache.res_len)], v_own.to(cache.v_res.dtype)], 2),
                            torch.tensor(int(cache.res_len) + 1))
             none_out, lse = kernels.attention_lowbit_ref(q, cache.stored(), res, None, cache.sm_scale)
-            _, own = topk.topk_lowbit_ref(q[:, :, 0], lse[:, :, 0], cache.stored(), n, cache.sm_scale,
+            _, own = kernels.topk_lowbit_ref(q[:, :, 0], lse[:, :, 0], cache.stored(), n, cache.sm_scale,
                                              first=cache.sinks)
             sinks = torch.where(cache.fetch_valid[:, :, :cache.sinks], cache.fetch_idx[:, :, :cache.sinks], -1)
 
@@ -138,7 +137,7 @@ class FetchProbe:
 def most_mass_topk(p, first: int, n_quant: int, k: int) -> torch.Tensor:
     """The k positions in [first, n_quant) that carry the most attention: p [B,Hkv,G,S] (each query
     head's probabilities over everything it attends to) summed over the kv head's G query heads
-    -> [B,Hkv,k]. No k rows hold more of `mass`; topk.topk_exact renormalizes each head over
+    -> [B,Hkv,k]. No k rows hold more of `mass`; kernels.topk_exact renormalizes each head over
     [first, n_quant) first, which weighs the heads differently."""
     return p[..., first:n_quant].sum(2).topk(k, -1).indices + first
 

@@ -46,7 +46,8 @@ import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402 (Gluon kernels: attn_gluon.py)
+from triton.experimental.gluon._runtime import (GluonASTSource,  # noqa: E402 (Gluon kernels: attn_gluon.py)
+                                                GluonJITFunction)
 from triton.runtime import driver  # noqa: E402
 
 from tools import kernel_cost  # noqa: E402
@@ -305,22 +306,20 @@ def cases(quick=False):
     """(name, callable) pairs. Each builds a cache of a supported configuration on CPU (cache.py) and
     calls the Triton launchers the way the decode step does, so the launchers choose blocks, bits and
     flags themselves."""
-    from gpu import attn_gluon
-    from siblings import attn_views
     import kernels
-    import lowbit
-    import topk
-    import transfer
+    import quant
     from config import CacheConfig
+    from gpu import attention, attn_gluon, topk, transfer
     from methods import STORES
+    from siblings import attn_views
 
     def both_paths(q, store, *args, select=0):  # the word path, and the bit-plane paths where they fit the layout
         if isinstance(store, attn_views.ViewKV):  # a sibling's codes: its one kernel
             return attn_views.attention_views_triton(q, store, *args, select=select)
         M = q.shape[1] // store.k_codes.shape[1] * q.shape[2]
         paths = ("words", "planes") + (("gluon",) if attn_gluon.fits(store, q.shape[-1], M, q.dtype) else ())
-        for path in paths if lowbit.planes_fit(store, q.shape[-1], M) and not quick else ("words",):  # (--quick: the default)
-            kernels.attention_lowbit_triton(q, store, *args, attn_path=path, select=select)
+        for path in paths if attention.planes_fit(store, q.shape[-1], M) and not quick else ("words",):  # (--quick: the default)
+            attention.attention_lowbit_triton(q, store, *args, attn_path=path, select=select)
 
     def selection(c, cfg, q, token=True):  # the one launch after the attention, as Prefetcher._start_async calls it
         B, Hkv, S = c.k_codes.shape[:3]
@@ -356,7 +355,7 @@ def cases(quick=False):
             fetched = None
             if cfg.kind == "specache":
                 K = cfg.k
-                fetched = lowbit.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
+                fetched = quant.Fetched(torch.zeros(1, 2, K, D, dtype=dtype), torch.zeros(1, 2, K, D, dtype=dtype),
                                          torch.zeros(1, 2, K, dtype=torch.int64), torch.ones(1, 2, K, dtype=torch.bool))
             select = 0 if cfg.kind != "specache" else T if cfg.policy.selects == "both" else 1
             both_paths(q, c.stored(), c.residual_rows(T), fetched, c.sm_scale, select=select)

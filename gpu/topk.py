@@ -1,138 +1,16 @@
-"""Which quantized positions' fp16 rows to fetch (SpeCache §3.3, Algorithm 3's ArgTopK).
-
-  select_ref / select_triton  the k positions with the largest attention probability under the selecting
-                token(s), from the logits the attention kernel wrote while it attended (kernels.py: the
-                quantized slots' low-bit scores, the fetched rows' exact ones, the residual's): the
-                probability summed over the query heads that share a kv head (GQA: one fetch per kv head
-                serves them all), the best of the selecting tokens. The Triton kernel is one launch per
-                layer: the radix selection, and what the transfer needs (the ring layout, staged inputs).
-  topk_lowbit_ref  the same top-k scored from the stored codes (tests and tools/probe.py).
-  topk_exact    the top-k from full-precision keys (the oracle fetch, hit rates).
-
-A torch reference beside each Triton kernel; prefetch.Prefetcher runs them (CUDA: Triton; CPU: the references).
+"""The selection in one launch (Algorithm 3's ArgTopK): kernels.select_ref's top-k of the logits the attention
+kernel wrote, and what the transfer needs (the ring layout, staged inputs). prefetch.Prefetcher runs it on CUDA.
 """
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from lowbit import Fetched, LowBitKV, as_rows, fp_row_scores, row_scores
 from gpu.tiles import LOG2E
 
 Tensor = torch.Tensor
-
-
-# =============================================================================================
-# torch references (the CPU path)
-# =============================================================================================
-def _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched: Fetched):
-    """Algorithm 3 takes ArgTopK of the attention that already used the fetched fp rows: their
-    positions get exact scores, so a row that matters keeps its place whatever its low-bit copy
-    scores. Invalid fetch slots write back the scratch slot's own value (position S-1 >= n_quant)."""
-    S = prob.shape[2]
-    exact = fp_row_scores(q_rows, lse_rows, fetched.k, sm_scale)
-    safe = torch.where(fetched.valid, fetched.idx, S - 1)
-    return prob.scatter(-1, safe, torch.where(fetched.valid, exact, prob.gather(-1, safe)))
-
-
-def candidates(S: int, n_quant, first: int, row_start, device) -> Tensor:
-    """[B or 1, 1, S] bool: the positions a selection may pick, [first, n_quant) from each row's first real slot
-    (row_start [B], a left-padded batch's; None: 0). Below them: padding, and the rows kept in fp16 anyway."""
-    pos = torch.arange(S, device=device)
-    lo = first if row_start is None else first + row_start[:, None, None]
-    return (pos >= lo) & (pos < n_quant)
-
-
-def topk_lowbit_ref(q_row, lse_row, store: LowBitKV, k: int, sm_scale, fetched: Optional[Fetched] = None,
-                    first: int = 0):
-    """score[p] = sum over the G query heads of kv head j of exp(sm_scale * q_g . k'_p - lse_g): the
-    attention probability kv row p would get, summed over the heads that share it (one fetch per
-    kv head serves all G heads); with several query tokens ([B,H,R,D]) the best of them. With
-    `fetched`, fetched positions score with their fp rows. Positions that are no `candidates` (below `first`
-    from the row's start: padding, rows kept in fp anyway; >= n_quant) score -1 with index 0. Sorted descending."""
-    q_rows, lse_rows = as_rows(q_row, lse_row)
-    B, H, R, D = q_rows.shape
-    Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
-    G = H // Hkv
-    prob = row_scores(store.key_logits(q_rows.float().reshape(B, Hkv, G * R, D) * sm_scale), lse_rows, G, R)
-    if fetched is not None:
-        prob = _exact_fetched_scores(prob, q_rows, lse_rows, sm_scale, fetched)
-    valid = candidates(S, store.n_quant, first, store.row_start, q_row.device)
-    score, idx = torch.where(valid, prob, -1.0).topk(k, dim=-1)
-    return score, torch.where(score >= 0, idx, 0)
-
-
-def topk_exact(q_row, keys, n_quant, k, sm_scale, first: int = 0, row_start=None):
-    """Top-k of quantized positions [first, n_quant) by exact fp attention of q_row [B,H,D] (or
-    [B,H,R,D]: the best of R tokens) against full-precision keys [B,Hkv,S,D]: each query head's
-    softmax over the quantized positions, summed over the kv head's query heads (the reduction of
-    topk_lowbit). The oracle fetch and the fetch probe use it."""
-    q_rows = q_row[:, :, None] if q_row.dim() == 3 else q_row
-    B, H, R, D = q_rows.shape
-    Hkv, S = keys.shape[1], keys.shape[2]
-    G = H // Hkv
-    qg = q_rows.float().reshape(B, Hkv, G * R, D)
-    scores = (qg @ keys.float().transpose(-1, -2)) * sm_scale
-    valid = candidates(S, n_quant, first, row_start, q_row.device)
-    scores = scores.masked_fill(~(valid[:, :, None] if valid.dim() == 3 else valid), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).view(B, Hkv, G, R, S).sum(2).amax(2)  # [B,Hkv,S]
-    score, idx = torch.where(valid, probs, -1.0).topk(k, dim=-1)
-    return score, torch.where(score >= 0, idx, 0)
-
-
-# =============================================================================================
-# the selection: the top-k of the scores the attention pass wrote (Algorithm 3's ArgTopK)
-# =============================================================================================
-class Selection(NamedTuple):
-    """What a layer's fetch picks its rows by (Prefetcher.start): the selecting tokens' logits that the
-    attention kernel wrote while it attended (kernels.attention_lowbit(select=R): quantized slots scored
-    by their low-bit keys, fetched positions by their fp rows, the residual at n_quant + r), so no kernel
-    reads the key codes a second time."""
-    logits: Tensor  # [B,Hkv,G*R,S] fp32, log2 units; row g*R + r: query head g of the kv head, selecting token r
-    lse: Tensor  # [B,H,R] the selecting tokens' logsumexp (natural log)
-    n_quant: Tensor  # 0-d: the candidates are positions [first, n_quant)
-    k: int  # rows to pick (re-ranking: its N*k candidates)
-    first: int = 0  # positions below it are kept in fp16 anyway (attention sinks)
-    rerank: Optional[tuple] = None  # re-ranking: (q_rows [B,H,R,D], lse, sm_scale) score the candidates' fp keys
-    row_start: Optional[Tensor] = None  # [B] each row's first real slot: `first` counts from it (candidates)
-
-
-class Picked(NamedTuple):
-    """Rows chosen already (the oracle's exact top-k, or re-ranking's candidates): positions idx [B,Hkv,k]
-    where valid."""
-    idx: Tensor
-    valid: Tensor
-    rerank: Optional[tuple] = None  # re-ranking: (q_rows [B,H,R,D], lse_rows [B,H,R], sm_scale)
-
-
-def selection_scores(logits, lse_rows):
-    """logits [B,Hkv,G*R,S] (log2 units) and lse_rows [B,H,R] -> score [B,Hkv,S]: the attention probability
-    summed over the kv head's G query heads (one fetch per kv head serves them all), the best of the R tokens."""
-    B, Hkv, GR, S = logits.shape
-    R = lse_rows.shape[-1]
-    p = torch.exp2(logits - lse_rows.float().reshape(B, Hkv, GR, 1) * LOG2E.value)
-    return p.view(B, Hkv, GR // R, R, S).sum(2).amax(2)
-
-
-def select_ref(logits, lse_rows, n_quant, k: int, first: int = 0, row_start=None):
-    """-> (idx, valid) [B,Hkv,k]: the k `candidates` (positions [first, n_quant), first counted from each row's
-    start) with the largest selection_scores, in position order; of several positions with the k-th score the
-    lowest get in (as the kernel decides: deterministic). With fewer than k candidates the other slots are
-    invalid (the lowest other positions)."""
-    score = selection_scores(logits, lse_rows)
-    B, Hkv, S = score.shape
-    pos = torch.arange(S, device=score.device)
-    score = torch.where(candidates(S, n_quant, first, row_start, score.device), score, -1.0)
-    kth = score.topk(k, -1).values[..., -1:]
-    above, tie = score > kth, score == kth
-    take = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
-    slot = torch.where(take, take.cumsum(-1) - 1, k)  # (slot k: a bin for the positions not taken)
-    idx = torch.zeros(B, Hkv, k + 1, dtype=torch.long, device=score.device).scatter(-1, slot, pos.expand(B, Hkv, S))
-    idx = idx[..., :k]
-    return idx, score.gather(-1, idx) >= 0
-
 
 # ---- radix selection, 8 bits a round (FlashInfer's top_k, Quest's RAFT select), in one launch ----
 # A score p >= 0 has the key bits(p) + 1 (the fp32 bits of a non-negative float order as integers); a position

@@ -1,56 +1,24 @@
-"""The kernels that move fp16 KV rows between the host store and the device (specache.txt §3.3).
-prefetch.py decides when they run (the side stream and its events); the selection that picks the rows
-and stages the transfer's inputs is topk.py's one launch. A torch reference beside each Triton kernel.
+"""The kernels that move fp16 KV rows between the host store and the device (specache.txt §3.3); prefetch.py
+decides when they run (the side stream and its events) and holds their torch references (transfer_rows_ref,
+keep_sink_rows, rerank_rows_ref); the selection that picks the rows and stages the transfer's inputs is
+gpu/topk.py's one launch.
 
   transfer_rows  one launch per layer and step, K and V together, on a small persistent grid: write
                  the step's real token (new_k/new_v [B,Hkv,1,D]) to host row new_pos, and gather
                  into each ring slot the host row the slot map names (slot_rows [B,Hkv,k]; a row equal
                  to new_pos comes from new_k/new_v: the same kernel cannot be relied on to have written
-                 it to the host first; -1: the slot keeps the row it holds, see record_rows).
-  record_rows    which ring slot each selected row goes to (a row the ring holds keeps its slot);
-                 host_row / write_new_rows: the Triton reads and writes of the host store that
-                 re-ranking's kernels (rerank_rows, below) share.
+                 it to the host first; -1: the slot keeps the row it holds, see prefetch.record_rows).
+  record_rows_tile  prefetch.record_rows for one kv head; host_row / write_new_rows: the reads and writes
+                 of the host store that re-ranking's kernels share.
 
-On CUDA the host store is pinned and the kernels read it directly over unified virtual
-addressing (UVA): the indices never leave the device and nothing syncs. On CPU the references
-run (host and device memory are one).
+On CUDA the host store is pinned and the kernels read it directly over unified virtual addressing (UVA):
+the indices never leave the device and nothing syncs.
 """
 import torch
 import triton
 import triton.language as tl
 
-from lowbit import as_rows, fp_row_scores
 from gpu.tiles import best_row
-
-
-def record_rows(idx, valid, fetch_idx, fetch_valid, off):
-    """Which positions the ring's slots [off, ..) will hold (fetch_idx/fetch_valid [B,Hkv,off+k], which
-    say what they hold now) for the selection idx/valid [B,Hkv,k]: a selected row the ring already
-    holds keeps its slot; the others take the freed slots in order. -> the host row to copy into
-    each slot, -1 for none (consecutive steps' selections overlap: only the new rows cross the bus)."""
-    old, old_ok = fetch_idx[:, :, off:], fetch_valid[:, :, off:]
-    same = (old[..., :, None] == idx[..., None, :]) & old_ok[..., :, None] & valid[..., None, :]  # [slot, row]
-    keep, miss = same.any(-1), valid & ~same.any(-2)
-    free = ~keep
-    put = free[..., :, None] & miss[..., None, :] & \
-        ((free.cumsum(-1) - free.long())[..., :, None] == (miss.cumsum(-1) - miss.long())[..., None, :])
-    got = put.any(-1)
-    row = torch.where(put, idx[..., None, :], 0).sum(-1)
-    fetch_idx[:, :, off:] = torch.where(keep, old, torch.where(got, row, 0))
-    fetch_valid[:, :, off:] = keep | got
-    return torch.where(got, row, -1)
-
-
-def held_selection(idx, valid, fetch_idx, fetch_valid, off, keep):
-    """(idx, valid) [B,Hkv,C] with the batch rows `keep` [B] bool replaced by what their ring's slots [off, ..)
-    hold now (then invalid entries), so that record_rows, or re-ranking's layout, leaves their ring as it is:
-    a resync's pre-decoding fetches again only for the rows whose speculative token was wrong."""
-    cur_i, cur_v = fetch_idx[:, :, off:], fetch_valid[:, :, off:]
-    n = min(idx.shape[-1], cur_i.shape[-1])
-    held_i = torch.cat([cur_i[..., :n], idx.new_zeros(*idx.shape[:2], idx.shape[-1] - n)], -1)
-    held_v = torch.cat([cur_v[..., :n], valid.new_zeros(*valid.shape[:2], valid.shape[-1] - n)], -1)
-    k = keep[:, None, None]
-    return torch.where(k, held_i, idx), torch.where(k, held_v, valid)
 
 
 @triton.jit
@@ -82,44 +50,6 @@ def square_tile_warps(block: int) -> int:
     warp up to 64 x 64 (its fixed work is not repeated per warp), then about 64 elements a thread, at most
     32 warps: ptxas takes minutes on a 512 x 512 tile held by one warp (docs/gpu.md, the compile hang)."""
     return 1 if block <= 64 else min(32, block * block // 2048)
-
-
-# =============================================================================================
-# the transfer: torch reference (CPU) and Triton kernel (CUDA), one launch for K and V
-# =============================================================================================
-def transfer_rows_ref(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, new_pos, ring_off=0):
-    """host_* [B,Hkv,S,D] (one layer), ring_* [B,Hkv,ring_off + k,D], slot_rows [B,Hkv,k] or None, new_*
-    [B,Hkv,1,D] or None, new_pos 0-d. In place: host[.., new_pos] = new; ring[.., ring_off:] = host[.., slot_rows]
-    where slot_rows >= 0 (-1: the slot keeps its row; ring slots before ring_off hold rows kept on the
-    device: attention sinks)."""
-    if new_k is not None:
-        pos = new_pos.reshape(1).to(host_k.device)
-        host_k.index_copy_(2, pos, new_k.to(host_k.device, host_k.dtype))
-        host_v.index_copy_(2, pos, new_v.to(host_v.device, host_v.dtype))
-    if slot_rows is not None:
-        B, Hkv, S, D = host_k.shape
-        slot_rows = slot_rows.to(host_k.device)
-        flat = (slot_rows.clamp(min=0) + torch.arange(B * Hkv, device=host_k.device).reshape(B, Hkv, 1) * S).flatten()
-        for host, ring in ((host_k, ring_k), (host_v, ring_v)):
-            rows = torch.index_select(host.reshape(-1, D), 0, flat).view(B, Hkv, -1, D).to(ring.dtype)
-            slots = ring[:, :, ring_off:] if ring_off else ring
-            slots.copy_(torch.where(slot_rows[..., None] >= 0, rows, slots))
-
-
-# =============================================================================================
-# the attention sinks: their fp rows kept in the ring's first slots once the first block is quantized
-# =============================================================================================
-def keep_sink_rows(bufs, k, v, row0, n: int, row_start) -> None:
-    """A block k, v [B,H,nb,D] was just quantized into slots [row0, row0 + nb) (row0 a 0-d tensor): each row's
-    first n real tokens (slots row_start[b] + i, [B] int64) that lie in it are copied into ring slots [0, n) and
-    marked valid. bufs: [ring_k, ring_v, fetch_valid]."""
-    ring_k, ring_v, valid = bufs
-    rel = row_start[:, None] + torch.arange(n, device=k.device) - row0  # [B, n]: each sink's row of the block
-    inside = (rel >= 0) & (rel < k.shape[2])
-    at = rel.clamp(0, k.shape[2] - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-    for ring, x in ((ring_k, k), (ring_v, v)):
-        ring[:, :, :n] = torch.where(inside[:, None, :, None], x.gather(2, at).to(ring.dtype), ring[:, :, :n])
-    valid[:, :, :n] |= inside[:, None, :]
 
 
 @triton.jit
@@ -237,52 +167,13 @@ def transfer_rows_triton(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v
         EVEN_D=D == triton.next_power_of_2(D), num_warps=TRANSFER_WARPS)
 
 
-def transfer_rows(host_k, host_v, ring_k, ring_v, slot_rows, new_k=None, new_v=None, new_pos=None, ring_off=0):
-    """The transfer on the current stream: the Triton kernel when the ring is on CUDA, else the reference."""
-    if ring_k.is_cuda:
-        transfer_rows_triton(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, new_pos, ring_off)
-    else:
-        transfer_rows_ref(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v, new_pos, ring_off)
-
-
 # =============================================================================================
 # re-ranking: the k best of N*k candidates by their fp keys, read from the host (side stream)
 # =============================================================================================
-# Of the selecting token's low-bit top-(N*k) candidates (name part rrN), the k whose fp keys score best
-# go to the ring, with their positions: three launches on the side stream (prefetch.py) where the
-# candidates' keys land. One program per candidate reads its fp key and scores it; one per kv head
-# ranks the candidates and lays the winners out (record_rows: rows the ring holds stay); one per
-# candidate writes a winner the ring lacks. Bus bytes per layer and kv head: N*k keys + at most k values.
 RERANK_WARPS = 1  # one candidate per program: more warps only repeat its fixed cost (static count; not timed)
 # The layout launch ranks a kv head's candidates in one [C, C] tile, which ptxas compiles in minutes above 512
 # (docs/gpu.md), so the GPU path stops at 256 (rerank x k; the reference has no limit).
 RERANK_MAX_CANDIDATES = 256
-
-
-def rerank_exact(q_row, lse_row, keys, valid, k, sm_scale):
-    """The k best of C candidates by their fp keys [B,Hkv,C,D] (valid [B,Hkv,C]), scored as topk_lowbit
-    scores (probability summed over the kv head's query heads, best of R tokens) -> (score, index
-    into the C candidates) [B,Hkv,k]; invalid candidates score -1."""
-    prob = fp_row_scores(*as_rows(q_row, lse_row), keys, sm_scale)
-    return torch.where(valid, prob, -1.0).topk(k, dim=-1)
-
-
-def rerank_rows_ref(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, cand, cand_valid, q_rows, lse_rows,
-                    sm_scale, new_k=None, new_v=None, new_pos=None, ring_off=0):
-    """Of the candidate host rows cand [B,Hkv,C] (cand_valid: real ones), keep the K = ring slots - ring_off
-    whose fp keys score best for the query rows q_rows [B,H,R,D] (lse_rows [B,H,R]; the score of
-    rerank_exact); lay them out in ring slots [ring_off, ...) as record_rows does (a row the
-    ring holds keeps its slot, the others, best first, take the freed slots), write the keys and
-    values of the rows the ring lacks, their positions and validity (score >= 0) to
-    fetch_idx/fetch_valid, and the real token (new_*) to host row new_pos, whose candidate copy is
-    taken from new_k/new_v."""
-    C = cand.shape[2]
-    keys = host_k.gather(2, cand[..., None].expand(*cand.shape, host_k.shape[-1]))
-    if new_k is not None:
-        keys = torch.where((cand == new_pos)[..., None], new_k.to(keys.dtype), keys)
-    score, pick = rerank_exact(q_rows, lse_rows, keys, cand_valid, min(ring_k.shape[2] - ring_off, C), sm_scale)
-    rows = record_rows(cand.gather(-1, pick), score >= 0, fetch_idx, fetch_valid, ring_off)
-    transfer_rows_ref(host_k, host_v, ring_k, ring_v, rows, new_k, new_v, new_pos, ring_off)
 
 
 @triton.jit
@@ -399,11 +290,3 @@ def rerank_rows_triton(host_k, host_v, ring_k, ring_v, fetch_idx, fetch_valid, c
     _rerank_pick_kernel[(B * Hkv, C + 1)](
         host_k, host_v, ring_k, ring_v, cand, keys, target, new_k, new_v, pos, S, C, D, ring_k.shape[2], ring_off,
         HAS_NEW=has_new, BLOCK_D=BLOCK_D, num_warps=RERANK_WARPS)
-
-
-def rerank_rows(*args, scratch=None, **kw):
-    """The re-ranking transfer on the current stream: the Triton kernels when the ring is on CUDA, else the reference."""
-    if args[2].is_cuda:
-        rerank_rows_triton(*args, scratch=scratch, **kw)
-    else:
-        rerank_rows_ref(*args, **kw)
