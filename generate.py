@@ -14,29 +14,70 @@ Read it next to the paper's appendix A:
   generate()    the loop around them; the caches' fetch policy (config.FetchPolicy) says how many tokens a
                 step feeds (KIVI, the full cache and SpeCache's sequential/oracle fetch: one) and whether
                 pre-decoding runs (again, after a wrong guess: `resync`).
-The caches come from methods.setup_caches. After the loop: hf_generate() runs it inside a transformers
-model (hf.py), and the command line (main; its flags and checks in cli.py) runs it or another method's loop.
+Before them, setup_caches gives a model the caches of a configuration (the siblings' quantizers and the
+baselines' caches come from their folders, imported when a configuration asks for them). After them:
+hf_generate() runs the loop inside a transformers model (integrations/hf.py), and the command line (main,
+run) runs it or QuantSpec's loop.
 """
+import argparse
 import functools
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-import cli
+import cache
+import config as cache_config
 from cache import fetch_policy, hold_fetched
 from config import DEFAULT_ATTN_PATH, CacheConfig
-from decoding import Decoding, compiled_step, prefill, sample  # noqa: F401 (generate.Decoding, generate.prefill)
-from integrations import tp
+from decoding import Decoding, compiled_step, prefill, sample
 from kvmemory import kv_fp16_bytes
-from methods import setup_caches
-from siblings import quantspec
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
 
 
+# ---- the caches of every configuration -----------------------------------------------------------------
+def store_class(scheme: str) -> type:
+    """The cache class of a quantizer (config.scheme): KIVI's is cache.LowBitCache; a sibling's subclasses it in
+    its own module, imported here when a configuration names it."""
+    if scheme == "zipcache":
+        from siblings.zipcache import ZipCache
+        return ZipCache
+    if scheme == "quantspec":
+        from siblings.quantspec import HierCache
+        return HierCache
+    return cache.LowBitCache
+
+
+def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, max_seq_len=None,
+                 row_start=None) -> cache.KVCaches:
+    """Give every layer of `model` the cache of `config` (a CacheConfig or its name): cache.setup_caches over
+    the configuration's quantizer's cache class, or a block-retrieval baseline's own caches. QuantSpec's cache
+    is shared with its draft: siblings.quantspec.setup_caches builds it. row_start [B]: a left-padded batch's
+    first real slot per row (prompts of different lengths): the full, KIVI and SpeCache caches over KIVI's
+    quantizer take it; the siblings' quantizers and the baselines refuse a batch with padding."""
+    config = CacheConfig.from_name(config) if isinstance(config, str) else config
+    if config.kind == "quantspec":
+        raise ValueError("the quantspec cache is shared with QuantSpec's draft: build it with "
+                         "siblings.quantspec.setup_caches")
+    padded = row_start is not None and bool(torch.as_tensor(row_start).any())
+    retrieval = config.kind in ("quest", "infllm")
+    if padded and (retrieval or config.scheme != "kivi"):
+        raise ValueError(f"cache {config.name}: runs a batch of one prompt length only (prompts of different "
+                         f"lengths need the full, KIVI or SpeCache cache over KIVI's quantizer)")
+    if retrieval:
+        from baselines import infllm, quest
+        return (quest if config.kind == "quest" else infllm).setup_caches(model, config, batch, max_seq_len)
+    return cache.setup_caches(model, config, batch, max_seq_len, store=store_class(config.scheme), row_start=row_start)
+
+
+# ---- Algorithms 2 and 3 ---------------------------------------------------------------------------------
 def pre_decode(model, t1: torch.Tensor, pos) -> torch.Tensor:
     """Algorithm 2. t1 [B] at position pos (an int or a [1] tensor): records the top-k per layer and
     starts the fetch; returns the logits [B, V] of the next (speculative) token. Nothing is kept in
@@ -65,11 +106,6 @@ class Steps:
         """The decode-time forwards as fullgraph graphs (CUDA graphs on CUDA), pre-decoding too if asked (resync)."""
         return replace(self, pre_decode=compiled_step(device, self.pre_decode) if pre_decode else self.pre_decode,
                        decode=compiled_step(device, self.decode))
-
-
-def compile_step(device, fn=decode_step):
-    """decoding.compiled_step, Algorithm 3's step by default."""
-    return compiled_step(device, fn)
 
 
 # ---- the generation loop ----------------------------------------------------------------------------
@@ -151,7 +187,7 @@ def generate(model, prompt: torch.Tensor, decoding: Decoding, steps: Steps = Ste
 
 
 # ---- transformers models: model.generate(ids, custom_generate=generate.hf_generate, ...) -------------------
-# (Here, not in hf.py: the command line loads --hf models through hf.py, which therefore cannot import the loop.)
+# (Here, not in integrations/hf.py: this loop is the one hf_generate runs, and hf.py imports nothing above it.)
 def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                 synced_gpus=False, streamer=None, cache_config="specache", prefill_chunk=2048, stream=None,
                 compile=False, **model_kwargs):
@@ -193,10 +229,193 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     return torch.cat([input_ids, out], 1)
 
 
-# ---- the command line: flags and checks in cli.py; --method picks the loop --------------------------------
+# ---- the command line: its flags, their checks, the model and prompts they name; --method picks the loop ---
+def parse_args(argv=None, description=None):
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=None, help=f"a converted checkpoint (default {DEFAULT_CHECKPOINT.relative_to(ROOT)})")
+    p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py: Llama, Mistral, Qwen2/3, ...)")
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
+    p.add_argument("--prompts-file", type=Path, help="a batch of different prompts, JSON Lines: one a line, a string "
+                   '(text; --chat wraps it), {"text": ...}, or a chat turn {"role": "user", "content": ...}')
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=1, help="the prompt is replicated per row")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples")
+    p.add_argument("--sample-top-k", type=int, default=None, help="sample from the k most likely tokens (not SpeCache's --k)")
+    p.add_argument("--seed", type=int, default=0)
+    cache_config.add_cache_flags(p)
+    p.add_argument("--method", default="autoregressive", choices=["autoregressive", "quantspec"],
+                   help="quantspec: self-speculative decoding over the hierarchical cache (quantspec.py)")
+    p.add_argument("--gamma", type=int, default=4, help="QuantSpec: draft tokens per round")
+    p.add_argument("--draft-group", type=int, default=32, help="QuantSpec: INT4 weight group of the draft (32-256)")
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks: run under torchrun --nproc-per-node N "
+                   "(the default is torchrun's world size; the flag checks it). docs/tp.md")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (fullgraph; CUDA graph on CUDA)")
+    p.add_argument("--compile-prefill", action="store_true", help="also compile prefill (dynamic shapes; caches stay eager)")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no streaming text")
+    return p.parse_args(argv)
+
+
+def check_args(a):
+    for flag, value, low in (("--max-new-tokens", a.max_new_tokens, 1), ("--batch-size", a.batch_size, 1),
+                             ("--prefill-chunk", a.prefill_chunk, 1), ("--threads", a.threads, 1),
+                             ("--sample-top-k", a.sample_top_k, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if a.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
+    if a.method == "quantspec":
+        from siblings import quantspec
+        quantspec.check_args(a.gamma, a.batch_size, a.draft_group)
+    if a.sample_top_k is not None and a.temperature == 0:
+        raise ValueError("--sample-top-k needs --temperature > 0 (greedy decoding ignores it)")
+    if a.hf and a.checkpoint:
+        raise ValueError("--hf DIR and --checkpoint DIR both name the model: give one")
+    if a.hf and a.compile_prefill:
+        raise ValueError("--compile-prefill is not available with --hf (--compile compiles its decode step)")
+    if a.prompts_file is not None:
+        if a.prompt_file is not None:
+            raise ValueError("--prompts-file and --prompt-file both name the prompt: give one")
+        if a.batch_size != 1:
+            raise ValueError("--prompts-file: the batch is its prompts, one a row (drop --batch-size)")
+        if a.method == "quantspec":
+            raise ValueError("--prompts-file: QuantSpec's loop runs one prompt (batch 1)")
+
+
+def cache_of(a) -> CacheConfig:
+    """The cache the flags name; --method quantspec runs on its own cache."""
+    if a.method == "quantspec" and a.cache in ("specache", "kivi", "full"):
+        a.cache = "quantspec"  # the method's own cache unless a quantspec name was given
+    config = cache_config.from_flags(a)
+    if a.method == "quantspec" and config.kind != "quantspec":
+        raise ValueError("--method quantspec runs on the quantspec cache (--cache quantspec[-gN])")
+    return config
+
+
+def check_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError
+        torch.empty(0, device=device)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not available here")
+    return device
+
+
+def dtype_of(a, device: torch.device) -> torch.dtype:
+    return getattr(torch, a.dtype) if a.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+
+
+def load(a, device, dtype, tp=None):
+    """(model, tokenizer) of --checkpoint (under torchrun, `tp`: this rank's slices) or --hf."""
+    from model import load_model
+    from tokenizer import load_tokenizer
+    if a.hf:
+        if tp is not None and tp.world() > 1:
+            raise ValueError("--hf runs on one process: tensor parallelism under torchrun takes converted checkpoints (--checkpoint)")
+        from integrations import hf
+        return hf.load(a.hf, device, dtype)
+    ckpt = a.checkpoint or DEFAULT_CHECKPOINT
+    if not (ckpt / "config.json").exists():
+        raise ValueError(f"no checkpoint at {ckpt} (run `make demo`, or `python convert_hf.py SOURCE --out {ckpt}`)")
+    return (tp.load_model if tp is not None else load_model)(ckpt, device=device, dtype=dtype), load_tokenizer(ckpt)
+
+
+def read_prompt(a) -> str:
+    if not a.prompt_file:
+        return a.prompt
+    try:
+        return sys.stdin.read() if str(a.prompt_file) == "-" else a.prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {a.prompt_file} is not valid UTF-8 ({e.reason} at byte {e.start})")
+    except OSError as e:
+        raise ValueError(f"cannot read prompt file {a.prompt_file}: {e.strerror}")
+
+
+def read_prompts(path: Path) -> list[tuple[str, bool]]:
+    """The prompts of a JSON Lines file: [(text, is a chat turn)], one per line. ValueError naming the line
+    for an unreadable file, a line that is not UTF-8, empty or not valid JSON, or a prompt that is empty."""
+    import json
+    try:
+        raw = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read prompts file {path}: {e.strerror}")
+    out = []
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        if n == raw.count(b"\n") + 1 and not line.strip():
+            break  # (the newline that ends the last line)
+        where = f"prompts file {path} line {n}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where} is not valid UTF-8 ({e.reason} at byte {e.start})")
+        if not text.strip():
+            raise ValueError(f"{where} is empty (one prompt a line)")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not valid JSON ({e.msg} at column {e.colno})")
+        if isinstance(value, dict) and set(value) == {"text"} and isinstance(value["text"], str):
+            value = value["text"]
+        if isinstance(value, str):
+            prompt = (value, None)
+        elif (isinstance(value, dict) and value.get("role") == "user" and isinstance(value.get("content"), str)
+              and set(value) == {"role", "content"}):
+            prompt = (value["content"], True)
+        else:
+            raise ValueError(f'{where}: a prompt is a JSON string, {{"text": ...}} or {{"role": "user", "content": ...}}')
+        if not prompt[0].strip():
+            raise ValueError(f"{where}: the prompt is empty")
+        out.append(prompt)
+    if not out:
+        raise ValueError(f"prompts file {path} holds no prompt")
+    return out
+
+
+def prompts_ids(a, tok, prompts, max_seq_len: int) -> tuple:
+    """(each prompt's token ids, the positions the batch's caches hold: the longest prompt, new tokens, one
+    step's lookahead). A chat turn takes the chat template; text takes it with --chat."""
+    rows = [tok.encode_prompt(text, chat=a.chat if chat is None else chat) for text, chat in prompts]
+    P = max(len(r) for r in rows)
+    seq_len = P + a.max_new_tokens + 1
+    for n, r in enumerate(rows, 1):
+        if len(r) + a.max_new_tokens + 1 > max_seq_len:
+            raise ValueError(f"prompts file {a.prompts_file} line {n}: the prompt ({len(r)} tokens) + --max-new-tokens "
+                             f"({a.max_new_tokens}) exceeds the model's max_seq_len {max_seq_len}")
+    return rows, seq_len
+
+
+def left_padded(rows: list, pad_id: int, device) -> tuple:
+    """Prompts of different lengths as one batch: [B, P] ids padded on the left to the longest, and each row's
+    first real slot [B] (cache.setup_caches' row_start)."""
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows], device=device)
+    return ids, torch.tensor([P - len(r) for r in rows], device=device)
+
+
+def prompt_ids(a, tok, max_seq_len: int) -> tuple:
+    """(the prompt's token ids, the positions its caches hold: prompt, new tokens, one step's lookahead)."""
+    text = read_prompt(a)
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    ids = tok.encode_prompt(text, chat=a.chat)
+    seq_len = len(ids) + a.max_new_tokens + 1 + (a.gamma if a.method == "quantspec" else 0)  # + a round's drafts
+    if seq_len > max_seq_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({a.max_new_tokens}) exceeds the model's max_seq_len "
+                         f"{max_seq_len}")
+    return ids, seq_len
+
+
 def main(argv=None):
     """The CLI: bad input (a ValueError) ends with one `error:` line and exit code 1."""
-    a = cli.parse_args(argv, __doc__)
+    a = parse_args(argv, __doc__)
     try:
         return run(a)
     except ValueError as e:
@@ -215,27 +434,29 @@ def run_autoregressive(model, config, prompt, max_seq_len: int, decoding: Decodi
 
 
 def run(a):
-    cli.check_args(a)
-    config = cli.cache_of(a)
+    check_args(a)
+    config = cache_of(a)
     if a.compile:
         config.check_compiled()
-    device = tp.init(a.tp, cli.check_device(a.device))
+    tp = torchrun(a)
+    device = check_device(a.device) if tp is None else tp.init(a.tp, check_device(a.device))
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    listed = cli.read_prompts(a.prompts_file) if a.prompts_file is not None else None  # (its errors before the model)
-    model, tok = cli.load(a, device, cli.dtype_of(a, device))
+    listed = read_prompts(a.prompts_file) if a.prompts_file is not None else None  # (its errors before the model)
+    model, tok = load(a, device, dtype_of(a, device), tp)
     row_start = None
     if listed is None:
-        ids, seq_len = cli.prompt_ids(a, tok, model.args.max_seq_len)
+        ids, seq_len = prompt_ids(a, tok, model.args.max_seq_len)
         prompt = torch.tensor([ids] * a.batch_size, device=device)
         prompt_lens = [len(ids)] * a.batch_size
     else:  # different prompts: one left-padded batch, each row at its own positions (cache.setup_caches' row_start)
-        rows, seq_len = cli.prompts_ids(a, tok, listed, model.args.max_seq_len)
-        prompt, row_start = cli.left_padded(rows, 0, device)  # (the padding is never attended: any id)
+        rows, seq_len = prompts_ids(a, tok, listed, model.args.max_seq_len)
+        prompt, row_start = left_padded(rows, 0, device)  # (the padding is never attended: any id)
         prompt_lens, ids = [len(r) for r in rows], rows[0]
         a.batch_size = len(rows)
-    quiet = a.quiet or tp.rank() > 0  # one rank prints
+    rank = tp.rank() if tp is not None else 0
+    quiet = a.quiet or rank > 0  # one rank prints
     streamed, ended = [], []
 
     def stream(t):  # row 0 until its first eos
@@ -256,7 +477,8 @@ def run(a):
     decoding = Decoding(a.max_new_tokens, a.temperature, a.sample_top_k, frozenset(tok.eos_ids),
                         eos_check_every=Decoding.eos_check_every if quiet else 1)
     on_token = None if quiet else stream
-    if a.method == "quantspec":  # its own caches, draft and loop (quantspec.py)
+    if a.method == "quantspec":  # its own caches, draft and loop (siblings/quantspec.py)
+        from siblings import quantspec
         caches, out, stats = quantspec.run(model, config, prompt, seq_len, a.gamma, a.draft_group, decoding, fill,
                                            a.compile, on_token)
     else:
@@ -287,7 +509,7 @@ def run(a):
         "bytes_fetched_per_step_as_run": caches.fetch_bytes_per_step()}
     if listed is not None:  # one output per prompt, in the file's order
         result["texts"] = [tok.decode(r) for r in rows]
-    if tp.rank() > 0:
+    if rank > 0:
         return result
     if not a.quiet:
         print()
@@ -303,6 +525,19 @@ def run(a):
     return result
 
 
+def torchrun(a):
+    """integrations.tp when torchrun started this process or --tp asks for tensor parallelism (imported only
+    then), else None."""
+    if a.tp is None and "WORLD_SIZE" not in os.environ:
+        return None
+    from integrations import tp
+    return tp
+
+
 if __name__ == "__main__":
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cli.ROOT / ".cache" / "inductor"))
-    tp.main(main)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
+    if "WORLD_SIZE" in os.environ:
+        from integrations import tp
+        tp.main(main)
+    else:
+        main()

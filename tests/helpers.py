@@ -41,7 +41,7 @@ def planes_where_they_fit(store, D, M):
 def setup(model, kind, batch=1, max_seq_len=None, **fields):
     """methods.setup_caches with a CacheConfig built from its fields (kind, bits, group, ...)."""
     from config import CacheConfig
-    from methods import setup_caches
+    from generate import setup_caches
     return setup_caches(model, CacheConfig(kind=kind, **fields).validated(), batch, max_seq_len)
 
 

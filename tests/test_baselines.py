@@ -42,7 +42,7 @@ def test_deployed_bytes_worked_example():
     the ring of sinks and fetched rows 2 x 68 x 256 x 2 B and its 68 positions (int64) and flags; two
     int64 counters. Each local layer: a ring of 513 slots, 2 x 513 x 256 x 2 B. A press at those bytes
     keeps 2,122 context entries in each global layer (1,024 B an entry), the local layers 511 entries."""
-    from methods import setup_caches
+    from generate import setup_caches
     from tools import baselines_bytes as BB
     global_layer = 2 * 16_128 * 32 + 2 * 504 * 256 * 2 + 2 * 16_128 * 8 * 2 + 2 * 66 * 256 * 2 + 2 * 68 * 256 * 2 + 68 * 9 + 16
     local_layer = 2 * 513 * 256 * 2

@@ -244,6 +244,7 @@ def test_byte_floors_without_running():
 def test_kernel_sweep_needs_cuda_and_says_so_in_one_line():
     import subprocess
     import sys
+
     from tests.helpers import ROOT
     r = subprocess.run([sys.executable, "tools/bench.py", "--kernels", "--sweep"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
@@ -320,6 +321,7 @@ def gpu_doc_commands() -> list[tuple[str, list]]:
     """(script, argv) of every `python[3] SCRIPT ...` in docs/gpu.md, inline (across line breaks) or in a code block."""
     import re
     import shlex
+
     from tests.helpers import ROOT
     text = (ROOT / "docs" / "gpu.md").read_text()
     spans = [m.group(1) for m in re.finditer(r"`([^`]+)`", text)] + [ln for ln in text.splitlines() if ln.startswith("    ")]
@@ -334,9 +336,9 @@ def gpu_doc_commands() -> list[tuple[str, list]]:
 def test_every_gpu_doc_command_parses_as_written():
     """The commands docs/gpu.md gives parse with their tools' parsers, and a bench run names a model shape
     (the GPU machine has no checkpoint) unless it needs none (--sweep, --floors)."""
-    import cli
+    import generate
     from tools import eval as eval_tool, gpu_check
-    parsers = {"tools/bench.py": bench.parse_args, "tools/gpu_check.py": gpu_check.parse_args, "generate.py": cli.parse_args,
+    parsers = {"tools/bench.py": bench.parse_args, "tools/gpu_check.py": gpu_check.parse_args, "generate.py": generate.parse_args,
                "tools/eval.py": eval_tool.parse_args}
     cmds = gpu_doc_commands()
     assert sum(script == "tools/bench.py" for script, _ in cmds) >= 8 and any(s == "tools/gpu_check.py" for s, _ in cmds)

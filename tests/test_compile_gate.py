@@ -195,7 +195,7 @@ def test_the_cost_tools_name_kernels_and_constexprs_that_exist(aot):
     import ast
     import inspect
 
-    from gpu import attention, attn_gluon
+    from gpu import attention, attn_gluon, topk, transfer
     from siblings import attn_views
     from tools import kernel_cost
 

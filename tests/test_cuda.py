@@ -24,10 +24,10 @@ if ON_GPU and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 import kernels  # noqa: E402
 import prefetch  # noqa: E402
-from config import DEFAULT_ATTN_PATH, CacheConfig  # noqa: E402
-from generate import Decoding, Steps, compile_step, decode_step  # noqa: E402
+from config import CacheConfig  # noqa: E402
+from decoding import compiled_step  # noqa: E402
+from generate import Decoding, decode_step, setup_caches  # noqa: E402
 from gpu import attention, topk, transfer  # noqa: E402
-from methods import setup_caches  # noqa: E402
 from siblings import attn_views  # noqa: E402
 from siblings.attn_views import ViewKV  # noqa: E402
 from tests.helpers import DEFAULT_CKPT, run_generate, tiny_model  # noqa: E402
@@ -411,7 +411,7 @@ def test_compiled_step_equals_eager_with_one_graph(cache):
     eager = run_tiny(cache, DEV)
     torch._dynamo.reset()
     counters.clear()
-    compiled = run_tiny(cache, DEV, step_fn=compile_step(DEV))
+    compiled = run_tiny(cache, DEV, step_fn=compiled_step(DEV, decode_step))
     assert torch.equal(compiled, eager)
     assert counters["stats"]["unique_graphs"] == 1
     if ON_GPU:  # a CUDA graph really was captured: nothing made inductor skip it

@@ -12,9 +12,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="hf.py's tests need transformers (requirements-test.txt)")
 
 import generate  # noqa: E402
-from integrations import hf  # noqa: E402
-from methods import setup_caches  # noqa: E402
 from config import POLICIES, CacheConfig  # noqa: E402
+from generate import setup_caches  # noqa: E402
+from integrations import hf  # noqa: E402
 from tests.helpers import run_generate  # noqa: E402
 
 VOCAB, P, NEW = 300, 100, 12  # prompt of 100 tokens: with group/residual 32, 96 of them are quantized
@@ -149,6 +149,7 @@ def test_prefill_replay_of_a_windowed_model():
     the tokens of transformers' own generate(), for the fp16 cache and SpeCache with every row
     fetched, on the recording's first use and on its replays."""
     import functools
+
     from generate import Decoding, Steps, generate as loop, prefill
     from tools.replay import PrefillReplay
     model = tiny_gemma3()
@@ -378,11 +379,12 @@ def test_default_model_from_its_gguf():
     rotate-half RoPE) against transformers' generate() and against this project's converted
     checkpoint (interleaved RoPE), on 300 essay tokens. About a minute."""
     import accelerate  # noqa: F401 - transformers' GGUF loader needs it
+
     import convert_hf
-    from tools import tasks
     from model import load_model
     from tests.helpers import require_default_checkpoint
     from tokenizer import load_tokenizer
+    from tools import tasks
     ckpt = require_default_checkpoint()
     gguf = convert_hf.find_default_gguf()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,

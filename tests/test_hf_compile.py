@@ -16,10 +16,9 @@ import torch._dynamo  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import generate  # noqa: E402
-from integrations import hf  # noqa: E402
-import methods  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from decoding import RecompileError, recompile_guard  # noqa: E402
+from integrations import hf  # noqa: E402
 from tests.helpers import run_generate  # noqa: E402
 from tests.test_hf import NEW, P, adapter, both, prompt, tiny, tiny_gemma3  # noqa: E402,F401 (both: a fixture)
 
@@ -33,7 +32,7 @@ def traced(fn):
 
 
 def tokens(view, ids, cache, steps=None):
-    methods.setup_caches(view, cache, 1, P + NEW + 1)  # one cache size for every prompt
+    generate.setup_caches(view, cache, 1, P + NEW + 1)  # one cache size for every prompt
     config = CacheConfig.from_name(cache)
     steps = steps or generate.Steps()
     return run_generate(view, ids, NEW, config, step_fn=steps.decode, pre_decode_fn=steps.pre_decode)[0].tolist()

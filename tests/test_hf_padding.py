@@ -11,10 +11,9 @@ import torch._dynamo  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import generate  # noqa: E402
-from integrations import hf  # noqa: E402
-import methods  # noqa: E402
 from config import CacheConfig  # noqa: E402
 from decoding import Decoding  # noqa: E402
+from integrations import hf  # noqa: E402
 from tests.test_hf import NEW, adapter, prompt, tiny, tiny_gemma3  # noqa: E402
 from tests.test_hf_compile import traced  # noqa: E402
 
@@ -103,11 +102,11 @@ def test_a_padded_batch_is_one_set_of_caches():
     """The rows of a padded batch share one set of batched caches (the padding's slots are held, not stored
     apart): the bytes of the same caches at batch 3 without padding; a forward of another batch size is refused."""
     view = hf.HFModel(tiny("llama"))
-    rows = methods.setup_caches(view, "specache-1bit-g32-r32", 3, 128, row_start=torch.tensor([0, 3, 9]))
-    same = methods.setup_caches(view, "specache-1bit-g32-r32", 3, 128)
+    rows = generate.setup_caches(view, "specache-1bit-g32-r32", 3, 128, row_start=torch.tensor([0, 3, 9]))
+    same = generate.setup_caches(view, "specache-1bit-g32-r32", 3, 128)
     assert rows.device_bytes() == same.device_bytes() and rows.host_bytes() == same.host_bytes()
     assert rows.fetch_bytes_per_step() == same.fetch_bytes_per_step() > 0
-    methods.setup_caches(view, "full", 3, 128, row_start=torch.tensor([0, 3, 9]))
+    generate.setup_caches(view, "full", 3, 128, row_start=torch.tensor([0, 3, 9]))
     with pytest.raises(hf.HFError, match="a batch of 3 rows, not 2"):
         view(torch.zeros(2, 4, dtype=torch.long), torch.arange(4), "prefill")
 
@@ -121,7 +120,7 @@ def test_padded_step_is_one_graph(family, cache):
 
     def run(prompts, steps):
         ids, mask = padded(prompts)
-        methods.setup_caches(view, cache, ids.shape[0], ids.shape[1] + NEW + 1, row_start=hf.left_padding(mask, *ids.shape))
+        generate.setup_caches(view, cache, ids.shape[0], ids.shape[1] + NEW + 1, row_start=hf.left_padding(mask, *ids.shape))
         return generate.generate(view, ids, Decoding(NEW), steps)[0].tolist()
 
     batches = [[prompt(1, 100), prompt(2, 36), prompt(3, 68)], [prompt(4, 40), prompt(5, 100), prompt(6, 99)]]
@@ -147,10 +146,10 @@ def test_errors():
     view = hf.HFModel(model)
     with torch.no_grad():
         for cache in ["full", "kivi-1bit-g32-r32", "specache-1bit-g32-r32", "quest-p16-k64"]:
-            methods.setup_caches(view, cache, 1, 24)
+            generate.setup_caches(view, cache, 1, 24)
             with pytest.raises(ValueError, match="a sequence of 30 tokens does not fit caches set up for 24 positions"):
                 model(ids[:1], past_key_values=view.cache)
-        methods.setup_caches(view, "full", 2, 64)
+        generate.setup_caches(view, "full", 2, 64)
         with pytest.raises(hf.HFError, match="a padded batch's caches are set up with its rows' starts"):
             model(ids, attention_mask=mask, past_key_values=view.cache)  # a forward HFModel did not announce
 
@@ -174,7 +173,7 @@ def test_bench_replays_each_row_as_its_own_prefill():
     prompts = [prompt(1, 100), prompt(2, 36), prompt(3, 68)]
     recs = []
     for p in prompts:
-        methods.setup_caches(view, "full", 1, p.shape[1] + 1)
+        generate.setup_caches(view, "full", 1, p.shape[1] + 1)
         replay = PrefillReplay(2048)
         with torch.no_grad():
             replay(view, p)
@@ -182,7 +181,7 @@ def test_bench_replays_each_row_as_its_own_prefill():
     ids, pad = padded_batch(prompts, pad_id=0)
     assert pad.tolist() == [0, 64, 32] and ids[1, :64].eq(0).all() and ids[1, 64:].equal(prompts[1][0])
     cache = "specache-1bit-g32-r32"
-    methods.setup_caches(view, cache, 3, ids.shape[1] + NEW + 1, row_start=pad)
+    generate.setup_caches(view, cache, 3, ids.shape[1] + NEW + 1, row_start=pad)
     fill = replayed([r[0] for r in recs], torch.cat([r[1] for r in recs]), pad)
     out, _ = generate.generate(view, ids, Decoding(NEW), generate.Steps(prefill=fill))
     mask = (torch.arange(ids.shape[1])[None] >= pad[:, None]).long()

@@ -9,8 +9,7 @@ import torch
 
 from baselines import infllm
 from config import CacheConfig
-from generate import main
-from methods import setup_caches
+from generate import main, setup_caches
 from prefetch import Prefetcher
 from tests.helpers import require_default_checkpoint, run_generate, tiny_model
 

@@ -18,9 +18,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
+import prefetch  # noqa: E402
 import quant  # noqa: E402
 from config import DEFAULT_ATTN_PATH, check_attn_path  # noqa: E402
-from gpu import attention, tiles, topk, transfer  # noqa: E402
+from gpu import attention, tiles, topk  # noqa: E402
 from quant import Fetched, LowBitKV, Residual  # noqa: E402
 from siblings import quantspec, zipcache  # noqa: E402
 from siblings.attn_views import ViewKV, attention_views_triton  # noqa: E402

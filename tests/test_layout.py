@@ -15,14 +15,11 @@ from tests.helpers import ROOT
 # The design card's files, and the helpers a reader needs to run them.
 CARD = {"generate", "model", "cache", "quant", "prefetch", "kernels", "convert_hf"}
 HELPERS = {"tokenizer", "config", "decoding", "kvmemory"}
-METHOD = CARD | HELPERS | {"cli", "methods"}
+METHOD = CARD | HELPERS
 # Each folder's place: a module imports, at load time, only the root and folders of a lower rank or its own
 # folder; the root may import a folder's module lazily (inside a function), for an optional part.
 FOLDERS = {"gpu": 1, "siblings": 2, "baselines": 2, "integrations": 3, "tools": 4}
-# Load-time imports of a folder from the root that the splits and folds still to come remove.
-NOT_YET_LAZY = {("cli", "siblings.quantspec"), ("cli", "integrations.tp"), ("methods", "baselines.infllm"),
-                ("methods", "siblings.quantspec"), ("methods", "baselines.quest"), ("methods", "siblings.zipcache"),
-                ("generate", "siblings.quantspec"), ("generate", "integrations.tp")}
+
 
 
 def project_modules() -> dict:
@@ -87,7 +84,7 @@ def test_imports_run_one_way():
         for m, line, lazy in deps:
             if place(m) == "tools" and place(name) != "tools":
                 wrong.append(f"{name}:{line} imports the tool {m}")
-            elif (lazy and place(name) == "") or (name, m) in NOT_YET_LAZY:
+            elif lazy and place(name) == "":
                 continue  # the root's optional parts
             elif rank(m) > rank(name) or (rank(m) == rank(name) and place(m) not in ("", place(name))):
                 wrong.append(f"{name}:{line} imports {m}{' (lazily)' if lazy else ''}")
@@ -106,6 +103,16 @@ def test_imports_run_one_way():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_importing_the_method_loads_no_optional_part():
+    """`import generate` (and the model, caches and kernels' torch references) loads no sibling, baseline,
+    integration or GPU program until a configuration or flag asks for one, and not Triton either."""
+    code = ("import sys, generate, model, cache, kernels, prefetch, quant, convert_hf; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in %r or m == 'triton'))" % (set(FOLDERS),))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
 
 
 def test_no_module_uses_another_modules_private_names():

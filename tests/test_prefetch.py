@@ -1,6 +1,5 @@
 """prefetch.py: the CPU path, and the CUDA ordering logic run against fake streams whose copies
 really are delayed (a worker thread), so a missing wait would read a stale ring."""
-import os
 import threading
 import time
 

@@ -4,8 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import quant
-from siblings import zipcache
-from siblings import quantspec
+from siblings import quantspec, zipcache
 
 META = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -282,15 +281,15 @@ def test_quantizers_trace_without_graph_breaks():
 @pytest.mark.parametrize("bits", [1, 2])
 def test_compiled_least_squares_fit_stores_what_eager_stores(bits):
     """The fit picks codes against the 16-bit zero and scale it stores. Inductor drops a fused 16-bit
-    round trip unless told to emulate eager's casts (generate.compile_step does): without that, a third
+    round trip unless told to emulate eager's casts (decoding.compiled_step does): without that, a third
     of these groups got another zero, and the compiled preset's tokens left eager's."""
-    from generate import compile_step
+    from decoding import compiled_step
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, 128, 64, generator=g) * 2 + torch.randn(1, 3, 1, 64, generator=g)
 
     def fit(x):
         return quant.quantize_codes(x, bits, 16, "tokens", fit="lsq")
     torch._dynamo.reset()
-    got = compile_step(torch.device("cpu"), fit)(x)
+    got = compiled_step(torch.device("cpu"), fit)(x)
     for a, b in zip(got, fit(x)):
         assert torch.equal(a, b)

@@ -8,8 +8,7 @@ import torch
 
 from baselines import quest
 from config import CacheConfig
-from generate import main
-from methods import setup_caches
+from generate import main, setup_caches
 from prefetch import Prefetcher
 from tests.helpers import require_default_checkpoint, run_generate, tiny_model
 
@@ -201,11 +200,12 @@ def test_the_command_line_runs_it_and_counts_its_bytes(capsys):
 @pytest.mark.full
 def test_the_compiled_step_is_the_eager_step(model):
     """The decode step (selection, gather, attention) compiles as one fullgraph graph at static shapes."""
-    from generate import compile_step
+    from decoding import compiled_step
+    from generate import decode_step
     torch.manual_seed(6)
     prompt = torch.randint(0, 256, (1, 40))
     setup_caches(model, "quest-p8-k16-r8-sink2", 1, 61)
     eager, _ = run_generate(model, prompt, 12, "quest-p8-k16-r8-sink2")
     setup_caches(model, "quest-p8-k16-r8-sink2", 1, 61)
-    compiled, _ = run_generate(model, prompt, 12, "quest-p8-k16-r8-sink2", step_fn=compile_step(torch.device("cpu")))
+    compiled, _ = run_generate(model, prompt, 12, "quest-p8-k16-r8-sink2", step_fn=compiled_step(torch.device("cpu"), decode_step))
     assert torch.equal(eager, compiled)

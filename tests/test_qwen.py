@@ -97,6 +97,7 @@ def write_qwen2_gguf(model, path):
     """The model's tensors as a llama.cpp qwen2 GGUF stores them (Hugging Face's row order, F32), with a
     byte-level vocabulary: 256 bytes, one merge and 43 control tokens."""
     import gguf
+
     from tokenizer import bytes_to_unicode
     c = model.config
     w = gguf.GGUFWriter(str(path), "qwen2")
@@ -147,7 +148,7 @@ def test_tiny_qwen2_gguf_logits_and_greedy_tokens_equal_transformers(tmp_path):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     hf_model.set_attn_implementation("sdpa")
     ref = hf_model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)[0, 40:].tolist()
-    from methods import setup_caches
+    from generate import setup_caches
     for cache in ("full", "specache-1bit-k64-g16-r16", "specache-1bit-best-k64"):  # k >= context: exact
         caches = setup_caches(ours, cache, 1, 40 + 13)
         out, _ = run_generate(ours, ids, 12, caches.config)
@@ -225,6 +226,7 @@ def test_real_tokenizer_matches_transformers(qwen_tok, hf_tok):
 
 def test_real_chat_template_matches_the_gguf(qwen_tok):
     import jinja2
+
     from convert_hf import gguf_reader
     _, meta = gguf_reader(QWEN_GGUF)
     template = jinja2.Environment().from_string(meta("tokenizer.chat_template"))
@@ -251,7 +253,7 @@ def test_real_logits_and_greedy_tokens_equal_transformers(both, qwen_tok):
     """A short chat prompt: the native model's logits at every position, and its greedy tokens with the
     full cache and with SpeCache fetching every row (k >= context: exact), equal transformers' model
     dequantized from the same GGUF, in fp32."""
-    from methods import setup_caches
+    from generate import setup_caches
     ours, ref = both
     ids = torch.tensor([qwen_tok.encode_prompt("Write a Python function that reverses a string.", chat=True)])
     P = ids.shape[1]
@@ -276,8 +278,7 @@ def test_real_compiled_step_is_one_graph(both, qwen_tok):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from generate import decode_step
-    from methods import setup_caches
+    from generate import decode_step, setup_caches
     from tools.tasks import essay_window
     ours, _ = both
     ids = torch.tensor([essay_window(qwen_tok, 0, 400)])

@@ -3,8 +3,6 @@ real slot, which the model's RoPE, the masks, the quantizer, the kernels and the
 is never attended, selected or fetched and never widens a key group's range; a row decodes as its prompt
 alone (exactly, where its padding is a multiple of the residual window, so that the shared key groups and
 flushes fall where its own would); one compiled graph whatever the lengths."""
-import math
-
 import pytest
 import torch
 
@@ -13,8 +11,8 @@ import kernels
 import prefetch
 import quant
 from config import CacheConfig
+from generate import setup_caches
 from gpu import attention, topk
-from methods import setup_caches
 from tests.helpers import require_default_checkpoint, tiny_model
 from tests.test_kernels import Case, logits_written, make_case, needs_interpreter, planes_where_they_fit, rows
 

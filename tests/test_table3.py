@@ -8,7 +8,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from methods import setup_caches
+from generate import setup_caches
 from tests.helpers import tiny_model
 from tools import bench, bench_report, table3
 from tools.replay import PrefillReplay

@@ -66,9 +66,9 @@ def _leave():
 
 def greedy(model, name, prompt):
     import generate as gen
-    from siblings import quantspec as qs
     from config import CacheConfig
-    from methods import setup_caches
+    from generate import setup_caches
+    from siblings import quantspec as qs
     from tests.helpers import run_generate
     cfg = CacheConfig.from_name(name.split("+")[0], salient=0.5 if name.endswith("+salient") else None)
     if cfg.kind == "quantspec":
@@ -82,8 +82,8 @@ def greedy(model, name, prompt):
 
 def _parity(rank, store, out):
     _join(rank, store)
-    from integrations import tp
     from cache import setup_caches
+    from integrations import tp
     full = tiny()
     local = tp.shard_model(full)
     assert local.args.n_kv_heads == 2 and local.layers[0].attention.wk.weight.shape == (32, 128)
@@ -104,11 +104,12 @@ def _parity(rank, store, out):
 
 def _compiled(rank, store, out):
     _join(rank, store)
-    from integrations import tp
+    from torch._dynamo.utils import counters
+
     import generate as gen
     from cache import setup_caches
+    from integrations import tp
     from tests.helpers import run_generate
-    from torch._dynamo.utils import counters
     local = tp.shard_model(tiny())
     prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
     setup_caches(local, "specache-1bit", 1, 64)
@@ -125,8 +126,9 @@ def _compiled(rank, store, out):
 
 def _loads_slices(rank, store, out, ckpt_dir):
     _join(rank, store)
-    from integrations import tp
     from pathlib import Path
+
+    from integrations import tp
     local = tp.load_model(Path(ckpt_dir))  # each rank reads its rows/columns from the two shard files
     want = tp.shard_model(tiny())
     same = all(torch.equal(local.state_dict()[k], v) for k, v in want.state_dict().items())
@@ -149,6 +151,7 @@ def test_sharded_checkpoint_loads_each_ranks_slices(tmp_path):
     """Hugging Face's layout (an index naming two shard files): every rank's tensors equal the
     slices of the in-memory model."""
     from dataclasses import asdict
+
     from safetensors.torch import save_file
     state = {k: v.contiguous() for k, v in tiny().state_dict().items()}
     first = {k: v for k, v in state.items() if k.startswith(("tok_embeddings", "layers.0"))}
@@ -178,7 +181,9 @@ def test_compiled_step_is_one_graph_per_rank():
 def ckpt(tmp_path_factory):
     import shutil
     from dataclasses import asdict
+
     from safetensors.torch import save_file
+
     from tests.helpers import require_default_checkpoint
     src = require_default_checkpoint()
     out = tmp_path_factory.mktemp("tiny-tp")
@@ -220,6 +225,7 @@ def test_generate_under_torchrun_equals_one_process(ckpt):
 
 def broken(ckpt, tmp_path, drop=None, index=False):
     import shutil
+
     from safetensors.torch import load_file, save_file
     out = tmp_path / "broken"
     shutil.copytree(ckpt, out)
@@ -262,8 +268,8 @@ def test_launch_errors_are_one_line(case, ckpt, tmp_path):
 def test_floors_per_rank():
     """tools/bench.py --floors --tp N: a rank's weights are 1/N of the split ones plus its vocabulary
     slice; its KV bytes are 1/N (its KV heads); N must divide the KV heads."""
-    from tools import bench
     from model import ModelArgs
+    from tools import bench
     rows = {}
     for n in (1, 2, 8):
         a = bench.parse_args(["--floors", "--model", "Llama-3.1-70B", "--contexts", "4096", "--caches", "specache",

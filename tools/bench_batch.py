@@ -23,9 +23,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import generate  # noqa: E402
-from cli import left_padded  # noqa: E402
 from config import CacheConfig  # noqa: E402
-from methods import setup_caches  # noqa: E402
+from generate import left_padded, setup_caches  # noqa: E402
 from tools import measure  # noqa: E402
 
 

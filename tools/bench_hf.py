@@ -29,6 +29,7 @@ def hf_rows(a, ids, dtype, device, adapter_configs=None) -> list[dict]:
     for adapter_configs ({name: CacheConfig})."""
     try:
         from transformers import AutoModelForCausalLM
+
         from convert_hf import find_default_gguf
         gguf = find_default_gguf()
     except (ImportError, ValueError) as e:
@@ -86,7 +87,6 @@ def adapter_rows(a, model, ids, device, configs: dict) -> list[dict]:
     step hook, as tools/bench.py's own rows. The model's attention implementation is put back after."""
     import generate
     from integrations import hf
-    import methods
     prev, rows = model.config._attn_implementation, []
     prompt, n_new = torch.tensor([ids], device=device), a.warmup + a.steps + 1
     try:
@@ -98,7 +98,7 @@ def adapter_rows(a, model, ids, device, configs: dict) -> list[dict]:
                     torch._dynamo.reset()  # one graph per configuration, as tools/bench.py's rows
                     steps = steps.compiled(device, pre_decode=cfg.policy.resync)
                 marks = measure.StepMarks(device)
-                methods.setup_caches(view, cfg, 1, len(ids) + n_new + 2)
+                generate.setup_caches(view, cfg, 1, len(ids) + n_new + 2)
                 with torch.no_grad():
                     out, stats = generate.generate(view, prompt, generate.Decoding(n_new), steps,
                                                    lambda *_: marks.mark())
@@ -116,13 +116,13 @@ def adapter_rows(a, model, ids, device, configs: dict) -> list[dict]:
 def recorded_prompts(view, tok, n: int, batch: int, chunk: int):
     """`batch` different prompts of n, 7n/8, 6n/8, ... tokens (essay windows from different offsets),
     each prefilled alone once: [(ids [1, n_b], per-layer recordings, last logits [1, V])]."""
+    import generate
     from tools.replay import PrefillReplay
     from tools.tasks import essay_window
-    import methods
     out = []
     for b in range(batch):
         ids = torch.tensor([essay_window(tok, 3000 * b, n - b * n // 8)], device=view.tok_embeddings.weight.device)
-        methods.setup_caches(view, "full", 1, ids.shape[1] + 1)  # (PrefillReplay puts these back after recording)
+        generate.setup_caches(view, "full", 1, ids.shape[1] + 1)  # (PrefillReplay puts these back after recording)
         replay = PrefillReplay(chunk)
         with torch.no_grad():
             replay(view, ids)
@@ -163,9 +163,8 @@ def side_by_side(a, view, tok, n: int) -> list[dict]:
     """One context: transformers' static-cache generate (compiled with --compile), then per cache the
     adapter's eager and compiled steps at batch 1 and (for --batch-caches) the padded batch."""
     import generate
-    from integrations import hf
-    import methods
     from config import CacheConfig
+    from integrations import hf
     device = view.tok_embeddings.weight.device
     recs = recorded_prompts(view, tok, n, a.batch, a.prefill_chunk)
     view.hf.set_attn_implementation("sdpa")  # transformers' own attention for its own generate()
@@ -186,7 +185,7 @@ def side_by_side(a, view, tok, n: int) -> list[dict]:
                 steps = generate.Steps(prefill=fill)
                 if compiled:
                     steps = steps.compiled(device, pre_decode=CacheConfig.from_name(name).policy.resync)
-                methods.setup_caches(view, name, batch, ids.shape[1] + n_new + 2, row_start=pad)
+                generate.setup_caches(view, name, batch, ids.shape[1] + n_new + 2, row_start=pad)
                 marks, t0 = measure.StepMarks(device), time.perf_counter()
                 with torch.no_grad():
                     out, _ = generate.generate(view, ids, generate.Decoding(n_new), steps, lambda *_: marks.mark())

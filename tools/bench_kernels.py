@@ -9,7 +9,6 @@ import sys
 
 import torch
 
-import generate
 from config import CacheConfig
 from tools import measure
 from tools.measure import H100_GBS
@@ -19,8 +18,7 @@ def lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=64, k=6
     """A SpeCache layer's cache filled with random codes and scales to `context` tokens, k fetched
     rows and two query tokens: the inputs of the attention and top-k kernels at a model's shapes.
     -> (cache, its LowBitKV, Fetched, q [1, Hkv*G, 2, D])."""
-    import lowbit
-
+    import quant
     from cache import LowBitCache
     c = LowBitCache(1, Hkv, context + 128, D, dtype, device, CacheConfig("specache", bits=bits, group=group, k=k))
     for name in ("k_codes", "v_codes"):
@@ -43,9 +41,9 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
     must move, achieved GB/s, and its byte floor here and on an H100."""
     import torch.nn.functional as F
 
+    import decoding
     import kernels
     import prefetch
-    import quant
     from config import DEFAULT_ATTN_PATH
     from gpu import topk, transfer
 
@@ -56,7 +54,7 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
         if not (a.compile and device.type == "cpu"):
             return f
         torch._dynamo.reset()
-        return generate.compile_step(device, f)
+        return decoding.compiled_step(device, f)
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
 
@@ -177,7 +175,7 @@ def sweep_kernels() -> dict:
     kernel's quantized-slot paths (docs/kernels.md), each asked for by name (kernels.py's attn_path)."""
     import functools
 
-    import kernels
+    from gpu import attention
     return {path: functools.partial(attention.attention_lowbit_triton, attn_path=path) for path in ("words", "planes", "gluon")}
 
 
@@ -199,7 +197,6 @@ def sweep_rows(args, bw, device=torch.device("cuda"), dtype=torch.bfloat16, ever
     to on_row(row) as soon as it is measured."""
     import time
 
-    import kernels
     from gpu import attention
     Hkv, G, D = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.head_dim
     start, rows, skipped = time.perf_counter(), [], 0

@@ -36,14 +36,13 @@ sys.path.insert(0, str(ROOT))  # the method's modules are at the root (`python t
 
 import torch  # noqa: E402
 
-from integrations import tp  # noqa: E402
 from config import CacheConfig  # noqa: E402
-from tools.eval_report import (Results, init_cells, mean, run_cells,  # noqa: E402
-                                write_hitrate_report, write_niah_report, write_ppl_report, write_quantspec_report,
-                                write_ruler_report, write_saliency_report)
+from integrations import tp  # noqa: E402
+from tools.eval_report import (Results, init_cells, mean, run_cells, write_hitrate_report, write_niah_report,  # noqa: E402
+                               write_ppl_report, write_quantspec_report, write_ruler_report, write_saliency_report)
 from tools.replay import PrefillReplay, Recorder  # noqa: E402
-from tools.tasks import (NEEDLES, PPL_TEXTS, PROMPT_FORMS, RULER_TASKS, essay_window, niah, niah_score,  # noqa: E402
-                         render, ruler_max_new, ruler_sample, ruler_score, summary_prompt, text_ids, text_window)
+from tools.tasks import (NEEDLES, PPL_TEXTS, PROMPT_FORMS, RULER_TASKS, essay_window, niah, niah_score, render,  # noqa: E402
+                         ruler_max_new, ruler_sample, ruler_score, summary_prompt, text_ids, text_window)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the machine is shared; see cpu-toolchain notes
 
@@ -118,7 +117,7 @@ class Runner:
         """Fresh caches for one prompt, or a left-padded batch of several (row_start: each row's first real slot;
         kept in self.caches); one error line for a cache this prompt cannot hold (an InfLLM budget below its
         smallest layout, a sibling's cache and padding), the rows before it kept."""
-        from methods import setup_caches
+        from generate import setup_caches
         seq_len = self.fixed_len or seq_len
         try:
             self.caches = setup_caches(self.model, m, 1 if row_start is None else len(row_start), seq_len, row_start)
@@ -153,7 +152,7 @@ class Runner:
         if len(rows) == 1:
             text, stats = self.generate(m, rows[0], max_new)
             return [text], stats
-        from cli import left_padded
+        from generate import left_padded
         prompt, starts = left_padded(rows, 0, self.device)  # (the padding is never attended: any id)
         self.setup(m, prompt.shape[1] + max_new + 2, starts)
         decoding = self.gen.Decoding(max_new, eos_ids=frozenset(self.tok.eos_ids))

@@ -189,7 +189,6 @@ def count_launches(cache: str, layers: int = 4, context: int = 1000, steps: int 
     from triton.runtime import interpreter
 
     import generate
-    import methods
     import prefetch
     from gpu import attention, transfer
     from model import ModelArgs, Transformer
@@ -197,7 +196,7 @@ def count_launches(cache: str, layers: int = 4, context: int = 1000, steps: int 
     args = ModelArgs(name="launches", dim=8 * head_dim, n_layers=layers, n_heads=8, n_kv_heads=2, head_dim=head_dim,
                      vocab_size=512, intermediate_size=512, max_seq_len=context + steps + 8)
     model = Transformer(args).eval()
-    caches = methods.setup_caches(model, cache, 1, args.max_seq_len)
+    caches = generate.setup_caches(model, cache, 1, args.max_seq_len)
     for c in caches:
         c.custom_ops = True
     p = caches.prefetcher

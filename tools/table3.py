@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from methods import setup_caches
+from generate import setup_caches
 
 HOST_SHARE = 0.6  # of the memory available: pinned pages cannot be swapped out, and the machine needs the rest
 RUN_SHARE = 0.8  # of the free device memory, for the caches (prefill's activations and the step's take the rest)

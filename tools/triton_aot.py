@@ -46,8 +46,8 @@ import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.experimental.gluon._runtime import (GluonASTSource,  # noqa: E402 (Gluon kernels: attn_gluon.py)
-                                                GluonJITFunction)
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402 (Gluon kernels: attn_gluon.py)
+from triton.experimental.gluon._runtime import GluonJITFunction  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 from tools import kernel_cost  # noqa: E402
@@ -306,11 +306,10 @@ def cases(quick=False):
     """(name, callable) pairs. Each builds a cache of a supported configuration on CPU (cache.py) and
     calls the Triton launchers the way the decode step does, so the launchers choose blocks, bits and
     flags themselves."""
-    import kernels
     import quant
     from config import CacheConfig
+    from generate import store_class
     from gpu import attention, attn_gluon, topk, transfer
-    from methods import STORES
     from siblings import attn_views
 
     def both_paths(q, store, *args, select=0):  # the word path, and the bit-plane paths where they fit the layout
@@ -348,7 +347,7 @@ def cases(quick=False):
     def step_case(name, dtype, D, G=4, T=2, S=1024):
         def run():  # (S > 8192: the top-k merges its chunks' candidates in two rounds)
             cfg = CacheConfig.from_name(name)
-            c = STORES[cfg.scheme](1, 2, S, D, dtype, torch.device("cpu"), cfg)
+            c = store_class(cfg.scheme)(1, 2, S, D, dtype, torch.device("cpu"), cfg)
             c.n_quant.fill_(S // 2)
             c.res_len.fill_(3)
             q = torch.zeros(1, 2 * G, T, D, dtype=dtype)

@@ -10,8 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from generate import setup_caches  # noqa: E402
 from integrations import hf  # noqa: E402
-from methods import setup_caches  # noqa: E402
 
 SEQ = 32698 + 16 + 1  # generate.py's caches: prompt + new tokens + one step's lookahead
 
