@@ -162,7 +162,7 @@ class LowBitCache(nn.Module):
       v_codes [B,Hkv,S+R,D*bits/8] u8, v_scale/v_zero [B,Hkv,S+R,D/group]     values per token
       k_res/v_res [B,Hkv,R+max_step_tokens,D]: the residual window; decode writes the step's tokens here first.
     Another quantizer (config.scheme) is a subclass in its own file: it adds its buffers and overrides
-    `quantize` (and `stored`, what the kernels read of them); methods.setup_caches picks it.
+    `quantize` (and `stored`, what the kernels read of them); generate.setup_caches picks it.
     """
     scheme = "kivi"  # the config.scheme this class quantizes by
     one_attn_path: Optional[str] = None  # a store read by a kernel of its own: the one path that kernel has
@@ -174,7 +174,7 @@ class LowBitCache(nn.Module):
         config = config.validated(head_dim)
         if config.scheme != self.scheme:
             raise ValueError(f"cache {config.name}: the {config.scheme} quantizer has its own cache class "
-                             f"(methods.setup_caches builds it), not {type(self).__name__}")
+                             f"(generate.setup_caches builds it), not {type(self).__name__}")
         self.config, self.policy = config, config.policy  # (the decode loop reads the policy: generate.fetch_policy)
         self.group, self.one_bit, self.fit = config.group, config.one_bit, config.fit
         self.residual = config.residual_len
@@ -199,8 +199,11 @@ class LowBitCache(nn.Module):
         self.zeros_buffer("n_quant", (), dtype=torch.int64)
         self.zeros_buffer("res_len", (), dtype=torch.int64)
         self.meter = meter or MemoryMeter()  # counts prefill's transient fp K/V; setup_caches counts these buffers
-        self.custom_ops = None  # kernels behind their custom ops: None = on CUDA; True on CPU (tests): the CUDA graph
-        self.attn_path = check_attn_path(config.attn_path)  # which Triton kernel reads the codes (kernels.py), fixed here
+        # The attention, settled here: the Triton kernel behind its custom op on CUDA (True on CPU, the tests: the
+        # CUDA step's graph, the kernel interpreted), else the torch reference inline; and which Triton kernel
+        # reads the codes (config.ATTN_PATHS)
+        self.custom_ops = self.device.type == "cuda"
+        self.attn_path = check_attn_path(config.attn_path)
         if self.one_attn_path is not None:
             if config.attn_path not in (None, self.one_attn_path):
                 raise ValueError(f"cache {config.name}: the {self.scheme} store's codes are read on the "
@@ -307,15 +310,15 @@ class LowBitCache(nn.Module):
         self.v_res.index_copy_(2, rows, v)
 
     def attend(self, q, fetched: Optional[Fetched] = None, select: int = 0):
-        """Attention of the step's T query tokens (already appended to the residual) over
-        quantized + residual (+ fetched fp rows replacing their quantized copies); select > 0: also the
-        last `select` tokens' logits, which the selection reads (kernels.attention_lowbit)."""
-        return self.attention(q, self.stored(), self.residual_rows(q.shape[2]), fetched, select)
-
-    def attention(self, q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], select: int = 0):
-        """The low-bit attention these codes take (a sibling's store overrides it with its own kernel)."""
-        return kernels.attention_lowbit(q, store, residual, fetched, self.sm_scale, use_op=self.custom_ops,
-                                        attn_path=self.attn_path, select=select)
+        """Attention of the step's T query tokens (already appended to the residual) over quantized + residual
+        (+ fetched fp rows replacing their quantized copies) -> (out, lse); select > 0: also the last `select`
+        tokens' logits, which the selection reads (kernels.attention_lowbit_ref says what each is). A sibling's
+        store overrides it with its own kernel."""
+        store, residual = self.stored(), self.residual_rows(q.shape[2])
+        if not self.custom_ops:
+            return kernels.attention_lowbit_ref(q, store, residual, fetched, self.sm_scale, select)
+        out = kernels.attention_op(q, *kernels.op_inputs(store, residual, fetched), self.sm_scale, self.attn_path, select)
+        return out if select else out[:2]
 
     def commit_step(self, keep: int = 1):
         """Static-shape end of a decode step: the first `keep` step tokens stay; a full residual is
@@ -422,24 +425,21 @@ class SpeCache(LowBitCache):
         keep = mode == "decode"  # pre-decoding (Algorithm 2) keeps nothing: T1 comes again as the real token
         real = (k[:, :, :1], v[:, :, :1], input_pos[0]) if keep else (None, None, None)  # for the host store
         self.write_step(k, v)
-        out = self.attend_then_fetch(q, keep, real) if self.policy.ahead else self.fetch_then_attend(q, keep, real)
+        if not self.policy.ahead:
+            out = self.fetch_then_attend(q, keep, real)
+        else:  # Algorithm 3: the step's last token selects (T=1: the real token itself, `lag`), or both do (`union`)
+            self.prefetcher.wait(self.layer_idx, self.fetch_bufs())  # this layer's fetch only
+            R = q.shape[2] if self.policy.selects == "both" else 1
+            out, lse, logits = self.attend(q, self.fetched(), select=R)  # (it writes the selecting rows' logits)
+            if keep:
+                self.commit_step(keep=1)  # only the real token's KV stays
+            # The selecting rows pick the next step's rows among the quantized positions as they are after the
+            # flush (a flushed block scores by the fp rows it was attended with); the transfer overlaps the
+            # remaining layers of the step.
+            pick = self.pick(q[:, :, -R:], lse[:, :, -R:], logits)
+            self.prefetcher.start(self.layer_idx, self.fetch_bufs(), pick, *real)
         if self.layer_idx == self.prefetcher.n_layers - 1:
             self.prefetcher.end_step()
-        return out
-
-    def attend_then_fetch(self, q, keep, real):
-        """Algorithm 3: q [B,H,T,D]; the step's last token selects (T=1: the real token itself, `lag`),
-        or both tokens do (`union`). The attention writes the selecting rows' logits as it computes them."""
-        self.prefetcher.wait(self.layer_idx, self.fetch_bufs())  # this layer's fetch only
-        R = q.shape[2] if self.policy.selects == "both" else 1
-        out, lse, logits = self.attend(q, self.fetched(), select=R)
-        if keep:
-            self.commit_step(keep=1)  # only the real token's KV stays
-        # The selecting rows pick the next step's rows among the quantized positions as they are after
-        # the flush (a flushed block scores by the fp rows it was attended with); the transfer overlaps
-        # the remaining layers of the step.
-        pick = self.pick(q[:, :, -R:], lse[:, :, -R:], logits)
-        self.prefetcher.start(self.layer_idx, self.fetch_bufs(), pick, *real)
         return out
 
     def fetch_then_attend(self, q, keep, real):
@@ -460,7 +460,7 @@ class SpeCache(LowBitCache):
     def read_bytes(self, step_tokens: int = 1) -> int:
         """LowBitCache's, plus the fp rows (sinks and fetched), plus the selection's pass over the logits the
         attention wrote (4 bytes per position and selecting query row; the speculative token's: G rows a kv
-        head). Re-ranking's candidate keys cross the bus into registers (transfer.rerank_rows): bus bytes,
+        head). Re-ranking's candidate keys cross the bus into registers (prefetch.rerank_rows_ref): bus bytes,
         not device reads."""
         logits = 4 * self.k_res.shape[0] * self.prefetcher.query_heads * int(self.n_quant)
         return super().read_bytes(step_tokens) + self.ring_k.nbytes + self.ring_v.nbytes + logits
@@ -560,13 +560,13 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
     its name. A layer whose sliding window (model.args.window) is shorter keeps the window-masked
     FullCache; the others the configured cache, and SpeCache's host store holds only them.
     `store`: the LowBitCache class of the configuration's quantizer (`store_kw` to its constructor;
-    methods.setup_caches picks it), under SpeCache for the specache kind; max_step_tokens: the
+    generate.setup_caches picks it), under SpeCache for the specache kind; max_step_tokens: the
     most tokens a step feeds. row_start [B]: a left-padded batch's first real slot per row (prompts of
     different lengths, padded to the longest; None: no padding): one tensor the model and every cache read.
     Raises ValueError on what the model or the kernels cannot run."""
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind != "full" and config.scheme != store.scheme:
-        raise ValueError(f"cache {config.name}: the {config.scheme} quantizer's caches come from methods.setup_caches")
+        raise ValueError(f"cache {config.name}: the {config.scheme} quantizer's caches come from generate.setup_caches")
     args = model.args
     config = config.validated(args.head_dim)
     dims, windows, local, fetching = plan_layers(model, batch, max_seq_len,

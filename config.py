@@ -4,7 +4,7 @@
 bits, quantization group, fp residual window, fetched rows k, fetch policy, quantization scheme and the
 SpeCache options (attention sinks, re-ranking). It is built from a name such as "specache-1bit-oracle" or
 "specache-2bit-best" (a preset), or from CLI flags, and checked in one place (`validated`, by kind). Every
-entry point (generate.py, tools/eval.py, tools/bench.py, hf.py) names caches this way, and result
+entry point (generate.py, tools/eval.py, tools/bench.py, integrations/hf.py) names caches this way, and result
 tables print the canonical name (`CacheConfig.name`).
 
 `FetchPolicy` is everything a fetch policy changes: how many tokens a decode step feeds, whose
@@ -95,13 +95,13 @@ class CacheConfig:
     one_bit: str = "improved"  # 1-bit zero/scale: eq. 3 ("improved") or eq. 2 ("kivi", Table 5)
     fit: str = "range"       # zero/scale from min/max (eq. 2/3), or "lsq": least-squares refit (quant.py)
     fetch_impl: str = "uva"  # CUDA transfer: Triton gather over UVA, or "staged" (eager only)
-    attn_path: Optional[str] = None  # low-bit attention/top-k kernels: ATTN_PATHS (None: lowbit.DEFAULT_ATTN_PATH)
+    attn_path: Optional[str] = None  # low-bit attention/top-k kernels: ATTN_PATHS (None: DEFAULT_ATTN_PATH)
     sinks: int = 0           # SpeCache: the first tokens (attention sinks) kept in fp16 on the device
     rerank: int = 1          # SpeCache: low-bit candidates per fetched row, re-ranked by their fp keys (select)
     salient: float = 0.0     # ZipCache mixed precision: share of each key group's tokens kept at bits_salient
     bits_salient: int = 0    # ... their bit-width (default bits + 2)
-    page: int = 16           # quest: tokens per page of the block-retrieval baseline (quest.py); infllm: per block
-    reprs: int = 4           # infllm: representative keys per block (infllm.py)
+    page: int = 16           # quest: tokens per page of the block-retrieval baseline (baselines/quest.py); infllm: per block
+    reprs: int = 4           # infllm: representative keys per block (baselines/infllm.py)
     budget: Optional[str] = None  # infllm: its sizes from a budget: a share "1/4" or a cache name (infllm.resolve)
 
     @property
@@ -129,9 +129,9 @@ class CacheConfig:
             return "full"
         if self.kind == "quantspec":
             return "quantspec" + (f"-g{self.group}" if self.group != 64 else "")
-        if self.kind == "quest":  # quest.py's block retrieval: every field spelled out
+        if self.kind == "quest":  # baselines/quest.py's block retrieval: every field spelled out
             return f"quest-p{self.page}-k{self.k}-r{self.residual_len}" + (f"-sink{self.sinks}" if self.sinks else "")
-        if self.kind == "infllm":  # infllm.py: the sizes, or the budget they come from
+        if self.kind == "infllm":  # baselines/infllm.py: the sizes, or the budget they come from
             sizes = "" if self.budget else f"-k{self.k}-r{self.residual_len}-sink{self.sinks}"
             return f"infllm-p{self.page}{sizes}-repr{self.reprs}" + (f"@{self.budget}" if self.budget else "")
         parts = [self.kind, f"{self.bits}bit"]
@@ -321,7 +321,7 @@ class CacheConfig:
         self.check_fetches_nothing()
 
     def check_quest(self, head_dim: Optional[int]):
-        """quest.py's block retrieval: pages of fp16 rows, none quantized."""
+        """baselines/quest.py's block retrieval: pages of fp16 rows, none quantized."""
         if self.page < 1:
             self.invalid(f"the page size (pN) must be >= 1, got {self.page}")
         if self.k < self.page or self.k % self.page:
@@ -332,7 +332,7 @@ class CacheConfig:
             self.invalid(f"--sinks must be >= 0, got {self.sinks}")
 
     def check_infllm(self, head_dim: Optional[int]):
-        """infllm.py: blocks of fp16 rows, none quantized, sized by their fields or by a budget."""
+        """baselines/infllm.py: blocks of fp16 rows, none quantized, sized by their fields or by a budget."""
         if self.page < 1 or self.reprs < 1 or self.reprs > self.page:
             self.invalid(f"a block (pN, {self.page}) and its representative keys (reprN, {self.reprs}) must be 1 <= reprN <= pN")
         if self.budget is not None:
@@ -405,7 +405,7 @@ def add_cache_flags(p):
     p.add_argument("--fetch-impl", default=None, choices=list(FETCH_IMPLS), help="CUDA host-to-device transfer")
     p.add_argument("--attn-path", default=None, choices=list(ATTN_PATHS),
                    help="low-bit attention kernel on a GPU: words, bit planes, or planes in the Gluon kernel "
-                        "(default: Gluon where a launch fits it, else words; lowbit.DEFAULT_ATTN_PATH)")
+                        "(default: Gluon where a launch fits it, else words; config.DEFAULT_ATTN_PATH)")
     p.add_argument("--salient-ratio", type=float, default=None,
                    help="ZipCache mixed precision (--quant zipcache): share of tokens kept at --bits-salient (e.g. 0.4)")
     p.add_argument("--bits-salient", type=int, default=None, help="ZipCache: bits of the salient tokens (default --bits + 2)")

@@ -1,4 +1,4 @@
-"""What every decode loop shares (generate.py's and quantspec.py's): how a token is drawn
+"""What every decode loop shares (generate.py's and siblings/quantspec.py's): how a token is drawn
 (`sample`, `Decoding`), Algorithm 1's chunked prefill, and how a step becomes one compiled graph
 (`compiled_step`)."""
 import contextlib

@@ -233,7 +233,7 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
 def parse_args(argv=None, description=None):
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=None, help=f"a converted checkpoint (default {DEFAULT_CHECKPOINT.relative_to(ROOT)})")
-    p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (hf.py: Llama, Mistral, Qwen2/3, ...)")
+    p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (integrations/hf.py: Llama, Mistral, Qwen2/3, ...)")
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
     p.add_argument("--prompts-file", type=Path, help="a batch of different prompts, JSON Lines: one a line, a string "
@@ -246,7 +246,7 @@ def parse_args(argv=None, description=None):
     p.add_argument("--seed", type=int, default=0)
     cache_config.add_cache_flags(p)
     p.add_argument("--method", default="autoregressive", choices=["autoregressive", "quantspec"],
-                   help="quantspec: self-speculative decoding over the hierarchical cache (quantspec.py)")
+                   help="quantspec: self-speculative decoding over the hierarchical cache (siblings/quantspec.py)")
     p.add_argument("--gamma", type=int, default=4, help="QuantSpec: draft tokens per round")
     p.add_argument("--draft-group", type=int, default=32, help="QuantSpec: INT4 weight group of the draft (32-256)")
     p.add_argument("--prefill-chunk", type=int, default=2048)

@@ -1,7 +1,7 @@
 """Decode-time kernels over the low-bit device cache (SpeCache §3.2-3.4), as torch: what each computes, and
 the one entry point that runs its Triton kernel (gpu/) on CUDA.
 
-  attention_lowbit  attention of T new query tokens over
+  attention_lowbit_ref  attention of T new query tokens over
                       quantized slots [0, n_quant)  (codes dequantized on the fly),
                       minus the slots whose fp rows were fetched (eq. 1: C' ∪ C_K replaces C'_K),
                       plus the fetched fp rows and the fp residual window (causal among the new tokens).
@@ -30,7 +30,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from config import DEFAULT_ATTN_PATH
 from quant import Fetched, LowBitKV, Residual, Tensor
 
 LOG2E = math.log2(math.e)  # the kernels' scores are in log2 units (exp2)
@@ -190,7 +189,7 @@ def topk_exact(q_row, keys, n_quant, k, sm_scale, first: int = 0, row_start=None
 # =============================================================================================
 class Selection(NamedTuple):
     """What a layer's fetch picks its rows by (Prefetcher.start): the selecting tokens' logits that the
-    attention kernel wrote while it attended (kernels.attention_lowbit(select=R): quantized slots scored
+    attention kernel wrote while it attended (attention_lowbit_ref(select=R): quantized slots scored
     by their low-bit keys, fetched positions by their fp rows, the residual at n_quant + r), so no kernel
     reads the key codes a second time."""
     logits: Tensor  # [B,Hkv,G*R,S] fp32, log2 units; row g*R + r: query head g of the kv head, selecting token r
@@ -241,11 +240,11 @@ def select_ref(logits, lse_rows, n_quant, k: int, first: int = 0, row_start=None
 # the custom op (the CUDA path, opaque to torch.compile) and the dispatcher
 # =============================================================================================
 # The op takes the tuples' tensors flat (custom ops take tensors, not tuples): `op_inputs` / `from_op_inputs`.
-def op_inputs(store: LowBitKV, residual: Residual, fetched: Optional[Fetched]):
+def op_inputs(store: LowBitKV, residual: Residual, fetched: Optional[Fetched]) -> tuple[list, list, list]:
     f = fetched or Fetched(None, None, None, None)
-    tensors = (store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero, store.n_quant,
-               residual.k, residual.v, residual.length)
-    return tensors, (store.bits, store.group_k, store.group_v), (f.k, f.v, f.idx, f.valid, store.row_start)
+    tensors = [store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero, store.n_quant,
+               residual.k, residual.v, residual.length]
+    return tensors, [store.bits, store.group_k, store.group_v], [f.k, f.v, f.idx, f.valid, store.row_start]
 
 
 def from_op_inputs(tensors, ints, optional):
@@ -254,8 +253,10 @@ def from_op_inputs(tensors, ints, optional):
 
 
 @torch.library.custom_op("specache::attention_lowbit", mutates_args=())
-def _attention_lowbit_op(q: Tensor, tensors: list[Tensor], ints: list[int], optional: list[Optional[Tensor]],
-                         sm_scale: float, attn_path: str, select: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+def attention_op(q: Tensor, tensors: list[Tensor], ints: list[int], optional: list[Optional[Tensor]], sm_scale: float,
+                 attn_path: str, select: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """attention_lowbit_ref's (out, lse, logits) by the Triton kernels (gpu/attention.py: CUDA, or CPU tensors
+    interpreted), from op_inputs' flat tensors; attn_path: config.ATTN_PATHS; logits is empty when select is 0."""
     from gpu.attention import attention_lowbit_triton
     out = attention_lowbit_triton(q, *from_op_inputs(tensors, ints, optional), sm_scale, attn_path=attn_path,
                                   select=select)
@@ -270,20 +271,6 @@ def attention_fake(q, tensors, select):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), logits
 
 
-@_attention_lowbit_op.register_fake
+@attention_op.register_fake
 def _(q, tensors, ints, optional, sm_scale, attn_path, select=0):
     return attention_fake(q, tensors, select)
-
-
-def attention_lowbit(q, store: LowBitKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None,
-                     attn_path=DEFAULT_ATTN_PATH, select=0):
-    """-> (out [B,H,T,D] in q.dtype, lse [B,H,T] fp32 natural-log logsumexp of the scaled scores), and with
-    select > 0 the last `select` tokens' logits [B,Hkv,G*select,S] for the selection (selection_logits).
-    use_op: run the Triton kernel behind its custom op (default: on CUDA); True on CPU tensors gives a
-    compiled CPU step the CUDA step's graph, the kernel interpreted (TRITON_INTERPRET=1, tests). attn_path:
-    the Triton kernels' path (config.ATTN_PATHS), which a cache fixes when it is built (LowBitCache.attention)."""
-    if q.is_cuda if use_op is None else use_op:
-        tensors, ints, optional = op_inputs(store, residual, fetched)
-        out = _attention_lowbit_op(q, list(tensors), list(ints), list(optional), float(sm_scale), attn_path, select)
-        return out if select else out[:2]
-    return attention_lowbit_ref(q, store, residual, fetched, sm_scale, select)

@@ -1,6 +1,6 @@
 """What the caches hold, in bytes: the one place a 16-bit deployment's bytes are counted (deployed_nbytes), the
 device bytes over time (MemoryMeter), and the 16-bit cache every low-bit figure is compared with (kv_fp16_bytes).
-cache.py's caches count their own buffers with these; the baselines' caches (quest.py, infllm.py) too."""
+cache.py's caches count their own buffers with these; the baselines' caches (baselines/) too."""
 from contextlib import contextmanager
 from dataclasses import dataclass
 

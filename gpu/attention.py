@@ -361,7 +361,7 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     assert store.k_scale.shape[2] * store.group_k == S, "quantized slots must be a whole number of key groups"
     path = "words" if quantized is not None else launch_path(check_attn_path(attn_path), q, store, M)  # (its own programs)
     if path != "words" and not planes_fit(store, D, M):
-        raise ValueError(f"the {path} attention path does not take this cache layout (lowbit.planes_fit)")
+        raise ValueError(f"the {path} attention path does not take this cache layout (planes_fit)")
     gluon = path == "gluon"
     if gluon:  # attn_gluon runs the quantized programs (a split: whole warps' key groups); imported here: only Gluon needs it
         from gpu import attn_gluon
@@ -395,9 +395,12 @@ def attention_lowbit_triton(q, store: LowBitKV, residual: Residual, fetched: Opt
     dims = dict(HAS_FETCH=f is not None, DOT=dot_precision(q.dtype), UPCAST=interpreter_upcast(q.dtype), BLOCK_D=BLOCK_D,
                 BLOCK_F=64, SEL=select)
     if gluon or quantized is not None:  # another kernel's quantized programs, then the fp rows' program alone
-        if gluon:
-            attn_gluon.launch(q, store, k_codes, v_codes, f, out_part, lse_part, logits, qk_scale, n_splits, split_len,
-                              NS, select)
+        if gluon:  # the quantized programs (bh, split < n_splits): each warp its own key groups
+            attn_gluon.attn_planes_gluon[(BH, n_splits)](
+                q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero), *fp[:4],
+                out_part, lse_part, logits, qk_scale, S, D, T, M, K, Hkv, split_len, NS, BITS=store.bits,
+                GROUP_K=store.group_k, NGV=D // min(store.group_v, D), HAS_FETCH=f is not None, BLOCK_M=8 if M <= 8 else 16,
+                BLOCK_D=D, BLOCK_K=max(32, BLOCK_K), NW=attn_gluon.WARPS, SEL=select, num_warps=attn_gluon.WARPS)
         else:
             quantized(q, f, out_part, lse_part, logits, qk_scale, n_splits, split_len, NS, BLOCK_M, BLOCK_K, select,
                       **{**decode, **launch})

@@ -2,7 +2,7 @@
 layouts) so that no operand goes through shared memory and each warp owns whole key groups.
 
 Its torch reference is kernels.attention_lowbit_ref (key_logits / value_sum); it computes the same
-partials as kernels._attn_words_kernel's programs split < n_splits, and kernels.py's launcher runs it
+partials as gpu/attention.py's _attn_words_kernel programs split < n_splits, and that module's launcher runs it
 in their place where `fits` holds (docs/kernels.md: its static cost, and what is not yet verified).
 Gluon does not run under TRITON_INTERPRET=1: there the Triton plane path stands in, and
 tests/test_kernels.py checks this kernel's arithmetic with a torch model of it (`plane_constants`).
@@ -19,7 +19,6 @@ What is different from the Triton plane path, and why:
   - the keys' zero term and the codes' offset come from two small MMAs (N = 8) instead of reductions.
 """
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -157,7 +156,7 @@ def _value_group(acc, p, ps_scale, zv, alpha_t, vbytes, V4: gl.constexpr, LA: gl
 
 
 @gluon.jit
-def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, row_start, f_idx, f_valid,
+def attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_quant_ptr, row_start, f_idx, f_valid,
                        out_part, lse_part, logits, qk_scale, S, D, T, M, K, Hkv, SPLIT_LEN, NS,
                        BITS: gl.constexpr, GROUP_K: gl.constexpr, NGV: gl.constexpr, HAS_FETCH: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -280,7 +279,7 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
             word = gl.reduce(hit, 1, _or)  # [NW]
             word = gl.expand_dims(gl.expand_dims(gl.convert_layout(word, gl.SliceLayout(1, SL)), 1), 2)  # [NW, 1, 1]
             keep = keep & (((word >> sn.to(gl.int64)) & 1) == 0)
-        if SEL > 0:  # the selecting rows' scores, for the selection after this attention (topk.select_triton)
+        if SEL > 0:  # the selecting rows' scores, for the selection after this attention (gpu/topk.py)
             gl.store(lbase + (lrows + tok), s, mask=keep & lrows_ok)
         s = gl.where(keep, s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, 2))
@@ -340,25 +339,6 @@ def _attn_planes_gluon(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_
 @gluon.jit
 def _or(a, b):
     return a | b
-
-
-def launch(q, store, k_codes, v_codes, fetched, out_part, lse_part, logits, sm_scale_log2, n_splits, split_len, NS,
-           select=0):
-    """The quantized programs (bh, split < n_splits) of one attention step; kernels.py launches the rest."""
-    B, H, T, D = q.shape
-    Hkv, S = store.k_codes.shape[1], store.k_codes.shape[2]
-    M = (H // Hkv) * T
-    f = fetched
-    K = f.k.shape[2] if f is not None else 0
-    c = lambda x: x.contiguous() if x is not None else q  # noqa: E731
-    _attn_planes_gluon[(B * Hkv, n_splits)](
-        q, k_codes, c(store.k_scale), c(store.k_zero), v_codes, c(store.v_scale), c(store.v_zero),
-        c(store.n_quant), store.starts().contiguous(), c(f.idx) if f else q,
-        f.valid.contiguous().view(torch.uint8) if f else q, out_part, lse_part, logits, sm_scale_log2, S, D, T, M, K, Hkv,
-        split_len, NS,
-        BITS=store.bits, GROUP_K=store.group_k, NGV=D // min(store.group_v, D), HAS_FETCH=f is not None,
-        BLOCK_M=8 if M <= 8 else 16, BLOCK_D=D,
-        BLOCK_K=max(32, triton.next_power_of_2(max(K, 1))), NW=WARPS, SEL=select, num_warps=WARPS)
 
 
 WARPS = 2  # each warp its own key group: more warps add groups in flight, not registers per thread

@@ -1,4 +1,4 @@
-"""Triton building blocks of the decode kernels (kernels.py, topk.py, and the siblings' attention kernel)
+"""Triton building blocks of the decode kernels (gpu/attention.py, gpu/topk.py, and the siblings' attention kernel)
 that read low-bit tiles: code tiles unpacked from 32-bit words or bytes (codes_tile), the key scores
 and a key group's attention step on them, the bit-plane tiles of the attention kernel's plane path, fetched-row masks,
 the online softmax and a program's partial. Their torch counterparts are quant.py's unpacking and kernels.py's

@@ -85,13 +85,13 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, row_start, cand_k
     select_ref; candidates from FIRST past the row's first real slot, row_start[b]), its K largest in position
     order to cand_key/cand_pos. Every program then takes a ticket; the
     head's last: the K largest of the live slices' candidates, in position order, to sel_idx/sel_ok, and then
-    RECORD (the plain transfer): lay them out in the ring as transfer.record_rows does (a row the ring holds keeps
+    RECORD (the plain transfer): lay them out in the ring as prefetch.record_rows does (a row the ring holds keeps
     its slot; the others take the freed slots in order) into fetch_idx/fetch_valid [.., RING] from slot OFF, and
     give the transfer its host row per ring slot, slot_rows (-1: keep); `where` [BH, S] is its scratch. STAGE_Q
     (re-ranking, whose candidates are sel_idx/sel_ok): the query rows and their lse, RS rows a head from the R
     tokens, into s_q/s_lse. HAS_NEW: the step's token new_k/new_v and new_pos into s_k/s_v/s_pos. The staged
     inputs are what the side stream reads: the step's own tensors are graph temporaries. HAS_KEEP: a batch row
-    with keep_rows[b] set selects what its ring's slots [OFF, RING) hold (transfer.held_selection), so its ring
+    with keep_rows[b] set selects what its ring's slots [OFF, RING) hold (prefetch.held_selection), so its ring
     stays as it is.
     counters [2, BH]: row 0 the tickets, zero between launches (the last program resets its head's); row 1 counts
     the launches in which a head's tickets were not exactly its N_SLICES (a counter found non-zero or lost)."""
@@ -168,7 +168,7 @@ def _select_kernel(logits, lse, l_sb, l_sh, l_sr, n_quant_ptr, row_start, cand_k
 
 @triton.jit
 def _record(where, work, sel_idx, sel_ok, fetch_idx, fetch_valid, slot_rows, offs_k, K, S):
-    """transfer.record_rows for one kv head in O(k): `where` (scratch) maps a position to the ring slot that
+    """prefetch.record_rows for one kv head in O(k): `where` (scratch) maps a position to the ring slot that
     holds it, checked against fetch_idx (entries the map never set hold garbage); `work` [2, BLOCK_K]
     holds which slots keep their row, then the free slots in order."""
     kept, free_list = work, work + offs_k.shape[0]

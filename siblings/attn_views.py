@@ -1,13 +1,13 @@
-"""The siblings' low-bit tuple and its attention: codes read through a view, beside kernels.py's
+"""The siblings' low-bit tuple and its attention: codes read through a view, beside quant.py's
 plain KIVI codes. QuantSpec's INT8 view of two 4-bit planes (16*U + L - 8, scale s4/16) and ZipCache's
 mixed precision (each key group's salient rows refined by 2^RB: 2^(RB+1) U + 2L, scale s_hi/2) and
 channel-separable values (eq. 6: the dequantized values times a per-channel scale c).
 
   ViewKV            KIVI's LowBitKV (the upper codes, scales, zeros) plus the view's parts; the same
                     methods as LowBitKV, so kernels.attention_lowbit_ref is its torch reference
-  attention_views   kernels.attention_lowbit for a ViewKV: on CUDA (or use_op) the Triton launch
+  attention_views   cache.LowBitCache.attend's attention for a ViewKV: with use_op the Triton launch
                     behind its custom op, `_attn_views_kernel` running the quantized programs and
-                    kernels.py's fp-row program and combine the rest; else the torch reference
+                    gpu/attention.py's fp-row program and combine the rest; else the torch reference
 """
 from typing import NamedTuple, Optional
 
@@ -163,7 +163,7 @@ def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_K: tl.constexpr, SEL: tl.constexpr = 0):
     """Grid (B*Hkv, n_splits): program `split` attends to quantized slots [split*SPLIT_LEN, +SPLIT_LEN)
-    below n_quant and writes (out, lse) partial `split` of NPARTS, as attention._attn_words_kernel's
+    below n_quant and writes (out, lse) partial `split` of NPARTS, as gpu/attention.py's _attn_words_kernel
     quantized programs do, reading the codes with load_codes (HIER: the INT8 view; RB > 0: the
     refinement rows of ref_map); SEL > 0: the selecting rows' scores to `logits`, as that kernel does."""
     bh = tl.program_id(0).to(tl.int64)
@@ -206,7 +206,7 @@ def _attn_views_kernel(q, k_codes, k_lo, k_scale, k_zero, v_codes, v_lo, v_scale
 
 def _code_view(store: ViewKV, D: int):
     """(WORDS, k_lo, v_lo, k_ref, v_ref): 32-bit word views of the view's parts where the plain codes are
-    words (attention.code_layout) and the refinement rows whole words too, else the bytes."""
+    words (gpu/attention.py's code_layout) and the refinement rows whole words too, else the bytes."""
     words = D & (D - 1) == 0 and (D * store.kv.bits) % 32 == 0 and (D * store.ref_bits) % 32 == 0
     view = (lambda t: None if t is None else t.contiguous().view(torch.int32)) if words else \
         (lambda t: None if t is None else t.contiguous())
@@ -216,7 +216,7 @@ def _code_view(store: ViewKV, D: int):
 
 def launch(store: ViewKV, q, fetched, out_part, lse_part, logits, qk_scale, n_splits: int, split_len: int, NS: int,
            BLOCK_M: int, BLOCK_K: int, select: int = 0, **launch):
-    """The quantized programs (bh, split < n_splits) of one attention step (attention.attention_lowbit_triton
+    """The quantized programs (bh, split < n_splits) of one attention step (gpu/attention.py's attention_lowbit_triton
     launches the rest), then ZipCache's channel scale on their partials (eq. 6)."""
     B, H, T, D = q.shape
     s = store.kv
@@ -239,14 +239,14 @@ def launch(store: ViewKV, q, fetched, out_part, lse_part, logits, qk_scale, n_sp
 
 def attention_views_triton(q, store: ViewKV, residual: Residual, fetched: Optional[Fetched], sm_scale, select=0,
                            **launch_kw):
-    """attention.attention_lowbit_triton with this module's quantized programs."""
+    """gpu/attention.py's attention_lowbit_triton with this module's quantized programs."""
     def quantized(*args, **kw):
         return launch(store, *args, **kw)
     return attention.attention_lowbit_triton(q, store.kv, residual, fetched, sm_scale, select=select,
                                            quantized=quantized, **launch_kw)
 
 
-# The op takes the tuples' tensors flat (lowbit.op_inputs), the view's parts after them.
+# The op takes the tuples' tensors flat (kernels.op_inputs), the view's parts after them.
 @torch.library.custom_op("specache::attention_views", mutates_args=())
 def _attention_views_op(q: Tensor, tensors: list[Tensor], ints: list[int], optional: list[Optional[Tensor]],
                         view: list[Optional[Tensor]], view_ints: list[int], sm_scale: float,
@@ -261,12 +261,14 @@ def _(q, tensors, ints, optional, view, view_ints, sm_scale, select=0):
     return kernels.attention_fake(q, tensors, select)
 
 
-def attention_views(q, store: ViewKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op=None, select=0):
-    """kernels.attention_lowbit for a store read through a view (same results, same arguments)."""
-    if q.is_cuda if use_op is None else use_op:
+def attention_views(q, store: ViewKV, residual: Residual, fetched: Optional[Fetched], sm_scale, use_op: bool,
+                    select=0):
+    """cache.LowBitCache.attend's attention for a store read through a view (same results, same arguments):
+    use_op, the Triton kernel behind its custom op (the cache's custom_ops), else the torch reference."""
+    if use_op:
         tensors, ints, optional = op_inputs(store.kv, residual, fetched)
         view = [store.k_codes_lo, store.v_codes_lo, store.v_chan, store.k_ref, store.v_ref, store.ref_map]
-        out = _attention_views_op(q, list(tensors), list(ints), list(optional), view, [store.ref_bits, store.n_ref],
-                                  float(sm_scale), select)
+        out = _attention_views_op(q, tensors, ints, optional, view, [store.ref_bits, store.n_ref], float(sm_scale),
+                                  select)
         return out if select else out[:2]
     return kernels.attention_lowbit_ref(q, store, residual, fetched, sm_scale, select)

@@ -203,7 +203,12 @@ class HierCache(LowBitCache):
             return ViewKV(super().stored(), k_codes_lo=self.k_codes_lo, v_codes_lo=self.v_codes_lo)
         return ViewKV(super().stored())
 
+    def attend(self, q, fetched=None, select: int = 0):
+        """LowBitCache.attend through this store's views (attn_views' kernel)."""
+        return self.attention(q, self.stored(), self.residual_rows(q.shape[2]), fetched, select)
+
     def attention(self, q, store: ViewKV, residual, fetched, select: int = 0):
+        """The attention over a view of the store (QuantSpec's draft reads the INT4 one)."""
         return attention_views(q, store, residual, fetched, self.sm_scale, use_op=self.custom_ops, select=select)
 
     def quantize(self, k, v, row0, first_group):

@@ -161,9 +161,6 @@ class ZipCache(LowBitCache):
                      n_ref=self.n_ref) if self.mixed else {}
         return ViewKV(super().stored(), v_chan=self.v_chan_scale, **mixed)
 
-    def attention(self, q, store: ViewKV, residual, fetched, select: int = 0):
-        return attention_views(q, store, residual, fetched, self.sm_scale, use_op=self.custom_ops, select=select)
-
     # ---- the quantizer ---------------------------------------------------------------------------
     def channel_scale(self, v):
         """Eq. 6's c: the first quantized block sets it (n_quant == 0), later blocks keep it."""
@@ -234,7 +231,9 @@ class ZipCache(LowBitCache):
                 buf.index_fill_(2, rows, 0.0)
 
     def attend(self, q, fetched: Optional[Fetched] = None, select: int = 0):
-        out = super().attend(q, fetched, select)
+        """LowBitCache.attend through this store's views (attn_views' kernel)."""
+        out = attention_views(q, self.stored(), self.residual_rows(q.shape[2]), fetched, self.sm_scale,
+                              use_op=self.custom_ops, select=select)
         if self.mixed:  # the real token is a saliency probe (a policy attending twice counts it twice: same ratio)
             self.accumulate_saliency(q[:, :, :1], out[1][:, :, :1])
         return out

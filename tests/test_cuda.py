@@ -51,6 +51,13 @@ def on(x, device=DEV, float_dtype=None):
     return type(x)(*(on(v, device, float_dtype) for v in x))  # a NamedTuple
 
 
+def op_attention(q, store, residual, fetched, sm_scale):
+    """The attention behind its custom op, as the decode step calls it (cache.LowBitCache.attend)."""
+    if isinstance(store, ViewKV):
+        return attn_views.attention_views(q, store, residual, fetched, sm_scale, use_op=True)
+    return kernels.attention_op(q, *kernels.op_inputs(store, residual, fetched), sm_scale, "auto", 0)[:2]
+
+
 # ---- kernels -------------------------------------------------------------------------------------
 # attn_path None: the launcher's default (DEFAULT_ATTN_PATH: Gluon where the launch fits it, else words;
 # the custom op as the decode step calls it on a GPU); "planes": the Triton bit-plane path wherever the layout
@@ -66,8 +73,7 @@ def test_attention_kernel_matches_the_reference(case, attn_path):
     if not ON_GPU:
         got = triton_attention(c, attn_path=attn_path)
     elif attn_path is None:  # the custom op, as the decode step calls it
-        attend = attn_views.attention_views if view else kernels.attention_lowbit
-        got = attend(on(c.q), on(c.store), on(c.residual), on(c.fetched), c.sm_scale)
+        got = op_attention(on(c.q), on(c.store), on(c.residual), on(c.fetched), c.sm_scale)
     else:
         got = attention.attention_lowbit_triton(*on(c).args(), attn_path=attn_path)
     torch.testing.assert_close(got[0].cpu(), want[0], **tol(want[0].dtype, 1e-5))

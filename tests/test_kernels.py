@@ -196,7 +196,7 @@ def test_all_rows_fetched_is_exact_attention(bits):
     perm = torch.stack([torch.randperm(n_quant) for _ in range(B * Hkv)]).reshape(B, Hkv, n_quant)
     gather = lambda x: torch.gather(x, 2, perm[..., None].expand(-1, -1, -1, D))  # noqa: E731
     fetched = Fetched(gather(c.fp["k"]), gather(c.fp["v"]), perm, torch.ones(B, Hkv, n_quant, dtype=torch.bool))
-    out, lse = kernels.attention_lowbit(c.q, c.store, c.residual, fetched, c.sm_scale)
+    out, lse = kernels.attention_lowbit_ref(c.q, c.store, c.residual, fetched, c.sm_scale)
     keys = torch.cat([c.fp["k"][:, :, :n_quant], c.residual.k[:, :, :res_len]], 2).repeat_interleave(G, 1)
     vals = torch.cat([c.fp["v"][:, :, :n_quant], c.residual.v[:, :, :res_len]], 2).repeat_interleave(G, 1)
     causal = torch.arange(n_quant + res_len) < n_quant + res_len - T + 1 + torch.arange(T)[:, None]
@@ -545,11 +545,11 @@ def test_triton_custom_ops_opcheck():
     without the selection's logits."""
     c = make_case(G=3, T=2, S=128, n_quant=64, fetch=4)
     tensors, ints, optional = kernels.op_inputs(c.store, c.residual, c.fetched)
-    got = kernels._attention_lowbit_op(c.q, list(tensors), list(ints), list(optional), c.sm_scale, "words")
+    got = kernels.attention_op(c.q, list(tensors), list(ints), list(optional), c.sm_scale, "words")
     torch.testing.assert_close(got[:2], kernels.attention_lowbit_ref(*c.args()), atol=1e-4, rtol=1e-4)
     tests = ("test_schema", "test_faketensor")
     for select in (0, 2):
-        torch.library.opcheck(kernels._attention_lowbit_op, (c.q, list(tensors), list(ints), list(optional),
+        torch.library.opcheck(kernels.attention_op, (c.q, list(tensors), list(ints), list(optional),
                                                              c.sm_scale, "words", select), test_utils=tests)
 
 
@@ -581,10 +581,10 @@ def test_triton_attention_op_fake_has_the_real_strides():
     q = c.q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B,T,H,D] memory
     assert not q.is_contiguous()
     tensors, ints, optional = kernels.op_inputs(c.store, c.residual, c.fetched)
-    real = kernels._attention_lowbit_op(q, list(tensors), list(ints), list(optional), c.sm_scale, "words")
+    real = kernels.attention_op(q, list(tensors), list(ints), list(optional), c.sm_scale, "words")
     with FakeTensorMode() as mode:
         fake_in = [mode.from_tensor(x) for x in tensors]
-        fake = kernels._attention_lowbit_op(mode.from_tensor(q), fake_in, list(ints), list(optional), c.sm_scale,
+        fake = kernels.attention_op(mode.from_tensor(q), fake_in, list(ints), list(optional), c.sm_scale,
                                             "words")
     for r, f in zip(real, fake):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
@@ -600,7 +600,7 @@ def test_kernels_interpreted_in_fresh_process():
 
 # ---- torch.compile (CPU path: the references inline) ----------------------------------------------
 def decode_step(c: Case, k: int):
-    out, lse, logits = kernels.attention_lowbit(*c.args(), select=1)
+    out, lse, logits = kernels.attention_lowbit_ref(*c.args(), select=1)
     idx, valid = kernels.select_ref(logits, lse[:, :, -1:], c.store.n_quant, k)
     ring_k, ring_v = (torch.empty(*idx.shape, c.residual.k.shape[3]) for _ in range(2))
     prefetch.transfer_rows_ref(c.residual.k, c.residual.v, ring_k, ring_v, torch.remainder(idx, c.residual.length), None, None, None)

@@ -392,11 +392,11 @@ def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=
     kw = dict(batch=1, max_seq_len=128, bits=1, group=16, residual=32, k=8, rerank=rerank, sinks=sinks)
     caches = setup(model, "specache", **kw)
     for c in caches:
-        c.custom_ops = custom_ops or None
+        c.custom_ops = custom_ops
     ref, _ = run_generate(model, prompt, new_tokens, caches.config)
     caches = setup(model, "specache", **kw)
     for c in caches:
-        c.custom_ops = custom_ops or None
+        c.custom_ops = custom_ops
     log = fake_async(caches.prefetcher, delay=0.002, join_each_step=join_each_step)
     got, _ = run_generate(model, prompt, new_tokens, caches.config, step_fn=step_fn)
     return ref, got, log

@@ -79,16 +79,14 @@ def kernel_rows(model, context: int, a, bw) -> list[dict]:
         c, store, fetched, q2 = lowbit_kernel_case(Hkv, G, D, context, bits, dtype, device, g, group=a.group or 64,
                                                    k=a.k or 64)
         K, idx = fetched.idx.shape[2], fetched.idx
-        attn = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale,
-                                                     attn_path=a.attn_path))
+        c.attn_path = a.attn_path or DEFAULT_ATTN_PATH  # (the cache's attention: the op on CUDA, the reference on CPU)
+        attn = wrap(lambda: c.attend(q2, fetched))
         fbytes = fetched.k.nbytes + fetched.v.nbytes + idx.nbytes
         path = f", {a.attn_path or DEFAULT_ATTN_PATH}" if device.type == "cuda" else ""
         add(f"{bits}-bit attention (2 tokens, {K} fetched{path})", attn, c.read_bytes(2) + fbytes)
         victim = victim or (f"{bits}-bit attention", attn, c.read_bytes(2) + fbytes)
-        attn_sel = wrap(lambda: kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale,
-                                                         attn_path=a.attn_path, select=1))
-        _, lse, logits = kernels.attention_lowbit(q2, store, c.residual_rows(2), fetched, c.sm_scale, attn_path=a.attn_path,
-                                                  select=1)
+        attn_sel = wrap(lambda: c.attend(q2, fetched, select=1))
+        _, lse, logits = c.attend(q2, fetched, select=1)
         add(f"{bits}-bit attention + the speculative token's logits{path}", attn_sel, c.read_bytes(2) + fbytes,
             f"+ {logits.nbytes:,} B of logits written")
         ring = (torch.full((1, Hkv, K), -1, device=device), torch.zeros(1, Hkv, K, dtype=torch.bool, device=device), 0,

@@ -34,7 +34,7 @@ LOOPS = {
     "_attn_planes_kernel": [("quantized", "GROUP_K", "token", None), ("fetched", "BLOCK_F", "row", "HAS_FETCH"),
                             ("residual", "BLOCK_F", "row", None)],
     "_attn_fp_rows_kernel": [("fetched", "BLOCK_F", "row", "HAS_FETCH"), ("residual", "BLOCK_F", "row", None)],
-    "_attn_planes_gluon": [("quantized", ("GROUP_K", "NW"), "token", None)],
+    "attn_planes_gluon": [("quantized", ("GROUP_K", "NW"), "token", None)],
     "_attn_views_kernel": [("quantized", "GROUP_K", "token", None)],
     # (the radix rounds and the merge work on register tiles, outside any loop: counted as the kernel's rest)
     "_select_kernel": [("keys", "SLICE", "query row position", None)],
@@ -42,7 +42,7 @@ LOOPS = {
                               ("token slot", ("BLOCK_R", 4), "slot", ("HAS_NEW", "HAS_ROWS"))],
 }
 
-ATTENTION_KERNELS = ("_attn_words_kernel", "_attn_planes_kernel", "_attn_fp_rows_kernel", "_attn_planes_gluon",
+ATTENTION_KERNELS = ("_attn_words_kernel", "_attn_planes_kernel", "_attn_fp_rows_kernel", "attn_planes_gluon",
                      "_attn_views_kernel")
 
 # kernel -> (budget per item, item, the minimum it is 4x of: what it counts)
@@ -50,7 +50,7 @@ BUDGETS = {
     "_attn_words_kernel": (24.0, "KV token", "5.9: codes 0.1 loads + 4 unpack + 1 MMA + 0.75 softmax (every loop: 24)"),
     "_attn_planes_kernel": (24.0, "KV token", "as _attn_words_kernel's"),
     "_attn_fp_rows_kernel": (24.0, "KV token", "the fp rows' loops (as _attn_words_kernel's)"),
-    "_attn_planes_gluon": (24.0, "KV token", "the attention's quantized slots (as _attn_words_kernel's)"),
+    "attn_planes_gluon": (24.0, "KV token", "the attention's quantized slots (as _attn_words_kernel's)"),
     "_attn_views_kernel": (24.0, "KV token", "the siblings' quantized slots (as _attn_words_kernel's)"),
     "_select_kernel": (4.0, "position", "1.0: keys 0.3 (G = 4 logits, exp2, sum, key, store, count) + 3 rounds x 0.15 "
                                         "(digit, count, from registers) + collect 0.25 (compare, a scan, store)"),
@@ -106,13 +106,13 @@ def step_shape(row) -> Optional[tuple[int, dict, int, str]]:
     H, nq = s["Hkv"], s["n_quant"]
     splits = min(nq // (_cx(row, "GROUP_K") or 1), 4 * s["sms"] // H)
     if kern in ("_attn_words_kernel", "_attn_planes_kernel", "_attn_fp_rows_kernel"):
-        quant = kern != "_attn_fp_rows_kernel"  # (the fp rows' program alone: beside _attn_planes_gluon or _attn_views_kernel)
+        quant = kern != "_attn_fp_rows_kernel"  # (the fp rows' program alone: beside attn_planes_gluon or _attn_views_kernel)
         loops = dict(quantized=nq * H if quant else 0, fetched=s["k"] * H if _cx(row, "HAS_FETCH") else 0,
                      residual=s["res_len"] * H)
         return H * (splits * quant + 1), loops, sum(loops.values()), "KV token"
     if kern == "_attn_views_kernel":
         return H * splits, dict(quantized=nq * H), nq * H, "KV token"
-    if kern == "_attn_planes_gluon":
+    if kern == "attn_planes_gluon":
         splits = -(-splits // _cx(row, "NW"))  # (a split is a whole number of its warps' groups)
         return H * splits, dict(quantized=nq * H), nq * H, "KV token"
     if kern == "_attn_combine_kernel":

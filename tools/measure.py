@@ -220,7 +220,7 @@ KERNEL_CLASSES = (("transfer", ("_transfer_rows_kernel", "_rerank_score_kernel",
                                 "_rerank_pick_kernel")),
                   ("selection", ("_select_kernel",)),
                   ("attention", ("_attn_words_kernel", "_attn_planes_kernel", "_attn_fp_rows_kernel", "_attn_combine_kernel",
-                                 "_attn_planes_gluon", "_attn_views_kernel", "flash", "fmha", "sdpa", "attention")),
+                                 "attn_planes_gluon", "_attn_views_kernel", "flash", "fmha", "sdpa", "attention")),
                   ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "_mm_", "matmul")),
                   ("quantizer", ("bitwise", "round", "pack")),  # (inductor's fused kernels of quant.py's ops)
                   ("copy", ("memcpy", "memset", "copy", "fill")))

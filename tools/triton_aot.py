@@ -221,7 +221,7 @@ def loop_loads(sass_text: str) -> dict:
 
 # What one iteration of a kernel's hot loop processes, in KV tokens: the constexpr that sets it.
 TOKENS_PER_ITERATION = {"_attn_words_kernel": "GROUP_K", "_attn_planes_kernel": "GROUP_K", "_select_kernel": "SLICE",
-                        "_attn_planes_gluon": ("GROUP_K", "NW"), "_attn_views_kernel": "GROUP_K"}
+                        "attn_planes_gluon": ("GROUP_K", "NW"), "_attn_views_kernel": "GROUP_K"}
 # Which innermost loop is the hot one (default: the longest). The attention kernel's loop over the
 # quantized slots is its first (the then-branch of `split < n_splits`; the fetched and residual fp-row
 # loops follow it), and need not be its longest.
