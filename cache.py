@@ -144,7 +144,7 @@ class FullCache(nn.Module):
         return self.k_cache.nbytes + self.v_cache.nbytes
 
     def deployed_bytes(self) -> int:
-        return deployed_nbytes(self.k_cache, self.v_cache)  # (row_start: the batch's, counted by KVCaches)
+        return deployed_nbytes(self.k_cache, self.v_cache)  # (row_start: the batch's positions, not KV bytes)
 
     def host_bytes(self) -> int:
         return 0
@@ -470,11 +470,9 @@ class SpeCache(LowBitCache):
 class KVCaches(list):
     """The caches setup_caches gave a model's layers, in layer order, with what they hold and move."""
 
-    def __init__(self, config: CacheConfig, layers: list, prefetcher: Optional[Prefetcher], meter: MemoryMeter,
-                 row_start: Optional[torch.Tensor] = None):
+    def __init__(self, config: CacheConfig, layers: list, prefetcher: Optional[Prefetcher], meter: MemoryMeter):
         super().__init__(layers)
         self.config, self.prefetcher, self.meter = config, prefetcher, meter
-        self.row_start = row_start  # [B] a left-padded batch's first real slot per row (setup_caches)
 
     def device_bytes(self) -> int:
         """KV bytes on the compute device (every buffer the caches allocated)."""
@@ -593,6 +591,6 @@ def setup_caches(model, config: CacheConfig | str = "specache", batch: int = 1, 
             return fetching_cache(fetching.index(i), prefetcher, *dims, config, meter=meter, row_start=row_start)
         return store(*dims, config, meter=meter, row_start=row_start, **store_kw)
 
-    caches = KVCaches(config, model.setup_caches(make, row_start), prefetcher, meter, row_start)
+    caches = KVCaches(config, model.setup_caches(make, row_start), prefetcher, meter)
     meter.alloc(caches.device_bytes())
     return caches

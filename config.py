@@ -1,6 +1,6 @@
 """The one way to name a KV cache configuration, and what each fetch policy does.
 
-`CacheConfig` is what a cache is: kind (full, kivi, specache; the siblings quantspec, quest, infllm),
+`CacheConfig` is what a cache is: kind (full, kivi, specache; the sibling quantspec; the baselines quest, infllm),
 bits, quantization group, fp residual window, fetched rows k, fetch policy, quantization scheme and the
 SpeCache options (attention sinks, re-ranking). It is built from a name such as "specache-1bit-oracle" or
 "specache-2bit-best" (a preset), or from CLI flags, and checked in one place (`validated`, by kind). Every
@@ -12,7 +12,7 @@ attention picks the rows and when they move (cache.SpeCache.forward runs that), 
 loop does around the steps (generate.generate reads `step_tokens`, `pre_decode` and `resync`).
 """
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import quant
@@ -23,10 +23,11 @@ SCHEME_BITS = {"kivi": quant.BITS, "zipcache": quant.BITS, "quantspec": (4, 8)} 
 FETCH_IMPLS = ("uva", "staged")
 ATTN_PATHS = ("words", "planes", "gluon")  # the low-bit kernels' reads of the codes (DEFAULT_ATTN_PATH)
 # Attention paths over the quantized slots: "words" (32-bit words unpacked by shifts), "planes" (bit-plane tiles),
-# "gluon" (plane tiles in attn_gluon's kernel, compiled 16-bit launches). The default, "auto", is Gluon where a
-# launch fits it (on a GPU: the fastest path in every row of the H200 run, docs/gpu.md) and words elsewhere (the
-# interpreter, fp32, layouts Gluon cannot take): kernels.launch_path decides per launch, from its shapes.
-DEFAULT_ATTN_PATH = "auto"  # (config.ATTN_PATHS names the others)
+# "gluon" (plane tiles in gpu/attn_gluon.py's kernel, compiled 16-bit launches). The default, "auto", is Gluon where
+# a launch fits it (no operand through shared memory: docs/kernels.md; docs/gpu.md has its times) and words elsewhere
+# (the interpreter, fp32, layouts Gluon cannot take): gpu/attention.py's launch_path decides per launch, from its
+# shapes.
+DEFAULT_ATTN_PATH = "auto"  # (ATTN_PATHS names the others)
 
 
 def check_attn_path(attn_path: Optional[str]) -> str:
@@ -70,7 +71,7 @@ NO_FETCH = FetchPolicy("none", step_tokens=1, pre_decode=False)  # the full, KIV
 # Presets (--preset NAME, or NAME as a part of a cache name): defaults for a SpeCache configuration;
 # the name's other parts and explicit flags win over them. "paper" is Algorithm 3 with §4.1's settings
 # (the default); "best" is every choice the measurements on the default model favour (docs/policies.md:
-# hit rates, perplexity, NIAH and RULER, and the H100 step times). Its k 64 rows are re-ranked from 2k
+# hit rates, perplexity, NIAH and RULER, and the GPU step times). Its k 64 rows are re-ranked from 2k
 # low-bit candidates by their fp keys, which moves 1.5x the paper's bus bytes (128 keys + 64 values).
 PRESETS = {
     "paper": dict(fetch="speculative", group=64, k=64, residual=None, sinks=0),
@@ -117,11 +118,6 @@ class CacheConfig:
     def policy(self) -> FetchPolicy:
         """What the fetch policy does (NO_FETCH for the caches that fetch nothing)."""
         return POLICIES[self.fetch] if self.kind == "specache" else NO_FETCH
-
-    @property
-    def two_tokens(self) -> bool:
-        """Does a decode step feed [real, speculative] tokens?"""
-        return self.policy.step_tokens == 2
 
     @property
     def name(self) -> str:
@@ -369,9 +365,6 @@ class CacheConfig:
         if self.salient:
             per_token += 2 * head_dim * (self.bits_salient - self.bits) / 8 * self.n_ref / self.group + 1
         return 8 * per_token / (2 * head_dim)
-
-    def with_(self, **kw) -> "CacheConfig":
-        return replace(self, **kw).validated()
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

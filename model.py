@@ -3,8 +3,9 @@
 Everything the decode step touches is allocated up front (cache.setup_caches), positions arrive as
 an `input_pos` tensor, and the KV cache is a pluggable object owned by each attention layer: the
 layer computes q/k/v and RoPE, the cache stores k/v and returns the attention output. cache.py
-holds the caches (fp16, low-bit KIVI, SpeCache); this file knows nothing about them: it passes
-the forward's `mode` (MODES) through to them.
+holds the caches (fp16, low-bit KIVI, SpeCache; the siblings' in siblings/); this file does not look
+inside them: it passes the forward's `mode` through to them, one of MODES, the list of what the
+caches' forwards are.
 """
 import json
 import math

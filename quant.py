@@ -32,7 +32,7 @@ Tensor = torch.Tensor
 BITS = (1, 2, 4, 8)
 ONE_BIT_MODES = ("improved", "kivi")
 FITS = ("range", "lsq")  # zero/scale: from min and max (eq. 2/3), or least-squares refit of that
-LSQ_ITERS = 3  # measured on the default model's keys: 1 iteration gets most of it, 3 nearly all
+LSQ_ITERS = 3  # Lloyd's iterations: the first gets most of the fit's gain, three nearly all (docs/policies.md)
 
 
 # ---- bit packing ----------------------------------------------------------------------------------

@@ -38,21 +38,18 @@ import math
 import weakref
 from dataclasses import replace
 from fractions import Fraction
-from functools import partial
 from typing import Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import cache as kv
-from cache import FullCache, KVCaches, plan_layers, prefill_chunk
-from config import NO_FETCH, CacheConfig
-from kernels import Picked
-from kvmemory import MemoryMeter, deployed_nbytes
+from baselines.retrieval import EMPTY, RetrievalCache, build_caches
+from cache import KVCaches
+from config import CacheConfig
+from kvmemory import MemoryMeter
 from prefetch import Prefetcher
 
-EMPTY = FullCache.EMPTY  # position of a slot never written
 N_INIT = 128  # InfLLM's initial tokens (n_init) when a budget sets the sizes
 
 
@@ -140,47 +137,30 @@ def block_vectors(k, scores, reprs: int):
     return k.gather(2, top[..., None].expand(-1, -1, -1, k.shape[-1])).mean(2)
 
 
-class InfLLMCache(nn.Module):
+class InfLLMCache(RetrievalCache):
     """One global layer's cache: initial tokens, the local ring (with its tokens' representative scores),
-    the blocks' vectors and the ring of fetched rows on the device; fp16 K/V in the prefetcher's host store.
-    `layer_idx`: this layer among the prefetcher's layers."""
+    the blocks' vectors and the ring of fetched rows on the device; fp16 K/V in the prefetcher's host store."""
 
-    policy = NO_FETCH  # one token a step, nothing fetched ahead (generate.generate reads it)
+    what = "InfLLM caches"
 
     def __init__(self, layer_idx, prefetcher: Prefetcher, batch, n_kv_heads, max_seq_len, head_dim, dtype, device,
                  config: CacheConfig, n_heads: int, meter: Optional[MemoryMeter] = None):
-        super().__init__()
-        self.layer_idx, self.prefetcher, self.config = layer_idx, prefetcher, config
+        super().__init__(layer_idx, prefetcher, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, meter)
         self.page, self.sinks, self.window, self.reprs = config.page, config.sinks, config.residual_len, config.reprs
-        self.max_seq_len, self.meter = max_seq_len, meter or MemoryMeter()
         self.n_blocks = max(0, (max_seq_len - self.sinks) // self.page) + 1  # + a scratch block (none out yet)
         self.n_sel = prefetcher.k // self.page
         self.capacity = self.window + 2 * self.page - 1
         B, H, D = batch, n_kv_heads, head_dim
-
-        def buf(name, shape, fill, dt=dtype):
-            self.register_buffer(name, torch.full(shape, fill, dtype=dt, device=device), persistent=False)
-
         # 16-bit block vectors (fp16 under an fp32 model), as InfLLM keeps block_k in the model's dtype
-        buf("block_vec", (B, n_heads, self.n_blocks, D), 0, dtype if dtype.itemsize == 2 else torch.float16)
-        buf("init_k", (B, H, self.sinks, D), 0)
-        buf("init_v", (B, H, self.sinks, D), 0)
-        buf("loc_k", (B, H, self.capacity, D), 0)
-        buf("loc_v", (B, H, self.capacity, D), 0)
-        buf("loc_pos", (self.capacity,), EMPTY, torch.int64)
-        buf("loc_score", (B, n_heads, self.capacity), 0, torch.float32)
-        buf("ring_k", (B, H, prefetcher.k, D), 0)
-        buf("ring_v", (B, H, prefetcher.k, D), 0)
-        buf("ring_pos", (B, H, prefetcher.k), EMPTY, torch.int64)
-        buf("length", (), 0, torch.int64)
-        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v)
+        self.buf("block_vec", (B, n_heads, self.n_blocks, D), 0, dtype if dtype.itemsize == 2 else torch.float16)
+        self.buf("init_k", (B, H, self.sinks, D), 0)
+        self.buf("init_v", (B, H, self.sinks, D), 0)
+        self.buf("loc_k", (B, H, self.capacity, D), 0)
+        self.buf("loc_v", (B, H, self.capacity, D), 0)
+        self.buf("loc_pos", (self.capacity,), EMPTY, torch.int64)
+        self.buf("loc_score", (B, n_heads, self.capacity), 0, torch.float32)
 
-    # ---- the prefill -------------------------------------------------------------------------------------
-    def prefill(self, q, k, v, input_pos):
-        """Exact attention over the host store's earlier positions and the chunk, then the chunk stored."""
-        return prefill_chunk(self, q, k, v, input_pos, int(self.length),
-                             partial(self.prefetcher.host_prefix, self.layer_idx))
-
+    # ---- the prefill (RetrievalCache.prefill) ------------------------------------------------------------
     def append_prefill(self, k, v, input_pos, q=None):
         """A prefill chunk (eager; tools/eval.py replays a recorded prefill this way, queries included):
         to the host store; the chunk's queries add their logits to the scores of the keys they follow
@@ -215,9 +195,10 @@ class InfLLMCache(nn.Module):
         self.loc_pos[slots], self.loc_score[:, :, slots] = pos[-n:], scores[:, :, -n:]
         self.length.fill_(max(int(self.length), p1))
 
-    # ---- a decode step ---------------------------------------------------------------------------------------
-    def store(self, k, v, pos):
-        """The step's token into the ring (its score 0) and the initial tokens while pos < sinks."""
+    # ---- a decode step (RetrievalCache.forward) -------------------------------------------------------------
+    def store(self, k, v, input_pos):
+        """The step's token (input_pos [1]) into the ring (its score 0) and the initial tokens while pos < sinks."""
+        pos = input_pos[0]
         slot = (pos % self.capacity).reshape(1)
         self.loc_k.index_copy_(2, slot, k.to(self.loc_k.dtype))
         self.loc_v.index_copy_(2, slot, v.to(self.loc_v.dtype))
@@ -230,9 +211,10 @@ class InfLLMCache(nn.Module):
                 buf.index_copy_(2, at, torch.where(first, new.to(buf.dtype), buf.index_select(2, at)))
         self.length.copy_(torch.maximum(self.length, pos + 1))
 
-    def select(self, q, n_out):
-        """Rows to fetch for the query q [B,Hq,D]: the top blocks by mean_h q_h . vec_h among the n_out out
-        of the window -> (rows, valid) [B,H,k]."""
+    def select(self, q, pos):
+        """Rows to fetch for the query q [B,Hq,D] at position pos: the top blocks by mean_h q_h . vec_h among those
+        out of the window -> (rows, valid) [B,H,k]."""
+        n_out = n_blocks_out(pos, self.sinks, self.window, self.page)
         score = torch.einsum("bhd,bhnd->bn", q.float(), self.block_vec.float()) / q.shape[1]
         ok = torch.arange(self.n_blocks, device=q.device) < n_out
         blocks = torch.where(ok, score, -math.inf).topk(self.n_sel, -1).indices  # [B, n_sel]
@@ -241,29 +223,12 @@ class InfLLMCache(nn.Module):
         H = self.ring_k.shape[1]
         return rows[:, None].expand(-1, H, -1), valid[:, None].expand(-1, H, -1)
 
-    def forward(self, q, k, v, input_pos, mode="decode"):
-        if mode == "prefill":
-            return self.prefill(q, k, v, input_pos)
-        if mode != "decode" or q.shape[2] != 1:
-            raise ValueError(f"the infllm cache decodes one token a step (mode {mode!r}, {q.shape[2]} tokens)")
-        pos = input_pos[0]
-        self.store(k, v, pos)
-        n_out = n_blocks_out(pos, self.sinks, self.window, self.page)
-        rows, valid = self.select(q[:, :, 0], n_out)
-        self.ring_pos.copy_(torch.where(valid, rows, EMPTY))
-        bufs = [self.ring_k, self.ring_v]
-        self.prefetcher.start(self.layer_idx, bufs, Picked(torch.where(valid, rows, -1), valid), k, v, pos)
-        self.prefetcher.wait(self.layer_idx, bufs, now=True)
-        if self.layer_idx == self.prefetcher.n_layers - 1:
-            self.prefetcher.end_step()
-        out = self.attend(q, pos, n_out)
-        self.finish_block(pos)
-        return out
-
-    def attend(self, q, pos, n_out):
+    def attend(self, q, pos):
         """Exact attention over the initial tokens, the fetched blocks and the window (disjoint sets); its
-        probabilities over the window's last `residual` positions add to their representative scores."""
+        probabilities over the window's last `residual` positions add to their representative scores, and the
+        block the next query may fetch first gets its vector."""
         B, Hq, _, D = q.shape
+        n_out = n_blocks_out(pos, self.sinks, self.window, self.page)
         H = self.loc_k.shape[1]
         start = self.sinks + n_out * self.page  # the window's first position
         init_ok = (torch.arange(self.sinks, device=q.device) <= pos).expand(B, H, -1)
@@ -275,7 +240,9 @@ class InfLLMCache(nn.Module):
         probs = logits.masked_fill(~ok, -math.inf).softmax(-1)  # [B, Hq, sinks + k + capacity]
         window = (self.loc_pos > pos - self.window) & (self.loc_pos <= pos)
         self.loc_score.add_(torch.where(window, probs[:, :, -self.capacity:], 0.0))
-        return torch.einsum("bhn,bhnd->bhd", probs, values.float())[:, :, None].to(q.dtype)
+        out = torch.einsum("bhn,bhnd->bhd", probs, values.float())[:, :, None].to(q.dtype)
+        self.finish_block(pos)
+        return out
 
     def finish_block(self, pos):
         """The block the next query may fetch first gets its vector (the scratch block while none is out)."""
@@ -284,22 +251,6 @@ class InfLLMCache(nn.Module):
         rows = (self.sinks + j * self.page + torch.arange(self.page, device=pos.device)) % self.capacity
         vec = block_vectors(self.loc_k[:, :, rows], self.loc_score[:, :, rows], self.reprs)
         self.block_vec.index_copy_(2, j, vec[:, :, None].to(self.block_vec.dtype))
-
-    # ---- bytes -------------------------------------------------------------------------------------------------
-    def device_bytes(self) -> int:
-        """Block vectors, initial tokens, the local ring (its positions and scores), the fetched rows (theirs)."""
-        return sum(b.nbytes for b in self.buffers())
-
-    def deployed_bytes(self) -> int:
-        """device_bytes in a 16-bit deployment (kvmemory.deployed_nbytes)."""
-        return deployed_nbytes(*self.buffers())
-
-    def host_bytes(self) -> int:
-        return self.prefetcher.host_bytes_per_layer()
-
-    def read_bytes(self, step_tokens: int = 1) -> int:
-        """A step reads the block vectors, the window's keys (scores) and then all it attends over."""
-        return self.device_bytes()
 
 
 # ---- sizes from a budget -------------------------------------------------------------------------------
@@ -356,23 +307,9 @@ def smallest_rows(page: int) -> int:
 
 
 def build(model, config: CacheConfig, batch: int, max_seq_len: int) -> KVCaches:
-    args = model.args
-    dims, windows, local, fetching = plan_layers(model, batch, max_seq_len, "InfLLM caches")
-    _, _, max_seq_len, _, dtype, device = dims
-    n_blocks = max(0, (max_seq_len - config.sinks) // config.page)
-    rows = max(1, min(config.k // config.page, n_blocks)) * config.page  # k >= context fetches every block
-    prefetcher = Prefetcher(len(fetching), batch, args.n_kv_heads, max_seq_len, args.head_dim, rows, dtype, device,
-                            async_ops=False)
-    meter = MemoryMeter()
-
-    def make(i):
-        if local[i]:
-            return FullCache(*dims, sliding_window=windows[i], max_step_tokens=1, meter=meter)
-        return InfLLMCache(fetching.index(i), prefetcher, *dims, config, args.n_heads, meter=meter)
-
-    caches = KVCaches(config, model.setup_caches(make), prefetcher, meter)
-    meter.alloc(caches.device_bytes())
-    return caches
+    def fetched_rows(max_seq_len):  # whole blocks; k >= context fetches every block
+        return max(1, min(config.k // config.page, max(0, (max_seq_len - config.sinks) // config.page))) * config.page
+    return build_caches(model, config, batch, max_seq_len, InfLLMCache, fetched_rows, model.args.n_heads)
 
 
 def setup_caches(model, config: CacheConfig | str, batch: int = 1, max_seq_len: Optional[int] = None) -> KVCaches:

@@ -29,20 +29,16 @@ tensors, no data-dependent Python); on CPU the transfer is a gather and the step
 runs eagerly through the prefetcher's synchronous transfer (async_ops off).
 """
 import math
-from functools import partial
 from typing import Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import FullCache, KVCaches, plan_layers, prefill_chunk
-from config import NO_FETCH, CacheConfig
-from kernels import Picked
-from kvmemory import MemoryMeter, deployed_nbytes
+from baselines.retrieval import EMPTY, RetrievalCache, build_caches
+from cache import KVCaches
+from config import CacheConfig
+from kvmemory import MemoryMeter
 from prefetch import Prefetcher
-
-EMPTY = FullCache.EMPTY  # position of a slot never written
 
 
 def page_bounds(k: torch.Tensor, page: int):
@@ -78,40 +74,27 @@ def select_pages(scores: torch.Tensor, n_pages_sel: int, page: int, first: int, 
     return rows, (rows >= first) & (rows < end)
 
 
-class QuestCache(nn.Module):
+class QuestCache(RetrievalCache):
     """One global layer's cache: page bounds, sinks and residual window on the device, fp16 K/V in
-    the prefetcher's host store, k fetched rows in a ring. `layer_idx`: this layer among the
-    prefetcher's layers."""
+    the prefetcher's host store, k fetched rows in a ring."""
 
-    policy = NO_FETCH  # one token a step, nothing fetched ahead (generate.generate reads it)
+    what = "Quest caches"
 
     def __init__(self, layer_idx, prefetcher: Prefetcher, batch, n_kv_heads, max_seq_len, head_dim, dtype, device,
                  config: CacheConfig, meter: Optional[MemoryMeter] = None):
-        super().__init__()
-        self.layer_idx, self.prefetcher, self.config = layer_idx, prefetcher, config
+        super().__init__(layer_idx, prefetcher, batch, n_kv_heads, max_seq_len, head_dim, dtype, device, config, meter)
         self.page, self.sinks, self.residual = config.page, config.sinks, config.residual_len
-        self.max_seq_len = max_seq_len
         self.n_pages = -(-max_seq_len // self.page)
         self.n_sel = prefetcher.k // self.page
-        self.meter = meter or MemoryMeter()
         B, H, D = batch, n_kv_heads, head_dim
-
-        def buf(name, shape, fill, dt=dtype):
-            self.register_buffer(name, torch.full(shape, fill, dtype=dt, device=device), persistent=False)
-
         # 16-bit bounds, as 1-bit SpeCache's zeros/scales are (quant.quantized_bytes): fp16 under an fp32 model
         bounds = dtype if dtype.itemsize == 2 else torch.float16
-        buf("kmin", (B, H, self.n_pages, D), math.inf, bounds)
-        buf("kmax", (B, H, self.n_pages, D), -math.inf, bounds)
+        self.buf("kmin", (B, H, self.n_pages, D), math.inf, bounds)
+        self.buf("kmax", (B, H, self.n_pages, D), -math.inf, bounds)
         for name, n in (("sink", self.sinks), ("res", self.residual)):
-            buf(f"{name}_k", (B, H, n, D), 0)
-            buf(f"{name}_v", (B, H, n, D), 0)
-        buf("res_pos", (self.residual,), EMPTY, torch.int64)
-        buf("ring_k", (B, H, prefetcher.k, D), 0)
-        buf("ring_v", (B, H, prefetcher.k, D), 0)
-        buf("ring_pos", (B, H, prefetcher.k), EMPTY, torch.int64)
-        buf("length", (), 0, torch.int64)
-        prefetcher.register_ring(layer_idx, self.ring_k, self.ring_v)
+            self.buf(f"{name}_k", (B, H, n, D), 0)
+            self.buf(f"{name}_v", (B, H, n, D), 0)
+        self.buf("res_pos", (self.residual,), EMPTY, torch.int64)
 
     # ---- storing K/V ------------------------------------------------------------------------------
     def store(self, k, v, input_pos):
@@ -143,33 +126,11 @@ class QuestCache(nn.Module):
         self.prefetcher.offload(self.layer_idx, k, v, input_pos)
         self.store(k, v, input_pos)
 
-    def prefill(self, q, k, v, input_pos):
-        """Exact attention over the host store's earlier positions and the chunk, then the chunk stored."""
-        return prefill_chunk(self, q, k, v, input_pos, int(self.length),
-                             partial(self.prefetcher.host_prefix, self.layer_idx))
-
-    # ---- a decode step -------------------------------------------------------------------------------
+    # ---- a decode step (RetrievalCache.forward) ------------------------------------------------------------
     def select(self, q, pos):
         """Rows to fetch for the query q [B,Hq,D] at position pos (0-d): (rows, valid) [B,H,k]."""
         end = pos - self.residual + 1  # the window holds [end, pos]
         return select_pages(page_scores(q, self.kmin, self.kmax), self.n_sel, self.page, self.sinks, end)
-
-    def forward(self, q, k, v, input_pos, mode="decode"):
-        if mode == "prefill":
-            return self.prefill(q, k, v, input_pos)
-        if mode != "decode" or q.shape[2] != 1:
-            raise ValueError(f"the quest cache decodes one token a step (mode {mode!r}, {q.shape[2]} tokens)")
-        pos = input_pos[0]
-        self.store(k, v, input_pos)
-        rows, valid = self.select(q[:, :, 0], pos)
-        self.ring_pos.copy_(torch.where(valid, rows, EMPTY))
-        bufs = [self.ring_k, self.ring_v]
-        # the token to the host store; the selected rows (-1: not needed, the slot keeps its row) to the ring
-        self.prefetcher.start(self.layer_idx, bufs, Picked(torch.where(valid, rows, -1), valid), k, v, pos)
-        self.prefetcher.wait(self.layer_idx, bufs, now=True)
-        if self.layer_idx == self.prefetcher.n_layers - 1:
-            self.prefetcher.end_step()
-        return self.attend(q, pos)
 
     def attend(self, q, pos):
         """Exact attention over the sinks, the residual window and the fetched rows (disjoint sets)."""
@@ -183,23 +144,6 @@ class QuestCache(nn.Module):
         mask = ok.repeat_interleave(Hq // H, 1)[:, :, None, :]
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True)
 
-    # ---- bytes ------------------------------------------------------------------------------------------
-    def device_bytes(self) -> int:
-        """Bounds, sinks, residual window (and its positions), the ring of fetched rows (and theirs)."""
-        return sum(b.nbytes for b in self.buffers())
-
-    def deployed_bytes(self) -> int:
-        """device_bytes in a 16-bit deployment: the bounds as stored, the sinks', window's and ring's rows
-        at 2 bytes an element."""
-        return deployed_nbytes(*self.buffers())
-
-    def host_bytes(self) -> int:
-        return self.prefetcher.host_bytes_per_layer()
-
-    def read_bytes(self, step_tokens: int = 1) -> int:
-        """A step reads the bounds of every page, then the sinks, the window and the fetched rows."""
-        return self.device_bytes()
-
 
 def setup_caches(model, config: CacheConfig | str, batch: int = 1, max_seq_len: Optional[int] = None) -> KVCaches:
     """Every layer of `model` its cache: a QuestCache in each global layer, a windowed FullCache in a
@@ -207,20 +151,7 @@ def setup_caches(model, config: CacheConfig | str, batch: int = 1, max_seq_len: 
     config = CacheConfig.from_name(config) if isinstance(config, str) else config
     if config.kind != "quest":
         raise ValueError(f"cache {config.name}: quest.setup_caches builds the quest caches only")
-    args = model.args
-    dims, windows, local, fetching = plan_layers(model, batch, max_seq_len, "Quest caches")
-    _, _, max_seq_len, _, dtype, device = dims
-    n_pages = -(-max_seq_len // config.page)
-    rows = min(config.k // config.page, n_pages) * config.page  # k >= context fetches every page
-    prefetcher = Prefetcher(len(fetching), batch, args.n_kv_heads, max_seq_len, args.head_dim, rows, dtype, device,
-                            async_ops=False)
-    meter = MemoryMeter()
 
-    def make(i):
-        if local[i]:
-            return FullCache(*dims, sliding_window=windows[i], max_step_tokens=1, meter=meter)
-        return QuestCache(fetching.index(i), prefetcher, *dims, config, meter=meter)
-
-    caches = KVCaches(config, model.setup_caches(make), prefetcher, meter)
-    meter.alloc(caches.device_bytes())
-    return caches
+    def fetched_rows(max_seq_len):  # whole pages; k >= context fetches every page
+        return min(config.k // config.page, -(-max_seq_len // config.page)) * config.page
+    return build_caches(model, config, batch, max_seq_len, QuestCache, fetched_rows)

@@ -322,11 +322,11 @@ def programs_target(device) -> int:
     return 8
 
 
-# 16-bit decode shapes (G*T <= 16 query rows): 2 warps, no software pipelining, about 13% faster than
-# Triton's default 4 warps / 3 stages on an H100 (docs/gpu.md, 2026-11-22). fp32 keeps the defaults.
+# 16-bit decode shapes (G*T <= 16 query rows): 2 warps, no software pipelining: a decode program's tile is
+# small, and fewer warps hold more of it in registers (docs/gpu.md's launch sweep). fp32 keeps the defaults.
 # `launch` (num_warps, num_stages) overrides either, for tuning sweeps.
 DECODE_LAUNCH = dict(num_warps=2, num_stages=1)
-FP_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)  # the fp-row program alone: <= 128 registers (not timed)
+FP_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)  # the fp-row program alone: <= 128 registers, no spills
 
 
 def _planes_layout(store: LowBitKV, D: int, M: int, dtype):

@@ -101,7 +101,7 @@ def write_new_rows(host_k, host_v, new_k, new_v, bh, new_pos, S, D, offs):
 
 TRANSFER_PROGRAMS = 16  # the transfer's persistent grid: at most this many SMs beside the main stream's kernels
 TRANSFER_ROWS = 16  # ring slots per tile: 16 whole host rows (4 KiB of K at D 128 in 16 bits), in flight together
-TRANSFER_WARPS = 1  # one warp moves a tile's 16 rows (fewest instructions per row, docs/kernels.md; not timed)
+TRANSFER_WARPS = 1  # one warp moves a tile's 16 rows: the fewest instructions per row (docs/kernels.md)
 
 
 @triton.jit
@@ -170,7 +170,7 @@ def transfer_rows_triton(host_k, host_v, ring_k, ring_v, slot_rows, new_k, new_v
 # =============================================================================================
 # re-ranking: the k best of N*k candidates by their fp keys, read from the host (side stream)
 # =============================================================================================
-RERANK_WARPS = 1  # one candidate per program: more warps only repeat its fixed cost (static count; not timed)
+RERANK_WARPS = 1  # one candidate per program: more warps only repeat its fixed cost
 # The layout launch ranks a kv head's candidates in one [C, C] tile, which ptxas compiles in minutes above 512
 # (docs/gpu.md), so the GPU path stops at 256 (rerank x k; the reference has no limit).
 RERANK_MAX_CANDIDATES = 256

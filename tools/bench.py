@@ -68,15 +68,15 @@ def bench_config(name: str, a) -> tuple[CacheConfig, int]:
         kw = {f: v for f, v in (("bits", a.bits), ("k", a.k), ("group", a.group), ("residual", a.residual),
                                  ("scheme", a.quant), ("one_bit", a.one_bit), ("fit", a.fit), ("attn_path", a.attn_path))
               if v is not None and getattr(cfg, f) == getattr(named, f)}
-        cfg = cfg.with_(**kw)
-    if two and cfg.two_tokens:
+        cfg = replace(cfg, **kw).validated()
+    if two and cfg.policy.step_tokens == 2:
         raise ValueError(f"{name}: speculative SpeCache already feeds two tokens")
-    return cfg, 2 if (two or cfg.two_tokens) else 1
+    return cfg, 2 if two else cfg.policy.step_tokens
 
 
 def label(name, a) -> str:
     cfg, T = bench_config(name, a)
-    return cfg.name + ("+2tok" if T == 2 and not cfg.two_tokens else "")
+    return cfg.name + ("+2tok" if T == 2 and cfg.policy.step_tokens == 1 else "")
 
 
 # ---- prompt ------------------------------------------------------------------------------------------
