@@ -8,22 +8,23 @@ inputs (a CUDA graph replays on fixed addresses).
 
 One transfer per layer and step, `start(layer, bufs, pick, new_k, new_v, new_pos)` (bufs: the layer's
 ring and its fetch_idx/fetch_valid): write the step's real token to the host store and gather the rows
-`pick` names into the ring (transfer.transfer_rows); rows the ring already holds stay in their slots and
-do not cross the bus again (transfer.record_rows). `pick` is a topk.Selection (the speculative path: the
-top-k of the logits the attention kernel wrote), a topk.Picked (rows chosen already: the oracle) or None
-(the token only). With re-ranking (name part rrN) the picked rows are low-bit candidates and
-transfer.rerank_rows picks the k of them by their fp keys, on the side stream.
+`pick` names into the ring (transfer_rows_ref below; gpu/transfer.py on CUDA); rows the ring already holds
+stay in their slots and do not cross the bus again (record_rows). `pick` is a kernels.Selection (the
+speculative path: the top-k of the logits the attention kernel wrote), a kernels.Picked (rows chosen
+already: the oracle) or None (the token only). With re-ranking (name part rrN) the picked rows are
+low-bit candidates and the k of them whose fp keys score best are fetched (rerank_rows_ref), on the side
+stream.
 
 On CUDA, from the selection to the ring, every function the rows pass through, launches included
 (8 in 3 files):
   main stream: Prefetcher.start -> _select_fetch_op (the custom op) -> Prefetcher._start_async
-               -> topk.select_triton -> topk._select_kernel: ONE launch picks the rows, lays them out
+               -> gpu.topk.select_triton -> its _select_kernel: ONE launch picks the rows, lays them out
                in the ring (fetch_idx/fetch_valid), writes the slot map (slot_rows: the host row each
                ring slot receives, -1 = keeps its row) and stages the token's K/V; record consumed[l]
-  side stream: wait consumed[l] -> Prefetcher._transfer -> transfer.transfer_rows_triton
-               -> transfer._transfer_rows_kernel (it reads pinned host memory through unified virtual
+  side stream: wait consumed[l] -> Prefetcher._transfer -> gpu.transfer.transfer_rows_triton
+               -> its _transfer_rows_kernel (it reads pinned host memory through unified virtual
                addressing, so the indices never leave the device and nothing syncs); record fetched[l]
-With re-ranking the side stream runs transfer.rerank_rows_triton's three launches instead.
+With re-ranking the side stream runs gpu.transfer.rerank_rows_triton's three launches instead.
 The side stream reads only memory this module owns (staging, host store) and writes only the
 layer's ring buffers (`new_ring`, or `register_ring`'s; with re-ranking also fetch_idx and
 fetch_valid), so graph-internal temporaries that a compiled step frees and reuses while the side
@@ -225,7 +226,7 @@ class Prefetcher:
     def bytes_per_step(self, deployed: bool = False) -> int:
         """Bytes one decode step may move host -> device, every layer and kv head: k rows of K and V
         (re-ranking: key_rows candidate keys and k values). An upper bound: rows the ring already
-        holds are not moved again (transfer.record_rows; how many: tools/probe.py's `reuse`).
+        holds are not moved again (record_rows; how many: tools/probe.py's `reuse`).
         deployed: in a 16-bit deployment (2 bytes an element) rather than as this run holds them."""
         row = lambda ring: ring[:, :, :1].numel() * 2 if deployed else ring[:, :, :1].nbytes
         return sum(row(bufs[0]) * (self.key_rows + self.k) for bufs in self.rings if bufs is not None)
@@ -252,10 +253,10 @@ class Prefetcher:
         rows `pick` names into the layer's ring, asynchronously on the async path. bufs: the layer's
         registered [ring_k, ring_v] or [ring_k, ring_v, fetch_idx, fetch_valid]; with the latter the rows
         are recorded there (record_rows: a row the ring holds stays in its slot and is not copied again).
-        pick: a topk.Selection (the top-k of the attention's logits: the speculative path; on the async
-        path one launch selects, lays the ring out and stages the transfer's inputs), a topk.Picked (rows
+        pick: a kernels.Selection (the top-k of the attention's logits: the speculative path; on the async
+        path one launch selects, lays the ring out and stages the transfer's inputs), a kernels.Picked (rows
         chosen already: the oracle), or None (the token only). With `rerank` the picked rows are
-        candidates, and the k whose fp keys score best for its query rows are fetched (transfer.rerank_rows)."""
+        candidates, and the k whose fp keys score best for its query rows are fetched (rerank_rows_ref)."""
         if self.async_ops and isinstance(pick, Selection):
             q_rows, _, sm_scale = pick.rerank or (None, None, 0.0)
             torch.ops.specache.select_fetch(bufs, pick.logits, pick.lse, pick.n_quant, pick.k, pick.first, pick.row_start,
@@ -278,7 +279,7 @@ class Prefetcher:
                 self._transfer(layer, bufs[0], bufs[1], rows, new_k, new_v, new_pos)
 
     def _held(self, layer, bufs, idx, valid):
-        """The selection with the keep_rows rows replaced by what their ring holds (transfer.held_selection)."""
+        """The selection with the keep_rows rows replaced by what their ring holds (held_selection)."""
         if len(bufs) < 4:
             return idx, valid
         return held_selection(idx, valid, bufs[2], bufs[3], self.ring_offs[layer], self.keep_rows)
@@ -365,7 +366,7 @@ class Prefetcher:
     def _start_async(self, layer, bufs, pick, new_k, new_v, new_pos):
         """`start` on the async path (its custom ops). The main stream stages what the side stream reads, as
         the step's tensors are temporaries the graph reuses right after: a Selection on the Triton path in one
-        launch (topk.select_triton: the top-k, the ring's record, the slot map, the token), else torch's
+        launch (gpu.topk.select_triton: the top-k, the ring's record, the slot map, the token), else torch's
         copies. Then the side stream, after the staging (consumed[layer]), moves the rows or re-ranks."""
         self._check_ring(layer, bufs)
         staged_new = (self.stage_k[layer], self.stage_v[layer], self.stage_pos[layer]) if new_k is not None else None
