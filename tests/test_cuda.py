@@ -108,6 +108,33 @@ def test_gluon_plane_kernel_matches_the_reference(case):
     torch.testing.assert_close(got[1].cpu(), want[1], atol=2e-2, rtol=2e-2)
 
 
+GLUON_STARTS = [0, 100, 210]  # a left-padded batch: no padding, a start inside a key group (of 64), one past n_quant
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("case", ["1bit-bf16-fetch", "2bit-fp16-fetch"])
+def test_gluon_kernel_attends_from_each_rows_start(case):
+    """The Gluon kernel (the CUDA default for 16-bit models) over a left-padded batch of three rows, whatever NaN
+    their padding holds: the reference's output and lse, and its selecting logits wherever a row may select."""
+    from gpu import attn_gluon
+    from tests.test_ragged import ragged
+    base = make_case(**{**GLUON_CASES[case], "B": 3})
+    c = ragged(base, GLUON_STARTS)
+    assert attn_gluon.fits(c.store, c.q.shape[-1], rows(c), c.q.dtype)
+    want = kernels.attention_lowbit_ref(*c.args(), select=2)
+    got = attention.attention_lowbit_triton(*on(c).args(), attn_path="gluon", select=2)
+    assert torch.isfinite(got[0]).all()
+    t = tol(want[0].dtype, 1e-5)
+    # (the kernel's rounding by design, from the same codes without the padding's NaN)
+    torch.testing.assert_close(got[0].cpu(), want[0], atol=t["atol"] + model_rounding_error(base), rtol=t["rtol"])
+    torch.testing.assert_close(got[1].cpu(), want[1], atol=2e-2, rtol=2e-2)
+    w = logits_written(c)
+    real = torch.arange(c.store.k_codes.shape[2])[None, :] >= torch.tensor(GLUON_STARTS)[:, None]  # [B, S]
+    for b in range(3):
+        sel = w & real[b]
+        torch.testing.assert_close(got[2][b][..., sel].cpu(), want[2][b][..., sel], atol=0.1, rtol=2e-2)
+
+
 def llama_case(bits, S):
     """Llama-3.1-8B attention shapes: 8 kv heads of 4 query heads, head_dim 128, bf16, 64 fetched rows."""
     return make_case(B=1, Hkv=8, G=4, T=2, D=128, S=S, n_quant=S - 128, R=66, res_len=40, bits=bits, gk=64, gv=64,

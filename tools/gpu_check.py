@@ -9,8 +9,8 @@
    skips). First, alone, the selection's race test and the fresh-process compiled run of `--preset best`; then
    the attention kernels (every path), the selection and the transfers, in several pytest processes at once
    (TEST_WORKERS), while the rest (policies, compiled steps, the default model when it is converted) runs in
-   the background, on into step 2. Each test under SPECACHE_TEST_TIMEOUT_S (conftest's alarm), each process
-   under its step's timeout;
+   the background beside them. Each test under SPECACHE_TEST_TIMEOUT_S (conftest's alarm), each process
+   under its step's timeout. Every timed step below starts once all the tests have ended: each runs alone;
 2. whole decode steps at 32k on Llama-3.1-8B shapes with the first LAYERS decoder layers (random bf16 weights,
    compiled, CUDA graph, the kernels profiled by name; tools/bench.py --layers): fp16, KIVI 1-bit and SpeCache
    1-bit (paper) on the Gluon attention path (the GPU default where a launch fits it, docs/gpu.md), one process
@@ -19,9 +19,9 @@
    process: fp16, SpeCache 1-bit and 2-bit, each at the largest batch its budget holds, bounded by the host
    memory its fp16 store pins and by what the device runs (each row says which bound it), each run profiled by
    kernel name; tokens/s against fp16's at its own batch (the paper's: 4.6x at 1 bit, 3.4x at 2);
-4. fp16 and SpeCache 1-bit at twice the layers, one process: with step 2's, a line through both depths
-   estimates the full-depth step without compiling 32 layers;
-5. if time is left: the preset timed without resync (random weights guess wrong nearly every step: its resync
+4. if time is left, fp16 and SpeCache 1-bit at twice the layers, one process: with step 2's, a line through
+   both depths estimates the full-depth step without compiling 32 layers;
+5. if time is still left: the preset timed without resync (random weights guess wrong nearly every step: its resync
    rate is measured on a real model on CPU, docs/policies.md), fp16 and SpeCache 1-bit at full depth, then
    SpeCache 1-bit and KIVI 1-bit on the word path (the same run's comparison for the default path's choice).
 Each step runs under its own timeout and is skipped ("not run") when less of the budget is left than it needs
@@ -29,8 +29,8 @@ Each step runs under its own timeout and is skipped ("not run") when less of the
 packed into at most MAX_FILES files in the output folder (default $OUT, else .cache/gpu-check): summary.md,
 summary.json, logs.txt (every sub-run's output), results.json (every bench JSON), and while a step runs its
 live log (running.log, running-bg.log; of a test step, its first pytest process's), so a call cut at any
-point keeps what it did. A timing taken while the background tests ran is marked in the summary's "beside"
-column.
+point keeps what it did. The summary's "beside" column says of each step whether the background tests ran
+while it did (only the kernel tests' step may say so).
 
 Needs only the machine's Python with torch and Triton: no network, no installs, no virtual environment.
 """
@@ -150,18 +150,18 @@ def bench_cmd(py, *args):
 
 def plan(py, work: Path, out: Path, tests: dict) -> list[Step]:
     """The steps in priority order (each bench run one process, but Table 3's and the 8-layer pair's: a slow
-    compile costs one row). The background tests start beside the kernel tests and end beside step 2."""
+    compile costs one row). The background tests start beside the kernel tests and end before the first timed step."""
     steps = [Step(k, TEST_STEPS[k], [], need_s=30, timeout_s={"tests-rest": 240, "tests-kernels": 150}.get(k, 180),
                   background=k == "tests-rest", tests=tests.get(k, []), workers=TEST_WORKERS.get(k, 1))
              for k in TEST_STEPS]
     timed, ctx = ["--warmup", "5", "--steps", "20"], ["--contexts", str(CONTEXT)]
 
-    def layer_step(key, label, caches, path, layers=LAYERS, *extra, need_s=30, timeout_s=150):
+    def layer_step(key, label, caches, path, layers=LAYERS, *extra, need_s=None, timeout_s=150):
         fname = work / f"{key}-{caches.replace(',', '-')}-{path or 'fp'}-{layers}l.json"
         return Step(key, f"{label} step, {path or 'fp16'}, {CONTEXT // 1024}k, {layers} layers",
                     bench_cmd(py, "--layers", str(layers), "--compile", *ctx, "--caches", caches,
                               *(["--attn-path", path] if path else []), *timed, *extra, "--json", str(fname)),
-                    need_s=need_s, timeout_s=timeout_s, json=fname)
+                    need_s=need_s or EXPECTED_S[key] + RESERVE_S, timeout_s=timeout_s, json=fname)
     steps += [layer_step(f"step-{cache}", label, cache, path) for label, cache, path in STEP_CACHES]
     steps.append(Step("table3", f"Table 3: each cache at its batch on a {KV_BUDGET_GB} GB KV budget, {CONTEXT // 1024}k, "
                       f"{LAYERS} layers",
@@ -171,8 +171,8 @@ def plan(py, work: Path, out: Path, tests: dict) -> list[Step]:
                                 "--json", str(work / "table3.json")),
                       need_s=90, timeout_s=240, json=work / "table3.json"))
     steps.append(layer_step("step8", "fp16 and SpeCache 1-bit paper", ",".join(DEPTH_CACHES), "gluon", 2 * LAYERS,
-                            "--profile-steps", "0", need_s=60, timeout_s=180))
-    steps.append(layer_step("preset", *PRESET, need_s=40))
+                            "--profile-steps", "0", need_s=EXPECTED_S["step8"], timeout_s=180))
+    steps.append(layer_step("preset", *PRESET))
     for label, cache, path in (("fp16", "full", None), ("SpeCache 1-bit paper", "specache", "gluon")):
         fname = work / f"full-depth-{cache}.json"
         steps.append(Step("full-depth", f"{label} step, full depth, {CONTEXT // 1024}k",
@@ -266,8 +266,9 @@ class Report:
 def tree_digest() -> str:
     """sha256 (12 hex) of the method's and the tools' sources: names the code where no .git came along."""
     h = hashlib.sha256()
-    for p in sorted(list(ROOT.glob("*.py")) + list((ROOT / "tools").glob("*.py")) + list((ROOT / "tests").glob("*.py"))):
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    for p in sorted(p for d in ("", "gpu", "siblings", "baselines", "integrations", "tools", "tests")
+                    for p in (ROOT / d).glob("*.py")):
+        h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -422,7 +423,7 @@ def main(argv=None):
     report.add("environment", "pass", time.perf_counter() - t, f"Python {report.env['python']}, CUDA {report.env['cuda']}")
 
     # the method's modules: nothing else is worth running if they do not import
-    code, text, secs = run([py, "-c", "import kernels, topk, cache, prefetch, transfer, generate"], 120,
+    code, text, secs = run([py, "-c", "import kernels, cache, prefetch, generate, gpu.attention, gpu.topk, gpu.transfer"], 120,
                            work / "imports.log", env)
     clock.spend("imports", secs)
     if code != 0:
@@ -430,10 +431,10 @@ def main(argv=None):
         report.add("imports", "FAIL", secs, last, log=text)
         print(f"gpu-check: the method's modules do not import: {last}")
         return 1
-    code, text, secs2 = run([py, "-c", "import attn_gluon"], 60, work / "gluon.log", env)
-    gluon_note = "" if code == 0 else f"attn_gluon does not import (the Gluon rows fail): {text.strip().splitlines()[-1][:160]}"
-    report.add("imports", "pass" if code == 0 else "FAIL", secs + secs2, gluon_note or "kernels, topk, cache, prefetch, "
-               "transfer, generate, attn_gluon", log=text if code else "")
+    code, text, secs2 = run([py, "-c", "import gpu.attn_gluon"], 60, work / "gluon.log", env)
+    gluon_note = "" if code == 0 else f"gpu.attn_gluon does not import (the Gluon rows fail): {text.strip().splitlines()[-1][:160]}"
+    report.add("imports", "pass" if code == 0 else "FAIL", secs + secs2, gluon_note or "kernels, cache, prefetch, "
+               "generate, gpu.attention, gpu.topk, gpu.transfer, gpu.attn_gluon", log=text if code else "")
 
     ids, text, secs = collect(py, env, work)
     clock.spend("collect", secs)
@@ -550,7 +551,7 @@ def main(argv=None):
         if step.tests == [] and step.key.startswith("tests"):
             report.add(step.name, "skip", 0.0, "no tests selected")
             continue
-        if not step.key.startswith(("tests", "step-")):  # Table 3 and what follows: not beside the background tests
+        if not step.key.startswith("tests"):  # a timed step runs alone: the background tests end first
             join_background()
         if left() < step.need_s:
             report.add(step.name, "not run", 0.0, f"needs {step.need_s:.0f} s to start (~{EXPECTED_S[step.key]} s on an "
