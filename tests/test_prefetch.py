@@ -403,8 +403,9 @@ def generate_with_late_fetches(new_tokens, join_each_step, step_fn=None, rerank=
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fetch,rerank,sinks,prompt_len", [("speculative", 1, 0, 90), ("resync", 2, 4, 90),
-                                                           ("union", 1, 4, 20)])
+@pytest.mark.parametrize("fetch,rerank,sinks,prompt_len", [("speculative", 1, 0, 90),
+                                                           pytest.param("resync", 2, 4, 90, marks=pytest.mark.full),
+                                                           ("union", 1, 4, 20)])  # (full: make test-full)
 def test_the_gpu_path_interpreted_gives_the_reference_tokens(fetch, rerank, sinks, prompt_len):
     """The CUDA step's code path, eager, on CPU: the attention writing the selecting rows' logits, the one-launch
     selection with the ring's record and the staging, the transfer (or re-ranking) kernels, the sinks' launch,

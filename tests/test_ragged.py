@@ -210,6 +210,7 @@ def test_rows_do_not_interact_whatever_their_padding(cache):
         assert batch == [tokens(model, cfg, p[None], None, 12)[0] for p in prompts]
 
 
+@pytest.mark.full  # (make test-full: one of the slowest cases)
 def test_one_compiled_graph_for_batches_of_other_lengths():
     """The compiled step (inductor, fullgraph) over two left-padded batches of other lengths at the same padded
     size: one graph (no recompilation for new starts), the eager tokens."""
@@ -229,7 +230,8 @@ def test_one_compiled_graph_for_batches_of_other_lengths():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fetch,rerank,sinks", [("speculative", 1, 0), ("resync", 2, 4)])
+@pytest.mark.parametrize("fetch,rerank,sinks", [("speculative", 1, 0),
+                                                 pytest.param("resync", 2, 4, marks=pytest.mark.full)])  # (make test-full)
 def test_the_gpu_path_interpreted_takes_the_rows_starts(fetch, rerank, sinks):
     """The CUDA step's code path (custom ops, the attention and selection kernels, the sinks' launch, the
     transfer or re-ranking, interpreted) over a left-padded batch: the torch reference path's tokens."""
@@ -263,6 +265,7 @@ def test_siblings_and_baselines_refuse_padding():
 
 
 # ---- the default model, prompts of about 700, 1,100 and 1,500 tokens -----------------------------
+@pytest.mark.full  # (make test-full: the slowest case, three prompts of the real model)
 def test_the_default_model_decodes_each_row_as_its_prompt_alone():
     """SmolLM2-135M-Instruct (fp32), three essay prompts of 700, 1,084 and 1,468 tokens (paddings 768, 384, 0:
     multiples of 128, KIVI's residual window, and of SpeCache's 64), the full, KIVI 1-bit, SpeCache 1-bit and
