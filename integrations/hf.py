@@ -413,12 +413,16 @@ def check_tokenizer_files(path):
                       f"next to the weights (tokenizer.save_pretrained(DIR))")
 
 
-def load_tokenizer(path, eos_ids=None) -> "HFTokenizer":
+def load_tokenizer(path, eos_ids=None, any_transformers=False) -> "HFTokenizer":
     """The HFTokenizer of a transformers model directory (HFError as load() gives it). eos_ids:
-    default generation_config.json's, else config.json's."""
+    default generation_config.json's, else config.json's. any_transformers: a tokenizer only, so any transformers
+    version will do (the vLLM venv's is older than the adapter's)."""
     path = Path(path)
     cfg = read_config(path)
-    transformers = check_transformers()
+    if any_transformers:
+        import transformers
+    else:
+        transformers = check_transformers()
     check_tokenizer_files(path)
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     if eos_ids is None:

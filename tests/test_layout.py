@@ -23,10 +23,15 @@ FOLDERS = {"gpu": 1, "siblings": 2, "baselines": 2, "integrations": 3, "tools": 
 
 
 def project_modules() -> dict:
-    """module name -> path: the root's modules by their names, a folder's as FOLDER.NAME."""
+    """module name -> path: the root's modules by their names, a folder's (and its packages') as FOLDER.NAME, a
+    package's __init__ by the package's name."""
     mods = {p.stem: p for p in ROOT.glob("*.py")}
     for folder in FOLDERS:
-        mods.update({f"{folder}.{p.stem}": p for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"})
+        for p in (ROOT / folder).rglob("*.py"):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if name != folder:
+                mods[name] = p
     return mods
 
 
