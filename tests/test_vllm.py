@@ -272,3 +272,168 @@ def test_preemption_aborts_and_rejected_drafts_corrupt_no_other_request(vllm, ti
     spec = engine(vllm, tiny, "kivi-1bit", kv_bytes=4 << 20, speculative_config=dict(
         method="ngram", num_speculative_tokens=2, prompt_lookup_max=4, prompt_lookup_min=1))
     assert greedy(vllm, spec, prompts, n=40) == kivi
+
+
+TP_RUN = """
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, enable_prefix_caching=False, block_size=64,
+              max_model_len=1024, kv_cache_memory_bytes=8 << 20, seed=0, skip_tokenizer_init=True,
+              tensor_parallel_size=int(sys.argv[2]), distributed_executor_backend="mp")
+    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[3])],
+                        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def test_two_ranks_give_one_ranks_tokens(vllm, tiny, tmp_path):
+    """tensor_parallel_size=2 across processes (one core a rank): each rank's backend holds its own KV head's pages
+    and host store; the greedy tokens are one rank's."""
+    (tmp_path / "tp.py").write_text(TP_RUN)
+    prompts = json.dumps([prompt(200, 40), prompt(333, 41)])
+    env = dict(os.environ, VLLM_PLUGINS="specache", SPECACHE_CACHE="specache-1bit-lag", OMP_NUM_THREADS="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    runs = {}
+    for n in (1, 2):
+        r = subprocess.run([sys.executable, str(tmp_path / "tp.py"), str(tiny), str(n), prompts], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[n] = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("[[")][-1])  # (vLLM logs to stdout too)
+    assert runs[2] == runs[1]
+
+
+# ---- what a user runs: python -m integrations.specache_vllm, vllm serve ------------------------------------------------
+def entry(*args, timeout=900, **env):
+    return subprocess.run([sys.executable, "-m", "integrations.specache_vllm", *map(str, args)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tiny, tmp_path_factory):
+    """The tiny Llama with the default model's tokenizer (and its vocabulary's size)."""
+    import shutil
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if not (HF_DIR / "tokenizer.json").is_file():
+        pytest.fail(f"{HF_DIR} is missing: make test-vllm builds it")
+    out = tmp_path_factory.mktemp("tiny-chat")
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_pretrained(tiny)
+    cfg.vocab_size = 49152
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    m.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (HF_DIR / f).is_file():
+            shutil.copy(HF_DIR / f, out / f)
+    return out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cache", "specache-1bit"], "fetch policy 'speculative' is not available in the vLLM backend: it runs sequential, lag, oracle"),
+    (["--cache", "specache-1bit-resync"], "it runs sequential, lag, oracle"),
+    (["--cache", "nonsense"], "unknown cache 'nonsense'"),
+    (["--cache", "specache-1bit-lag", "--block-size", "32"], "must be a multiple of the key group (64)"),
+    (["--cache", "kivi-1bit", "--block-size", "256"], "divide the residual window (128)"),
+    (["--model-type", "gpt2"], "gpt2"),
+    (["--head-dim", "48"], "head size 48")])
+def test_the_entry_refuses_what_the_engine_cannot_run_before_it_starts(vllm, tiny, tmp_path, args, message):
+    """One `error:` line, before an engine (or a weight) loads."""
+    model = tiny
+    if args[0] in ("--model-type", "--head-dim"):
+        cfg = json.loads((tiny / "config.json").read_text())
+        cfg.update({"model_type": args[1]} if args[0] == "--model-type" else {"head_dim": int(args[1])})
+        model = tmp_path / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(cfg))
+        args = ["--cache", "specache-1bit-lag"]
+    t = time.perf_counter()
+    r = entry("--hf", model, *args, timeout=120)
+    errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("error:")]
+    assert r.returncode == 1 and len(errors) == 1 and message in errors[0], r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Loading weights" not in r.stdout + r.stderr and time.perf_counter() - t < 60
+
+
+def test_the_entry_prints_answers_and_capacities(vllm, tiny_chat, tmp_path):
+    """A prompts file of chat turns and text, served at once; --json's last line is generate.py's object with the
+    engine's capacity and vLLM's own side by side (the latter what a stock engine counts for the same budget)."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"role": "user", "content": "Name three colours."}) + "\n" + json.dumps("Once upon a time")
+                 + "\n" + json.dumps({"text": "The capital of France is"}) + "\n")
+    r = entry("--hf", tiny_chat, "--cache", "specache-1bit-lag", "--prompts-file", f, "--max-new-tokens", 8,
+              "--kv-bytes", 16 << 20, "--max-model-len", 1024, "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(res["texts"]) == 3 and len(res["tokens"]) == 3 and res["cache"] == "specache-1bit-lag"
+    assert res["kv_capacity_tokens"] > 5 * res["stock_kv_capacity_tokens"] and res["max_concurrency"] > 5 * res["stock_max_concurrency"]
+    assert res["kv_capacity_tokens_16bit"] > res["stock_kv_capacity_tokens_16bit"] > 0
+    assert "--- prompt 3 ---" in r.stderr and "vLLM's own attention" in r.stderr
+    stock = engine(vllm, tiny_chat, kv_bytes=16 << 20)
+    cc = stock.llm_engine.vllm_config.cache_config
+    assert res["stock_kv_capacity_tokens"] == blocks_of(stock) * 64 == int(cc.kv_cache_size_tokens)
+    assert res["stock_max_concurrency"] == pytest.approx(float(cc.kv_cache_max_concurrency), abs=1e-3)
+
+
+def test_the_default_models_needles_get_the_projects_answers(vllm, tmp_path):
+    """The default model's chat needles (about 400 and 800 tokens), served together by the engine's 1-bit SpeCache:
+    each answer is the one generate.py's cache of the same name gives that prompt alone."""
+    if not (DEFAULT_CKPT / "config.json").is_file() or not (HF_DIR / "config.json").is_file():
+        pytest.fail("the default model is missing: make test-vllm converts it")
+    main_py = ROOT / ".venv" / "bin" / "python"  # (the project's venv: its generate.py reads the converted checkpoint)
+    texts = [subprocess.run([main_py, "tools/eval.py", "prompt", "--length", str(n), "--depth", "0.4"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout for n in (400, 800)]
+    f = tmp_path / "needles.jsonl"
+    f.write_text("".join(json.dumps({"role": "user", "content": t}) + "\n" for t in texts))
+    r = entry("--hf", HF_DIR, "--cache", "specache-1bit-lag", "--prompts-file", f, "--max-new-tokens", 24,
+              "--kv-bytes", 64 << 20, "--max-model-len", 2048, "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])["texts"]
+    want = []
+    for t in texts:
+        p = subprocess.run([main_py, "generate.py", "--checkpoint", DEFAULT_CKPT, "--cache", "specache-1bit-lag", "--chat",
+                            "--prompt", t, "--max-new-tokens", "24", "--json", "--quiet"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert p.returncode == 0, p.stderr[-2000:]
+        want.append(json.loads(p.stdout.strip().splitlines()[-1])["text"])
+    assert got == want and all(want)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_with_the_plugin_answers_a_completion(vllm, tiny_chat, tmp_path):
+    """vLLM's OpenAI server (what `vllm serve` runs; that script of vllm-cpu 0.32.0 stops at once, asking for the
+    version of a distribution named vllm) with the plugin registered by its entry point: a completion over
+    loopback, the backend's host store in the server's log, the answer the in-process engine gives."""
+    port, log = free_port(), tmp_path / "serve.log"
+    env = dict(os.environ, VLLM_PLUGINS="specache", SPECACHE_CACHE="specache-1bit-lag", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_chat), "--host", "127.0.0.1",
+           "--port", str(port),
+           "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching", "--block-size", "64",
+           "--max-model-len", "1024", "--kv-cache-memory-bytes", str(16 << 20), "--seed", "0"]
+    server = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, log.read_text()[-3000:]
+                time.sleep(1)
+        body = json.dumps(dict(model=str(tiny_chat), prompt="Once upon a time", max_tokens=8, temperature=0)).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["text"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert "SpeCache host store (specache-1bit-lag)" in log.read_text()
+    r = entry("--hf", tiny_chat, "--cache", "specache-1bit-lag", "--prompt", "Once upon a time", "--max-new-tokens", 8,
+              "--kv-bytes", 16 << 20, "--max-model-len", 1024, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert answer == json.loads(r.stdout.strip().splitlines()[-1])["text"]

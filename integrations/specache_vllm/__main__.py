@@ -69,6 +69,10 @@ def run(a) -> dict:
     config = cache_config.from_flags(a)
     shape = model_shape(a.hf)
     block = a.block_size or max(32, config.group)
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if shape["head_dim"] not in sizes:
+        raise ValueError(f"head size {shape['head_dim']} is not one vLLM's CPU attention takes ({', '.join(map(str, sizes))})")
     layout = None
     if config.kind != "full":  # every check the engine would make, before it starts (and before weights load)
         layout = pages.PageLayout.build(config, shape["kv_heads"], shape["head_dim"], block, torch.float32, a.max_model_len)

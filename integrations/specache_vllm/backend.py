@@ -35,7 +35,7 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.plugins.specache")  # (vLLM shows its own loggers' lines)
 ENV = "SPECACHE_CACHE"  # the cache name the engine runs (every process reads it)
 LAYOUT: Optional[pages.PageLayout] = None  # this worker's page, set by the first layer's impl (customize_spec reads it)
 ENGINE: Optional[int] = None  # id of the vLLM config LAYOUT was set for (in-process engines come one after another)
