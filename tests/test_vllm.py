@@ -175,10 +175,12 @@ def replay(name, steps, H, Hq, D):
     return outs, fetched
 
 
-@pytest.mark.parametrize("name", ["kivi-1bit", "specache-1bit-sequential", "specache-1bit-lag"])
+@pytest.mark.parametrize("name", ["kivi-1bit", "specache-1bit-sequential", "specache-1bit-lag", "kivi-2bit-lsq-g32",
+                                  "specache-1bit-lag-sink4-rr2", "specache-2bit-oracle-g32-r64"])
 def test_a_request_replayed_through_the_projects_cache_gives_its_rows_and_outputs(vllm, tiny, name):
     """A request's per-layer q/k/v captured inside the engine, replayed through the project's own cache of the same
-    name (group, residual, k = 64): each step's output, and each step's fetched rows, are the cache's."""
+    name (group, residual, k = 64; sinks, re-ranking, the least-squares fit, the oracle): each step's output, and
+    each step's fetched rows, are the cache's."""
     from integrations.specache_vllm import backend
     backend.CAPTURE = {}
     try:

@@ -94,7 +94,7 @@ class PageLayout:
         for n in sizes:
             offs.append(offs[-1] + n)
         state = -(-offs[-1] // 4) * 4  # int32-aligned
-        used = state + 4 * (2 + n_fetch + config.sinks)
+        used = state + 4 * (2 + n_fetch)
         run, dep = fixed_bytes(config, n_kv_heads, D, dtype, max_model_len)
         packed = offs[-1]
         per_head_run = run / n_kv_heads * block / max_model_len  # a block's share of a request's fixed bytes
@@ -113,9 +113,9 @@ class PageLayout:
     def region(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])
 
-    # ---- the state: int32 [quantized (head 0), has a selection, n_fetch + sinks rows] per (block, head) ---------
+    # ---- the state: int32 [quantized (head 0), has a selection, n_fetch rows] per (block, head) -------------------
     def state(self, pages: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """[n, H, 2 + n_fetch + sinks] int32: a copy."""
+        """[n, H, 2 + n_fetch] int32: a copy."""
         s = slice(self.offsets[6], self.offsets[7])
         return pages[:, :, s][blocks].contiguous().view(torch.int32)
 
