@@ -9,7 +9,7 @@ scored by tools/tasks.py's scorers; then one report and one figure beside the pr
     python tools/baselines_grid.py report --out D --project D/project-niah     # D/results.md, D/score-vs-bytes.png
 
 Budgets: each press at the device KV bytes of each `--match` cache in a 16-bit deployment
-(methods.setup_caches(...).deployed_bytes() for this prompt, sized as tools/eval.py sizes it) and at each
+(generate.setup_caches(...).deployed_bytes() for this prompt, sized as tools/eval.py sizes it) and at each
 `--fixed` share of the compressed entries kept (the paper's Table 2: 1/4 and 1/8). Rows are appended to
 OUT/results.jsonl once a cell has finished (a rerun skips the cells already there); a cell that fails
 prints its error line; a PyramidKV cell where kvpress would run SnapKV is a row that says so (`equals`).
