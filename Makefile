@@ -62,8 +62,9 @@ qwen-hf: $(QWEN_HF)/config.json
 $(QWEN_HF)/config.json: | $(QWEN)/config.json
 	$(PY) tools/baselines_grid.py hf-checkpoint --gguf $(QWEN)/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --out $(QWEN_HF)
 
+# Two pytest processes, one a core (a test file stays in one: its module fixtures are built once).
 test: $(CKPT)/config.json
-	OMP_NUM_THREADS=1 $(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
 
 # test-full also runs the baselines' tests (tests/test_baselines.py): they need the kvpress venv and the default
 # model as a transformers directory.

@@ -234,12 +234,7 @@ def parse_args(argv=None, description=None):
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=None, help=f"a converted checkpoint (default {DEFAULT_CHECKPOINT.relative_to(ROOT)})")
     p.add_argument("--hf", type=Path, default=None, help="a transformers model directory instead (integrations/hf.py: Llama, Mistral, Qwen2/3, ...)")
-    p.add_argument("--prompt", default="What is the capital of France?")
-    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
-    p.add_argument("--prompts-file", type=Path, help="a batch of different prompts, JSON Lines: one a line, a string "
-                   '(text; --chat wraps it), {"text": ...}, or a chat turn {"role": "user", "content": ...}')
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_prompt_flags(p)
     p.add_argument("--batch-size", type=int, default=1, help="the prompt is replicated per row")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples")
     p.add_argument("--sample-top-k", type=int, default=None, help="sample from the k most likely tokens (not SpeCache's --k)")
@@ -260,6 +255,16 @@ def parse_args(argv=None, description=None):
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.add_argument("--quiet", action="store_true", help="no streaming text")
     return p.parse_args(argv)
+
+
+def add_prompt_flags(p):
+    """The prompt's flags (the vLLM entry takes them too: integrations/specache_vllm)."""
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
+    p.add_argument("--prompts-file", type=Path, help="a batch of different prompts, JSON Lines: one a line, a string "
+                   '(text; --chat wraps it), {"text": ...}, or a chat turn {"role": "user", "content": ...}')
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
 
 
 def check_args(a):

@@ -429,7 +429,8 @@ def test_the_default_attention_path_is_gluon_where_it_fits_else_words():
 
 def test_kernels_import_without_gluon():
     """attn_gluon is imported where the Gluon path runs: a Triton lacking Gluon's names breaks that path only."""
-    code = ("import sys, kernels, topk, cache; assert 'gpu.attn_gluon' not in sys.modules; "
+    code = ("import sys, kernels, cache, prefetch, gpu.attention, gpu.topk, gpu.transfer; "
+            "assert 'gpu.attn_gluon' not in sys.modules; "
             "assert 'triton.experimental.gluon' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
 

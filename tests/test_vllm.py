@@ -86,12 +86,17 @@ def vllm():
 @pytest.fixture(scope="module")
 def tiny(vllm, tmp_path_factory):
     """A random 2-layer Llama with 2 KV heads of head_dim 64, as a transformers directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
+    from transformers import LlamaConfig
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                       tie_word_embeddings=True, rope_theta=10000.0, torch_dtype="float32")
+    return random_llama(cfg, tmp_path_factory.mktemp("tiny-llama"))
+
+
+def random_llama(cfg, out):
+    """A LlamaForCausalLM of `cfg` with N(0, 0.08) matrices (greedy tokens that vary), saved to `out`."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
     m = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in m.parameters():
@@ -315,19 +320,12 @@ def entry(*args, timeout=900, **env):
 def tiny_chat(tiny, tmp_path_factory):
     """The tiny Llama with the default model's tokenizer (and its vocabulary's size)."""
     import shutil
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
     if not (HF_DIR / "tokenizer.json").is_file():
         pytest.fail(f"{HF_DIR} is missing: make test-vllm builds it")
-    out = tmp_path_factory.mktemp("tiny-chat")
-    torch.manual_seed(0)
     cfg = LlamaConfig.from_pretrained(tiny)
     cfg.vocab_size = 49152
-    m = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    m.save_pretrained(out)
+    out = random_llama(cfg, tmp_path_factory.mktemp("tiny-chat"))
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (HF_DIR / f).is_file():
             shutil.copy(HF_DIR / f, out / f)

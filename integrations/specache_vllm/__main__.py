@@ -28,12 +28,7 @@ KEYS = ("kv_capacity_tokens", "stock_kv_capacity_tokens", "max_concurrency", "st
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf", type=Path, required=True, help="a transformers model directory (vLLM loads it)")
-    p.add_argument("--prompt", default="What is the capital of France?")
-    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin), UTF-8")
-    p.add_argument("--prompts-file", type=Path, help="several prompts, JSON Lines as generate.py reads them: a string, "
-                   '{"text": ...} or a chat turn {"role": "user", "content": ...}; served together')
-    p.add_argument("--chat", action="store_true", help="wrap text prompts in the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_prompt_flags(p)  # (a prompts file's prompts are served together)
     cache_config.add_cache_flags(p)
     p.set_defaults(cache="specache-lag")  # (the speculative two-token step is generate.py's: docs/vllm.md)
     p.add_argument("--kv-bytes", type=int, default=64 << 20, help="the engine's KV budget in bytes (vLLM's "
