@@ -115,7 +115,7 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
             ("a logits soft cap", bool(logits_soft_cap)), ("attention sinks as parameters", sinks is not None),
             (f"kv_cache_dtype {kv_cache_dtype}", kv_cache_dtype != "auto"),
             ("prefix caching", bool(cc.enable_prefix_caching)),
-            (f"a cascade of KV sharing ({kv_sharing_target_layer_name})", kv_sharing_target_layer_name is not None))
+            (f"a layer reading another's KV ({kv_sharing_target_layer_name})", kv_sharing_target_layer_name is not None))
             if bad]
         if unsupported:
             raise ValueError(f"the SpeCache vLLM backend ({config.name}) does not run {', '.join(unsupported)} "
@@ -162,7 +162,7 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
             return output
         rows: Rows = attn_metadata
         pages_u8 = self.layout.bytes_of(kv_cache)
-        host_k, host_v = self.host(kv_cache)
+        self.host(kv_cache)
         for r in range(len(rows.seq)):
             q0, q1, L = rows.qsl[r], rows.qsl[r + 1], rows.seq[r]
             if q1 == q0:
