@@ -102,7 +102,7 @@ def test_run_names_and_the_markdown_kernel_table(tmp_path):
                                           ("niah.png", "results.jsonl"),
                                           ("hitrate-per-layer.png", "results.jsonl"),
                                           ("baselines-score-vs-bytes.png", "summary.json"),
-                                          ("qwen-qa.png", "results.jsonl")])
+                                          ("qwen-qa.png", "results.jsonl"), ("vllm-capacity.png", "bench.jsonl")])
 def test_a_missing_input_is_one_clear_error(tmp_path, name, message):
     with pytest.raises(figures.MissingInput, match=message):
         figures.FIGURES[name](tmp_path, tmp_path / name)

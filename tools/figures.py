@@ -3,7 +3,7 @@
     python tools/figures.py [--results results] [--out docs]
 
 Writes docs/h100-step-time.png, docs/h100-kernels.png, docs/niah.png, docs/hitrate-per-layer.png,
-docs/long-context-niah.png, docs/baselines-score-vs-bytes.png and docs/qwen-qa.png.
+docs/long-context-niah.png, docs/baselines-score-vs-bytes.png, docs/qwen-qa.png and docs/vllm-capacity.png.
 Every number comes from a results file (JSON/JSONL; the 2026-11-22 kernel table exists only as markdown,
 so that one is parsed). A missing input ends with one `error:` line naming what is missing.
 """
@@ -330,9 +330,37 @@ def qa(results: Path, out: Path):
     return save(fig, out)
 
 
+VLLM_DIR = "vllm/2026-12-06-cpu"
+
+
+def vllm(results: Path, out: Path):
+    """vLLM at one KV budget: each cache's maximum concurrency at max_model_len (the engine's own count) and the
+    requests it ran at once, beside the batch's tokens/s (tools/bench_vllm.py)."""
+    path = results / VLLM_DIR / "bench.jsonl"
+    if not path.exists():
+        raise MissingInput(f"{path}: the vLLM benchmark's rows (tools/bench_vllm.py --out)")
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    names = {"full": "vLLM's own attention (fp32 pages)", "kivi-1bit": "KIVI 1-bit pages", "specache-1bit-lag": "SpeCache 1-bit pages (lag)"}
+    labels = [names.get(r["cache"], r["cache"]) for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    x = np.arange(len(rows))
+    a1.bar(x - 0.2, [r["max_concurrency"] for r in rows], 0.4, label="max concurrency (engine's count)")
+    a1.bar(x + 0.2, [r["most_running"] for r in rows], 0.4, label=f"requests run at once (of {rows[0]['requests']})")
+    a1.set_xticks(x, labels, rotation=15, ha="right", fontsize=8)
+    a1.legend(fontsize=8)
+    a1.set_title(f"{rows[0]['kv_bytes'] / 1e6:.0f} MB of KV, requests of {rows[0]['max_model_len']} tokens", fontsize=9)
+    a2.bar(x, [r["tokens_per_s"] for r in rows], 0.5, color="C2")
+    a2.set_xticks(x, labels, rotation=15, ha="right", fontsize=8)
+    a2.set_ylabel("tokens/s (prompt + new), the batch")
+    a2.set_title(f"{rows[0]['requests']} requests of {rows[0]['prompt_tokens']} + {rows[0]['new_tokens']} tokens; one run each",
+                 fontsize=9)
+    fig.suptitle(f"SmolLM2-135M in vLLM 0.32 (CPU, 2 cores, fp32), {commit_span(path)}", fontsize=10)
+    return save(fig, out)
+
+
 FIGURES = {"h100-step-time.png": step_time, "h100-kernels.png": kernels, "niah.png": niah,
            "hitrate-per-layer.png": hitrate_per_layer, "long-context-niah.png": long_context_niah,
-           "baselines-score-vs-bytes.png": baselines, "qwen-qa.png": qa}
+           "baselines-score-vs-bytes.png": baselines, "qwen-qa.png": qa, "vllm-capacity.png": vllm}
 
 
 def main(argv=None):
