@@ -67,6 +67,9 @@ def synthetic_results(root):
     jsonl(root / figures.QA_DIR, [r for r in qa if not r["method"].startswith("snapkv")])
     jsonl(root / figures.QA_PRESSES_DIR, [r for r in qa if r["method"].startswith("snapkv")]
           + [dict(cmd="niah", method="snapkv+qa@specache-1bit-best", depth=0.5, score=1.0)])  # another benchmark: left out
+    write(root / figures.VLLM_DIR / "bench.jsonl", "".join(json.dumps(dict(
+        cache=c, kv_bytes=10**8, max_concurrency=mc, most_running=run, requests=8, tokens_per_s=tps, prompt_tokens=1500,
+        new_tokens=32, max_model_len=2048)) + "\n" for c, mc, run, tps in (("full", 1.0, 1, 265.0), ("kivi-1bit", 9.0, 8, 255.7))))
 
 
 def test_every_figure_is_a_non_empty_png(tmp_path):
