@@ -248,7 +248,7 @@ def test_more_requests_than_vllm_holds_run_at_once_each_as_alone(vllm, tiny, mon
     assert together == [greedy(vllm, llm, [p], n=24)[0] for p in prompts]
 
 
-def test_preemption_aborts_and_rejected_drafts_corrupt_no_other_request(vllm, tiny, monkeypatch):
+def test_preemption_aborts_and_rejected_drafts_corrupt_no_other_request(vllm, tiny, monkeypatch, tmp_path):
     """A budget too small for the requests at once (some are preempted and recomputed), a request aborted
     mid-way, and ngram speculative decoding (a rejected draft's slot is written again): every other request's
     tokens are those it gets alone (KIVI's with drafts: those it gets without)."""
@@ -276,37 +276,40 @@ def test_preemption_aborts_and_rejected_drafts_corrupt_no_other_request(vllm, ti
         step += 1
     assert "1" not in out and [out[str(i)] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
     kivi = [greedy(vllm, engine(vllm, tiny, "kivi-1bit", kv_bytes=4 << 20), [p], n=40)[0] for p in prompts]
-    spec = engine(vllm, tiny, "kivi-1bit", kv_bytes=4 << 20, speculative_config=dict(
-        method="ngram", num_speculative_tokens=2, prompt_lookup_max=4, prompt_lookup_min=1))
-    assert greedy(vllm, spec, prompts, n=40) == kivi
+    drafts = dict(speculative_config=dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4,
+                                          prompt_lookup_min=1))
+    assert run_apart(tiny, "kivi-1bit", prompts, 40, tmp_path, **drafts) == kivi
 
 
-TP_RUN = """
+ENGINE_RUN = """
 import json, sys
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, enable_prefix_caching=False, block_size=64,
-              max_model_len=1024, kv_cache_memory_bytes=8 << 20, seed=0, skip_tokenizer_init=True,
-              tensor_parallel_size=int(sys.argv[2]), distributed_executor_backend="mp")
-    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[3])],
-                        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+              max_model_len=1024, kv_cache_memory_bytes=8 << 20, seed=0, skip_tokenizer_init=True, **json.loads(sys.argv[4]))
+    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                        SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True))
     print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
+
+
+def run_apart(model, cache, prompts, n, tmp_path, env=(), **kw):
+    """An engine with the plugin in a process of its own (vLLM's ngram drafts load numba, whose llvmlite objects
+    stop a later in-process engine's kernel scan; tensor parallel needs processes anyway) -> each prompt's tokens."""
+    (tmp_path / "engine.py").write_text(ENGINE_RUN)
+    env = dict(os.environ, VLLM_PLUGINS="specache", SPECACHE_CACHE=cache, OMP_NUM_THREADS="1", **dict(env))
+    r = subprocess.run([sys.executable, str(tmp_path / "engine.py"), str(model), json.dumps(prompts), str(n), json.dumps(kw)],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("[[")][-1])  # (vLLM logs to stdout too)
 
 
 def test_two_ranks_give_one_ranks_tokens(vllm, tiny, tmp_path):
     """tensor_parallel_size=2 across processes (one core a rank): each rank's backend holds its own KV head's pages
     and host store; the greedy tokens are one rank's."""
-    (tmp_path / "tp.py").write_text(TP_RUN)
-    prompts = json.dumps([prompt(200, 40), prompt(333, 41)])
-    env = dict(os.environ, VLLM_PLUGINS="specache", SPECACHE_CACHE="specache-1bit-lag", OMP_NUM_THREADS="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    runs = {}
-    for n in (1, 2):
-        r = subprocess.run([sys.executable, str(tmp_path / "tp.py"), str(tiny), str(n), prompts], env=env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[n] = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("[[")][-1])  # (vLLM logs to stdout too)
+    prompts, env = [prompt(200, 40), prompt(333, 41)], dict(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    runs = {n: run_apart(tiny, "specache-1bit-lag", prompts, 16, tmp_path, env, tensor_parallel_size=n,
+                         distributed_executor_backend="mp") for n in (1, 2)}
     assert runs[2] == runs[1]
 
 
