@@ -142,8 +142,8 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
             shape = (n, self.num_kv_heads, self.head_size)
             self.host_k = torch.zeros(shape, dtype=kv_cache.dtype, device="cpu", **pin)
             self.host_v = torch.zeros(shape, dtype=kv_cache.dtype, device="cpu", **pin)
-            logger.info("SpeCache host store (%s): %.1f MiB a layer for %d slots", self.config.name,
-                        2 * self.host_k.nbytes / 2**20, n)
+            logger.info_once("SpeCache host store (%s): %.1f MiB a layer for %d slots", self.config.name,
+                             2 * self.host_k.nbytes / 2**20, n)
         return self.host_k, self.host_v
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
