@@ -514,6 +514,7 @@ def test_quantized_cache_counts_its_codes(needle):
 
 
 COLSUM_CHECK = """
+import json, sys, torch, transformers, kvpress
 sys.path.insert(0, sys.argv[2])
 from tools.baselines_prefill import COLSUM, record_colsums, register_colsum_attention
 transformers.utils.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
