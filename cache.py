@@ -7,7 +7,7 @@ config.CacheConfig; `setup_caches` gives every layer of a model its cache:
                quantized copies in attention (eq. 1), picked and moved by a fetch policy (§3.3)
 (Other quantizers subclass LowBitCache in their own files.) Byte accounting is exact: `device_bytes()`
 sums the tensors on the compute device as run, `deployed_bytes()` the same tensors in a 16-bit deployment
-(kvmemory.deployed_nbytes), `read_bytes(T)` is what a decode step of T tokens reads.
+(quant.deployed_nbytes), `read_bytes(T)` is what a decode step of T tokens reads.
 """
 from typing import NamedTuple, Optional
 
@@ -18,9 +18,8 @@ import torch.nn.functional as F
 import kernels
 import quant
 from config import NO_FETCH, CacheConfig, FetchPolicy, check_attn_path
-from kvmemory import MemoryMeter, deployed_nbytes
 from prefetch import Prefetcher
-from quant import Fetched, LowBitKV, Residual
+from quant import Fetched, LowBitKV, MemoryMeter, Residual, deployed_nbytes
 
 
 def register_row_start(cache, row_start, batch: int, device):

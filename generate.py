@@ -36,7 +36,7 @@ import config as cache_config
 from cache import fetch_policy, hold_fetched
 from config import DEFAULT_ATTN_PATH, CacheConfig
 from decoding import Decoding, compiled_step, prefill, sample
-from kvmemory import kv_fp16_bytes
+from quant import kv_fp16_bytes
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "smollm2-135m-instruct"
@@ -499,7 +499,7 @@ def run(a):
         "text": tok.decode(rows[0]), "tokens": rows[0] if a.batch_size == 1 and listed is None else rows,
         "prompt_tokens": len(ids) if listed is None else prompt_lens,
         "prefill_s": round(stats["prefill_s"], 4), "decode_tok_s": round(stats["decode_tok_s"], 3),
-        # device bytes in a 16-bit deployment (kvmemory.deployed_nbytes), and as this run holds them
+        # device bytes in a 16-bit deployment (quant.deployed_nbytes), and as this run holds them
         "kv_device_bytes": caches.deployed_bytes(), "kv_device_bytes_as_run": caches.device_bytes(),
         "kv_host_bytes": caches.host_bytes(),
         "kv_fp16_bytes": kv_fp16_bytes(model.args, a.batch_size, seq_len),

@@ -22,7 +22,13 @@ with their torch references as methods: key_logits, value_sum, dequantized), `Re
 `Fetched` (fp rows fetched from the host and the quantized positions they replace, eq. 1). The references
 dequantize or score every slot with static shapes (garbage past n_quant is masked by the callers); the
 Triton kernels fold the same scales and zeros into the query and the probabilities (docs/design.md).
+
+What the caches hold, in bytes: `deployed_nbytes` (a 16-bit deployment's, whatever dtype the run computes in),
+`MemoryMeter` (the device bytes over time) and `kv_fp16_bytes` (the 16-bit cache every low-bit figure is compared
+with). cache.py's caches and the baselines' count their own buffers with these.
 """
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -219,7 +225,7 @@ def dequantize_values(codes, scale, zero, bits, group, dtype=torch.float32):
     return dequantize_codes(codes, scale, zero, value_group(group, codes.shape[-1]), "channels", dtype)
 
 
-# ---- memory accounting ----------------------------------------------------------------------------
+# ---- memory accounting: what the codes cost, the one place a 16-bit deployment's bytes are counted -------
 def quantized_bytes(kind, bits, group, head_dim, meta_dtype=torch.float16):
     """Bytes per token per kv head of the quantized copy: packed codes + amortized scale and zero.
 
@@ -232,6 +238,42 @@ def quantized_bytes(kind, bits, group, head_dim, meta_dtype=torch.float16):
     if kind == "value":
         return head_dim * bits / 8 + meta * head_dim / value_group(group, head_dim)
     raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+
+
+def deployed_nbytes(*tensors) -> int:
+    """Bytes of the tensors in a 16-bit deployment, whatever dtype this run computes in: a floating-point
+    element is 2 bytes (fp32 on CPU stands in for fp16/bf16 on a GPU); codes, positions and counters as stored."""
+    return sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
+@dataclass
+class MemoryMeter:
+    """Device-side KV bytes over time, by the caches' own accounting (CPU has no allocator stats).
+    Prefill registers each layer's transient fp KV, so `peak` shows Algorithm 1's layer-by-layer bound."""
+    current: int = 0
+    peak: int = 0
+
+    def alloc(self, n: int):
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def free(self, n: int):
+        self.current -= n
+
+    @contextmanager
+    def holding(self, *tensors):
+        """The tensors' bytes count while the block runs (a layer's transient fp K/V during prefill)."""
+        n = sum(t.nbytes for t in tensors)
+        self.alloc(n)
+        try:
+            yield
+        finally:
+            self.free(n)
+
+
+def kv_fp16_bytes(args, batch: int, seq_len: int) -> int:
+    """What a 16-bit cache of every layer would hold: the reference the low-bit caches are compared with."""
+    return 2 * args.n_layers * batch * args.n_kv_heads * seq_len * args.head_dim * 2
 
 
 # ---- what a cache stores, as the kernels read it ---------------------------------------------------

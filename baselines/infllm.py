@@ -47,7 +47,7 @@ import cache as kv
 from baselines.retrieval import EMPTY, RetrievalCache, build_caches
 from cache import KVCaches
 from config import CacheConfig
-from kvmemory import MemoryMeter
+from quant import MemoryMeter
 from prefetch import Prefetcher
 
 N_INIT = 128  # InfLLM's initial tokens (n_init) when a budget sets the sizes

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from baselines.retrieval import EMPTY, RetrievalCache, build_caches
 from cache import KVCaches
 from config import CacheConfig
-from kvmemory import MemoryMeter
+from quant import MemoryMeter
 from prefetch import Prefetcher
 
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from cache import FullCache, KVCaches, plan_layers, prefill_chunk
 from config import NO_FETCH, CacheConfig
 from kernels import Picked
-from kvmemory import MemoryMeter, deployed_nbytes
+from quant import MemoryMeter, deployed_nbytes
 from prefetch import Prefetcher
 
 EMPTY = FullCache.EMPTY  # position of a slot never written
@@ -71,7 +71,7 @@ class RetrievalCache(nn.Module):
         return sum(b.nbytes for b in self.buffers())
 
     def deployed_bytes(self) -> int:
-        """device_bytes in a 16-bit deployment (kvmemory.deployed_nbytes)."""
+        """device_bytes in a 16-bit deployment (quant.deployed_nbytes)."""
         return deployed_nbytes(*self.buffers())
 
     def host_bytes(self) -> int:

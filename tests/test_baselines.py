@@ -62,10 +62,10 @@ def test_deployed_bytes_worked_example():
 
 
 def test_deployed_bytes_count_floats_at_two_bytes():
-    """kvmemory.deployed_nbytes: fp32 and bf16 elements at 2 bytes, integer codes and positions as stored."""
+    """quant.deployed_nbytes: fp32 and bf16 elements at 2 bytes, integer codes and positions as stored."""
     import torch
 
-    from kvmemory import deployed_nbytes
+    from quant import deployed_nbytes
     assert deployed_nbytes(torch.zeros(3, 5), torch.zeros(7, dtype=torch.bfloat16)) == 2 * 15 + 2 * 7
     assert deployed_nbytes(torch.zeros(4, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64)) == 4 + 16
 

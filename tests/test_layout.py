@@ -14,7 +14,7 @@ from tests.helpers import ROOT
 
 # The design card's files, and the helpers a reader needs to run them.
 CARD = {"generate", "model", "cache", "quant", "prefetch", "kernels", "convert_hf"}
-HELPERS = {"tokenizer", "config", "decoding", "kvmemory"}
+HELPERS = {"tokenizer", "config", "decoding"}
 METHOD = CARD | HELPERS
 # Each folder's place: a module imports, at load time, only the root and folders of a lower rank or its own
 # folder; the root may import a folder's module lazily (inside a function), for an optional part.

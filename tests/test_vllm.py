@@ -14,7 +14,7 @@ import torch
 import generate
 from config import CacheConfig
 from integrations.specache_vllm import pages
-from kvmemory import kv_fp16_bytes
+from quant import kv_fp16_bytes
 from model import ModelArgs, Transformer
 from tests.helpers import DEFAULT_CKPT, ROOT
 

@@ -1,6 +1,6 @@
 """The baselines' device bytes, counted as deployed (docs/baselines.md, "Equal device bytes"): every
 method's K/V bytes are those of a 16-bit deployment (2 bytes a K or V element), whatever dtype this CPU
-computes in, as the project's caches count theirs (kvmemory.deployed_nbytes). Plain arithmetic, no model:
+computes in, as the project's caches count theirs (quant.deployed_nbytes). Plain arithmetic, no model:
 tools/baselines.py sizes each press's budget with it, and `make test` checks it without the kvpress venv.
 """
 from types import SimpleNamespace

@@ -49,7 +49,7 @@ from config import ATTN_PATHS, CacheConfig  # noqa: E402
 from generate import setup_caches  # noqa: E402
 from integrations import tp  # noqa: E402
 from integrations.tp import load_model, random_model  # noqa: E402 - model.py's, or this rank's slices under torchrun
-from kvmemory import kv_fp16_bytes  # noqa: E402
+from quant import kv_fp16_bytes  # noqa: E402
 from model import KNOWN_CONFIGS  # noqa: E402
 from tools import bench_hf, bench_kernels, measure, table3  # noqa: E402
 from tools.bench_report import mb, md_table, report  # noqa: E402

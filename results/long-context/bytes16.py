@@ -1,5 +1,5 @@
 """Device KV bytes of Gemma 3 270M's caches at 32.7k (a 32,698-token prompt + 16 new tokens, as in
-results/long-context/prefill/) in a 16-bit deployment (kvmemory.deployed_nbytes: 2 bytes a floating-point element,
+results/long-context/prefill/) in a 16-bit deployment (quant.deployed_nbytes: 2 bytes a floating-point element,
 codes and 16-bit scales as stored) beside the fp32 bytes as this CPU runs them. The caches' buffers are
 preallocated, so no prefill is needed. From the repository root, after `make gemma`:
     .venv/bin/python results/long-context/bytes16.py > results/long-context/bytes16.md"""
