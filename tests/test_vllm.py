@@ -56,7 +56,7 @@ def test_pages_hold_the_projects_codes_to_the_bit():
     kv_cache = torch.zeros(9, H, blk, layout.slot_bytes // 4)
     pg = layout.bytes_of(kv_cache)
     blocks = torch.tensor([7, 2, 5, 0, 8, 1])  # a request's blocks, in any order of the pool
-    q = pages.quantizer(cfg, H, D, blk, torch.float32)
+    q = pages.quantizer(cfg, H, D, torch.float32)
     for b0 in range(0, n, 64):  # flushes of two blocks at a time, as the residual window fills
         per_row, per_group = pages.quantize_blocks(q, k[:, :, b0:b0 + 64], v[:, :, b0:b0 + 64], b0)
         layout.write(pg, blocks[b0 // blk:(b0 + 64) // blk], per_row, per_group)

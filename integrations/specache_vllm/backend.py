@@ -79,25 +79,28 @@ class SpeCacheBackend(CPUAttentionBackend):
 
 @dataclass
 class Rows:
-    """A step's rows, read once on the host: row r's query tokens are [qsl[r], qsl[r + 1]), its sequence holds
-    seq[r] tokens after this step's, its blocks are block_table[r]."""
+    """A step's rows, read once a step for every layer: row r's query tokens are [qsl[r], qsl[r + 1]), its sequence
+    holds seq[r] tokens after this step's in blocks[r] (its block ids, in order), the cache slots of its positions
+    [0, seq[r]) are slots[r] (on the host: they index the host store)."""
     qsl: list
     seq: list
     prefill: list  # the row is (a chunk of) its prompt
-    block_table: torch.Tensor
-    num_actual_tokens: int
+    blocks: list
+    slots: list
 
 
 class RowsBuilder(AttentionMetadataBuilder[Rows]):
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):  # (the base's is abstract)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, cm: CommonAttentionMetadata, fast_build: bool = False) -> Rows:
-        R = cm.num_reqs
+        R, block = cm.num_reqs, self.kv_cache_spec.block_size
         qsl = cm.query_start_loc_cpu[:R + 1].tolist()
         seq = cm.seq_lens[:R].tolist()
         pref = cm.is_prefilling[:R].tolist() if cm.is_prefilling is not None else [qsl[r + 1] - qsl[r] > 1 for r in range(R)]
-        return Rows(qsl, seq, [bool(p) for p in pref], cm.block_table_tensor[:R], cm.num_actual_tokens)
+        blocks = [cm.block_table_tensor[r, :-(-L // block)].long() for r, L in enumerate(seq)]
+        slots = [pages.request_slots(b.cpu(), block, L) for b, L in zip(blocks, seq)]
+        return Rows(qsl, seq, [bool(p) for p in pref], blocks, slots)
 
 
 class SpeCacheImpl(CPUAttentionBackendImpl):
@@ -130,7 +133,7 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         self.config, self.layout, self.policy = config, layout, config.policy
-        self.quantizer = pages.quantizer(config, num_kv_heads, head_size, cc.block_size, mc.dtype)
+        self.quantizer = pages.quantizer(config, num_kv_heads, head_size, mc.dtype)
         self.meta_dtype = self.quantizer.k_scale.dtype
         self.host_k = self.host_v = None  # the host store, [num_blocks * block, H, D] each, made at the first write
 
@@ -151,8 +154,9 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
         n = min(slot_mapping.shape[0], key.shape[0])
         ok = slot_mapping[:n] >= 0  # (negative slots: padding)
         slots = slot_mapping[:n][ok].long()
-        host_k[slots.cpu()] = key[:n][ok].to(host_k.dtype).cpu()
-        host_v[slots.cpu()] = value[:n][ok].to(host_v.dtype).cpu()
+        at = slots.cpu()
+        host_k[at] = key[:n][ok].to(host_k.dtype).cpu()
+        host_v[at] = value[:n][ok].to(host_v.dtype).cpu()
         self.layout.mark(self.layout.bytes_of(kv_cache), torch.unique(slots // self.layout.block), 0)
 
     # ---- a step ----------------------------------------------------------------------------------------------------
@@ -167,9 +171,7 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
             q0, q1, L = rows.qsl[r], rows.qsl[r + 1], rows.seq[r]
             if q1 == q0:
                 continue
-            n_blocks = -(-L // self.layout.block)
-            blocks = rows.block_table[r, :n_blocks].long()
-            slots = pages.request_slots(blocks, self.layout.block, L)
+            blocks, slots = rows.blocks[r], rows.slots[r]
             T = q1 - q0
             computed = L - T
             if computed == 0:  # a new request, or one recomputed after preemption: no selection yet
@@ -237,19 +239,19 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
             prev = (prev[0], prev[1] & (prev[0] < n_quant) & (prev[0] >= self.config.sinks))
         if pol.name == "lag":  # this step's rows were picked by the last; its first step picks for itself
             if prev is None:
-                _, lse, logits = self.attend(q, store, residual, self.fetched(slots, n_quant, None), select=1)
+                _, lse, logits = self.attend(q, store, residual, self.fetched(slots, n_quant, None, q.device), select=1)
                 prev = self.pick(q, lse, logits, n_quant, slots, S)
-            out, lse, logits = self.attend(q, store, residual, self.fetched(slots, n_quant, prev), select=1)
+            out, lse, logits = self.attend(q, store, residual, self.fetched(slots, n_quant, prev, q.device), select=1)
             self.set_selection(pages_u8, blocks[0], self.pick(q, lse, logits, L // self.config.residual_len *
                                                                self.config.residual_len, slots, S))
             return out
         # sequential, oracle: pick with this step's own query (the sinks, and what the ring still holds, attended),
         # fetch, attend again
-        _, lse, logits = self.attend(q, store, residual, self.fetched(slots, n_quant, prev) if self.config.sinks
-                                     else None, select=1)
+        held = self.fetched(slots, n_quant, prev, q.device) if self.config.sinks else None
+        _, lse, logits = self.attend(q, store, residual, held, select=1)
         sel = self.pick(q, lse, logits, n_quant, slots, S)
         self.set_selection(pages_u8, blocks[0], sel)
-        return self.attend(q, store, residual, self.fetched(slots, n_quant, sel))[0]
+        return self.attend(q, store, residual, self.fetched(slots, n_quant, sel, q.device))[0]
 
     def attend(self, q, store, residual, fetched, select: int = 0):
         """kernels' attention: the Triton kernels behind their custom op on CUDA, the torch reference elsewhere."""
@@ -272,13 +274,12 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
         n_cand = cfg.rerank * k if cfg.rerank > 1 else k
         idx, valid = kernels.select_ref(logits, lse[:, :, -1:], n, min(n_cand, S), cfg.sinks)
         if cfg.rerank > 1:  # re-ranking: the k of the candidates whose fp keys score best
-            at = slots[idx.clamp(max=slots.shape[0] - 1)]
-            keys = self.host_k[at, torch.arange(at.shape[1])[None, :, None]].to(q.device, torch.float32)
+            keys = pages.gathered(self.host_k, slots, idx.cpu(), valid.cpu()).to(q.device, torch.float32)
             score, best = rerank_exact(q[:, :, -1:], lse[:, :, -1:], keys, valid, min(k, idx.shape[-1]), self.scale)
             idx, valid = idx.gather(-1, best), score >= 0
         return padded(idx, valid, k)
 
-    def fetched(self, slots, n_quant: int, sel) -> Fetched:
+    def fetched(self, slots, n_quant: int, sel, device) -> Fetched:
         """The fp rows attended in place of their quantized copies: the first `sinks` positions once quantized, then
         the selection's rows, from the host store."""
         H, sinks = self.num_kv_heads, self.config.sinks
@@ -287,9 +288,8 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
                                                   torch.zeros(1, H, self.layout.n_fetch, dtype=torch.bool))
         idx = torch.cat([sink_idx, idx.cpu()], -1)
         valid = torch.cat([sink_idx < n_quant, valid.cpu()], -1)
-        k, v = pages.gathered(self.host_k, self.host_v, slots.cpu(), idx, valid)
-        dev = slots.device
-        return Fetched(k.to(dev), v.to(dev), torch.where(valid, idx, 0).to(dev), valid.to(dev))
+        k, v = (pages.gathered(host, slots, idx, valid).to(device) for host in (self.host_k, self.host_v))
+        return Fetched(k, v, torch.where(valid, idx, 0).to(device), valid.to(device))
 
     # ---- a request's selection, in its first block's state ---------------------------------------------------------
     def selection(self, pages_u8, first_block):

@@ -23,7 +23,7 @@ import torch
 from cache import LowBitCache, SpeCache
 from config import CacheConfig
 from prefetch import Prefetcher
-from quant import LowBitKV
+from quant import LowBitKV, value_group
 
 POLICIES = ("sequential", "lag", "oracle")  # the fetch policies this backend runs (config.POLICIES names them all)
 KINDS = ("kivi", "specache")
@@ -74,21 +74,36 @@ class PageLayout:
     block: int
     dtype: torch.dtype
     max_model_len: int
-    bits: int
-    group: int  # key group (tokens)
-    group_v: int  # value group (channels)
-    n_fetch: int  # rows a step fetches per kv head (SpeCache; 0 for KIVI)
     offsets: tuple  # (k_codes, v_codes, v_scale, v_zero, k_scale, k_zero, state, used): byte offsets
     slot_bytes: int  # bytes per (slot, kv head) as run: vLLM's state_content_bytes
     slot_bytes_16: float  # the same in a 16-bit deployment
+
+    @property
+    def bits(self) -> int:
+        return self.config.bits
+
+    @property
+    def group(self) -> int:
+        """The key group (tokens)."""
+        return self.config.group
+
+    @property
+    def group_v(self) -> int:
+        """The value group (channels), as LowBitCache's."""
+        return value_group(self.config.group, self.head_dim)
+
+    @property
+    def n_fetch(self) -> int:
+        """Rows a step fetches per kv head (SpeCache; 0 for KIVI)."""
+        return n_fetched(self.config, self.max_model_len)
 
     @classmethod
     def build(cls, config: CacheConfig, n_kv_heads: int, head_dim: int, block: int, dtype, max_model_len: int):
         check(config, head_dim, block)
         D, bits, g = head_dim, config.bits, config.group
-        gv = min(g, D)
+        gv = value_group(g, D)
         meta = 2  # scale and zero: 16-bit (bf16 under a bf16 model, else fp16), as LowBitCache stores them
-        n_fetch = min(config.k, max_model_len) if config.kind == "specache" else 0
+        n_fetch = n_fetched(config, max_model_len)
         sizes = [block * D * bits // 8] * 2 + [block * (D // gv) * meta] * 2 + [block // g * D * meta] * 2
         offs = [0]
         for n in sizes:
@@ -101,8 +116,7 @@ class PageLayout:
         item = torch.empty((), dtype=dtype).element_size()
         slot = math.ceil(max(used, packed + per_head_run) / block / item) * item
         slot16 = (packed + dep / n_kv_heads * block / max_model_len) / block
-        return cls(config, n_kv_heads, D, block, dtype, max_model_len, bits, g, gv, n_fetch,
-                   tuple(offs[:6]) + (state, used), slot, slot16)
+        return cls(config, n_kv_heads, D, block, dtype, max_model_len, tuple(offs[:6]) + (state, used), slot, slot16)
 
     # ---- views ------------------------------------------------------------------------------------------------
     def bytes_of(self, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -169,7 +183,12 @@ class PageLayout:
         return 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
 
-def quantizer(config: CacheConfig, n_kv_heads: int, head_dim: int, block: int, dtype) -> LowBitCache:
+def n_fetched(config: CacheConfig, max_model_len: int) -> int:
+    """Rows a step fetches per kv head: SpeCache's k (at most the context), none for KIVI."""
+    return min(config.k, max_model_len) if config.kind == "specache" else 0
+
+
+def quantizer(config: CacheConfig, n_kv_heads: int, head_dim: int, dtype) -> LowBitCache:
     """A one-request LowBitCache whose `quantize` is the quantizer every flush runs (quant.py through the project's
     own cache, so that the codes are LowBitCache's to the bit)."""
     cfg = CacheConfig.from_name(config.name)
@@ -184,24 +203,15 @@ def quantize_blocks(q: LowBitCache, k: torch.Tensor, v: torch.Tensor, row0: int)
     return q.quantize(k, v, torch.tensor(row0, device=k.device), (groups == 0)[None])
 
 
-def host_rows(host: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """host [num_slots, H, D]; slots [..., n] -> [..., n, H, D]."""
-    return host[slots]
-
-
 def request_slots(block_ids: torch.Tensor, block: int, n: int) -> torch.Tensor:
     """The cache slots of a request's positions [0, n) (its block ids in order): [n] int64."""
     pos = torch.arange(n, device=block_ids.device)
     return block_ids.long()[pos // block] * block + pos % block
 
 
-def gathered(host_k: torch.Tensor, host_v: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor,
-             valid: torch.Tensor) -> tuple:
-    """Rows idx [1, H, K] (positions; valid [1, H, K]) of one request from the host store -> (k, v) [1, H, K, D]."""
-    H = host_k.shape[1]
-    at = slots[idx.clamp(min=0).clamp(max=slots.shape[0] - 1)]  # [1, H, K] slots
-    heads = torch.arange(H, device=at.device)[None, :, None]
-    k = host_k[at, heads]  # [1, H, K, D]
-    v = host_v[at, heads]
-    zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    return torch.where(valid[..., None], k, zero), torch.where(valid[..., None], v, zero)
+def gathered(host: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Rows idx [1, H, K] (a request's positions, valid [1, H, K]; slots [n] its cache slots, on the host) of a host
+    store [num_slots, H, D] -> [1, H, K, D], zero where not valid."""
+    at = slots[idx.clamp(min=0, max=slots.shape[0] - 1)]  # [1, H, K] slots
+    rows = host[at, torch.arange(host.shape[1])[None, :, None]]
+    return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype))
