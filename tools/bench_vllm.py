@@ -39,9 +39,9 @@ def one(a) -> dict:
     """One cache's engine and batch, in this process."""
     import torch
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_PLUGINS"] = "" if a.one == "full" else "specache"
-    os.environ["SPECACHE_CACHE"] = a.one
-    from vllm import LLM, SamplingParams
+    sys.path.insert(0, str(ROOT))
+    from integrations.specache_vllm.__main__ import start_engine
+    from vllm import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
     seen = dict(preempted=0, running=0)
     preempt, schedule = Scheduler._preempt_request, Scheduler.schedule
@@ -55,8 +55,7 @@ def one(a) -> dict:
         seen["running"] = max(seen["running"], len(self.running))
         return out
     Scheduler._preempt_request, Scheduler.schedule = counted, watched
-    llm = LLM(model=str(a.hf), dtype="float32", enforce_eager=True, enable_prefix_caching=False, block_size=64,
-              max_model_len=a.max_model_len, kv_cache_memory_bytes=a.kv_bytes, seed=0, skip_tokenizer_init=True)
+    llm = start_engine(a.hf, a.one, 64, a.max_model_len, a.kv_bytes, seed=0, skip_tokenizer_init=True)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(1000, 40000, (a.prompt_tokens,), generator=g).tolist()}
                for _ in range(a.requests)]

@@ -58,16 +58,25 @@ def stock_capacity(shape: dict, kv_bytes: int, block: int, max_model_len: int, s
     return n_blocks * block, n_blocks / math.ceil(max_model_len / block)
 
 
+def start_engine(hf: Path, cache: str, block: int, max_model_len: int, kv_bytes: int, **kw):
+    """An in-process vLLM engine (fp32, eager, no prefix caching) whose attention is the plugin's for the cache name
+    `cache`, or vLLM's own for "full"; kw: more of vllm.LLM's arguments."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: an engine starts in seconds here
+    os.environ["VLLM_PLUGINS"] = "" if cache == "full" else "specache"
+    os.environ["SPECACHE_CACHE"] = cache
+    from vllm import LLM
+    return LLM(model=str(hf), dtype="float32", enforce_eager=True, enable_prefix_caching=False, block_size=block,
+               max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes, **kw)
+
+
 def run(a) -> dict:
     if a.kv_bytes < 1 or a.max_model_len < 2 or a.max_new_tokens < 1:
         raise ValueError("--kv-bytes, --max-model-len and --max-new-tokens must be positive")
     config = cache_config.from_flags(a)
     shape = model_shape(a.hf)
     block = a.block_size or max(32, config.group)
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if shape["head_dim"] not in sizes:
-        raise ValueError(f"head size {shape['head_dim']} is not one vLLM's CPU attention takes ({', '.join(map(str, sizes))})")
+    from integrations.specache_vllm.backend import check_head_size
+    check_head_size(shape["head_dim"])
     layout = None
     if config.kind != "full":  # every check the engine would make, before it starts (and before weights load)
         layout = pages.PageLayout.build(config, shape["kv_heads"], shape["head_dim"], block, torch.float32, a.max_model_len)
@@ -77,12 +86,8 @@ def run(a) -> dict:
     else:
         ids, _ = generate.prompt_ids(a, tok, a.max_model_len)
         rows = [ids]
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: an engine starts in seconds here
-    os.environ["VLLM_PLUGINS"] = "" if config.kind == "full" else "specache"
-    os.environ["SPECACHE_CACHE"] = config.name
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=str(a.hf), dtype="float32", enforce_eager=True, enable_prefix_caching=False, block_size=block,
-              max_model_len=a.max_model_len, kv_cache_memory_bytes=a.kv_bytes, seed=a.seed)
+    llm = start_engine(a.hf, config.name, block, a.max_model_len, a.kv_bytes, seed=a.seed)
+    from vllm import SamplingParams
     outs = llm.generate([{"prompt_token_ids": r} for r in rows],
                         SamplingParams(max_tokens=a.max_new_tokens, temperature=0.0, stop_token_ids=sorted(tok.eos_ids)))
     cc = llm.llm_engine.vllm_config.cache_config

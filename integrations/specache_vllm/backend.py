@@ -123,9 +123,7 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
         if unsupported:
             raise ValueError(f"the SpeCache vLLM backend ({config.name}) does not run {', '.join(unsupported)} "
                              f"(model type {mc.hf_config.model_type})")
-        if head_size not in CPUAttentionBackend.get_supported_head_sizes():
-            raise ValueError(f"head size {head_size} is not one vLLM's CPU attention takes "
-                             f"({', '.join(map(str, CPUAttentionBackend.get_supported_head_sizes()))})")
+        check_head_size(head_size)
         layout = pages.PageLayout.build(config, num_kv_heads, head_size, cc.block_size, mc.dtype, mc.max_model_len)
         if LAYOUT is not None and LAYOUT != layout:
             raise ValueError("the SpeCache vLLM backend runs layers of one shape (head size, kv heads) only")
@@ -307,6 +305,13 @@ class SpeCacheImpl(CPUAttentionBackendImpl):
             idx, valid = sel
             s[0, :, 2:] = torch.where(valid[0], idx[0], -1).to(torch.int32).cpu()
         self.layout.set_state(pages_u8, b, s)
+
+
+def check_head_size(head_size: int):
+    """ValueError for a head size vLLM's CPU attention does not take (the stock backend's and this one's)."""
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in sizes:
+        raise ValueError(f"head size {head_size} is not one vLLM's CPU attention takes ({', '.join(map(str, sizes))})")
 
 
 def padded(idx, valid, k: int):
